@@ -1,0 +1,128 @@
+/*
+ * pyalloc.h: the C ABI of libpyalloc.so, the one public header.
+ *
+ * A caching, stream-ordered GPU memory allocator. PyTorch loads it through
+ * torch.cuda.memory.CUDAPluggableAllocator, CuPy through CFunctionAllocator,
+ * and Python tools through ctypes. All of them call these entry points.
+ *
+ * Contract shared by every function:
+ *   - No C++ exception ever crosses this ABI.
+ *   - Functions returning int return PYALLOC_OK (0) on success, else one of
+ *     the PYALLOC_E* codes below; pyalloc_last_error() then holds a one-line,
+ *     thread-local message naming the problem.
+ *   - A bad call (unknown pointer, double free, size overflow, device out of
+ *     range) is counted in the stats, reported through pyalloc_last_error(),
+ *     and leaves the allocator's state exactly as it was.
+ *   - Every function is thread-safe. Pressure callbacks are never invoked
+ *     while an allocator lock is held.
+ *
+ * Streams are opaque: on the cuda backend a `void* stream` is a CUstream
+ * (== cudaStream_t; NULL is the legacy default stream); on the host and sim
+ * backends it is any value naming a stream.
+ */
+#ifndef PYALLOC_PYALLOC_H
+#define PYALLOC_PYALLOC_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define PYALLOC_API __attribute__((visibility("default")))
+#else
+#define PYALLOC_API
+#endif
+
+#define PYALLOC_VERSION "0.1.0"
+
+enum pyalloc_status {
+  PYALLOC_OK = 0,
+  PYALLOC_EINVAL = 1,   /* bad argument: unknown pointer, bad size, bad config */
+  PYALLOC_ENOMEM = 2,   /* out of memory after the whole pressure ladder */
+  PYALLOC_EDEVICE = 3,  /* device index out of range */
+  PYALLOC_EBUSY = 4,    /* refused while allocations are live */
+  PYALLOC_EBACKEND = 5  /* the backend failed (no driver, driver error) */
+};
+
+/* ---- PyTorch CUDAPluggableAllocator ------------------------------------ */
+
+/* Returns a block of at least `size` bytes usable on `stream`, or NULL.
+ * malloc of size 0 returns NULL and is not an error (pyalloc_last_error is
+ * left untouched); free(NULL, ...) is a no-op. NULL for size > 0 means the
+ * request failed: out of memory (an OOM report is in pyalloc_last_error and
+ * the stats) or a bad argument. */
+PYALLOC_API void* pyalloc_malloc(size_t size, int device, void* stream);
+/* `size` must be the size passed to pyalloc_malloc; a mismatch is reported
+ * and the block is NOT freed (it may belong to someone else). */
+PYALLOC_API void pyalloc_free(void* ptr, size_t size, int device, void* stream);
+/* Marks `ptr` as used on `stream`: its memory is not reused until work queued
+ * on `stream` at the time of the free has completed. */
+PYALLOC_API void pyalloc_record_stream(void* ptr, void* stream);
+/* Releases every cached, fully free segment of every device to the backend. */
+PYALLOC_API void pyalloc_empty_cache(void);
+/* Caps reserved memory of `device` at fraction * device capacity. */
+PYALLOC_API void pyalloc_set_memory_fraction(double fraction, int device);
+
+/* ---- CuPy CFunctionAllocator -------------------------------------------- */
+
+/* `param` is ignored. The stream is the one set with
+ * pyalloc_cupy_set_stream() on this thread (CuPy's current stream). */
+PYALLOC_API void* pyalloc_cupy_malloc(void* param, size_t size, int device);
+PYALLOC_API void pyalloc_cupy_free(void* param, void* ptr, int device);
+PYALLOC_API void pyalloc_cupy_set_stream(void* stream);
+
+/* ---- control and introspection ------------------------------------------ */
+
+/* Same syntax as PYALLOC_CONF: comma-separated key=value. All keys are
+ * validated before any is applied. Keys that change the memory layout
+ * (backend, capacity, devices, segment sizes, ...) are accepted only while no
+ * allocation is live; the allocator is then rebuilt. */
+PYALLOC_API int pyalloc_configure(const char* conf);
+PYALLOC_API const char* pyalloc_last_error(void);
+/* snprintf-style: writes at most len bytes (NUL-terminated when len > 0) and
+ * returns the full length of the JSON text, excluding the NUL; len 0 sizes it. */
+PYALLOC_API size_t pyalloc_stats_json(int device, char* buf, size_t len);
+PYALLOC_API size_t pyalloc_snapshot_json(char* buf, size_t len);
+/* Full invariant walk of one device. 0 = consistent; otherwise the first
+ * violation is described in pyalloc_last_error(). */
+PYALLOC_API int pyalloc_check(int device);
+
+/* ---- additions ----------------------------------------------------------- */
+
+PYALLOC_API const char* pyalloc_version(void);
+/* Number of devices of the configured backend (0 if it failed to start). */
+PYALLOC_API int pyalloc_device_count(void);
+/* The configuration in force, as JSON (snprintf-style, like stats). */
+PYALLOC_API size_t pyalloc_config_json(char* buf, size_t len);
+/* Peaks reset to current values; accumulated counts reset to zero. */
+PYALLOC_API int pyalloc_reset_peak_stats(int device);
+PYALLOC_API int pyalloc_reset_accumulated_stats(int device);
+/* Releases cached, fully free segments of `device`, oldest first, until at
+ * least `bytes` were released (0 = all). Writes the bytes released. */
+PYALLOC_API int pyalloc_release_cached(int device, size_t bytes, size_t* released);
+
+/* User pools. Pool 0 is the default (small/large by size). A pool created
+ * with a name that exists returns the existing id. The current pool is
+ * thread-local and applies to allocations made by this thread. */
+PYALLOC_API int pyalloc_pool_create(const char* name, int* pool_id);
+PYALLOC_API int pyalloc_set_current_pool(int pool_id);
+PYALLOC_API int pyalloc_current_pool(void);
+
+/* Pressure callbacks: step 3 of the pressure ladder. Called, without any
+ * allocator lock held, when an allocation of `bytes_needed` on `device` could
+ * not be served even after cached memory was released. The callback frees
+ * what it can (e.g. by calling pyalloc_free) and returns the number of bytes
+ * it freed. Callbacks are not re-entered: an allocation made from inside a
+ * callback skips step 3. */
+typedef size_t (*pyalloc_pressure_fn)(int device, size_t bytes_needed, void* user_data);
+PYALLOC_API int pyalloc_register_pressure_callback(pyalloc_pressure_fn fn, void* user_data,
+                                                   int* handle);
+PYALLOC_API int pyalloc_unregister_pressure_callback(int handle);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PYALLOC_PYALLOC_H */

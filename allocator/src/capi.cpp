@@ -1,0 +1,299 @@
+// capi.cpp: the C ABI of pyalloc.h.
+//
+// Each entry point validates its arguments, finds the device's allocator in
+// the current Runtime, and converts results to the C contract: no exception
+// crosses the ABI, and a failure leaves a thread-local message for
+// pyalloc_last_error().
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+
+#include "json.hpp"
+#include "pyalloc/pyalloc.h"
+#include "runtime.hpp"
+
+#define PYALLOC_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+using pyalloc::DeviceAllocator;
+using pyalloc::FreeResult;
+using pyalloc::Runtime;
+using pyalloc::StreamId;
+
+namespace {
+
+thread_local std::string t_last_error;
+thread_local int t_current_pool = 0;
+thread_local StreamId t_cupy_stream = 0;
+
+void set_error(std::string message) { t_last_error = std::move(message); }
+
+// Runs `body`, turning any exception into an error message and `fallback`.
+template <typename R, typename F>
+R guarded(R fallback, F&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    set_error("pyalloc: out of host memory for allocator metadata");
+  } catch (const std::exception& e) {
+    set_error(std::string("pyalloc: internal error: ") + e.what());
+  } catch (...) {
+    set_error("pyalloc: internal error");
+  }
+  return fallback;
+}
+
+// The device's allocator, or nullptr with the error set and counted.
+DeviceAllocator* device_or_error(Runtime* r, int device, const char* fn) {
+  if (PYALLOC_UNLIKELY(!r->error.empty())) {
+    set_error(std::string(fn) + ": " + r->error);
+    return nullptr;
+  }
+  if (PYALLOC_UNLIKELY(device < 0 || device >= static_cast<int>(r->devices.size()))) {
+    pyalloc::g_num_invalid_device.fetch_add(1, std::memory_order_relaxed);
+    set_error(std::string(fn) + ": device " + std::to_string(device) + " is out of range (" +
+              std::to_string(r->devices.size()) + " devices on the " + pyalloc::backend_name(r->config.backend) +
+              " backend)");
+    return nullptr;
+  }
+  return r->devices[static_cast<size_t>(device)].get();
+}
+
+size_t copy_out(const std::string& text, char* buf, size_t len) {
+  if (buf != nullptr && len > 0) {
+    const size_t n = text.size() < len - 1 ? text.size() : len - 1;
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
+}
+
+std::string error_json(const std::string& message) {
+  pyalloc::JsonWriter w;
+  w.begin_object().key("error").value(message).end_object();
+  return w.str();
+}
+
+void* malloc_impl(size_t size, int device, StreamId stream) {
+  if (size == 0) return nullptr;
+  for (;;) {
+    Runtime* r = pyalloc::current_runtime();
+    DeviceAllocator* d = device_or_error(r, device, "pyalloc_malloc");
+    if (d == nullptr) return nullptr;
+    if (PYALLOC_UNLIKELY(size > pyalloc::kMaxRequest)) {
+      d->count_invalid_size();
+      set_error("pyalloc_malloc: size " + std::to_string(size) + " is beyond any device (limit " +
+                std::to_string(pyalloc::kMaxRequest) + " bytes)");
+      return nullptr;
+    }
+    int status = PYALLOC_OK;
+    void* p = d->malloc(size, stream, t_current_pool, &status, &t_last_error);
+    if (PYALLOC_UNLIKELY(p == nullptr && status == PYALLOC_EBUSY)) continue;  // reconfigured meanwhile
+    return p;
+  }
+}
+
+void free_impl(void* ptr, size_t size, int device) {
+  if (ptr == nullptr) return;
+  for (;;) {
+    Runtime* r = pyalloc::current_runtime();
+    DeviceAllocator* d = device_or_error(r, device, "pyalloc_free");
+    if (d == nullptr) return;
+    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size, &t_last_error);
+    if (PYALLOC_UNLIKELY(result == FreeResult::kRetired)) continue;
+    return;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void* pyalloc_malloc(size_t size, int device, void* stream) {
+  return guarded<void*>(nullptr, [&] { return malloc_impl(size, device, reinterpret_cast<StreamId>(stream)); });
+}
+
+void pyalloc_free(void* ptr, size_t size, int device, void* /*stream*/) {
+  // The block remembers its stream; PyTorch passes the allocation stream.
+  guarded<int>(0, [&] { return free_impl(ptr, size, device), 0; });
+}
+
+void pyalloc_record_stream(void* ptr, void* stream) {
+  guarded<int>(0, [&] {
+    if (ptr == nullptr) return 0;
+    Runtime* r = pyalloc::current_runtime();
+    for (auto& d : r->devices) {
+      if (d->record_stream(reinterpret_cast<uintptr_t>(ptr), reinterpret_cast<StreamId>(stream))) return 0;
+    }
+    set_error("pyalloc_record_stream: " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
+              " is not a live allocation");
+    return 0;
+  });
+}
+
+void pyalloc_empty_cache(void) {
+  guarded<int>(0, [] {
+    for (auto& d : pyalloc::current_runtime()->devices) d->empty_cache();
+    return 0;
+  });
+}
+
+void pyalloc_set_memory_fraction(double fraction, int device) {
+  guarded<int>(0, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_set_memory_fraction");
+    if (d == nullptr) return 0;
+    if (!(fraction > 0.0 && fraction <= 1.0)) {
+      set_error("pyalloc_set_memory_fraction: fraction " + std::to_string(fraction) + " is not in (0, 1]");
+      return 0;
+    }
+    d->set_memory_fraction(fraction);
+    return 0;
+  });
+}
+
+void* pyalloc_cupy_malloc(void* /*param*/, size_t size, int device) {
+  return guarded<void*>(nullptr, [&] { return malloc_impl(size, device, t_cupy_stream); });
+}
+
+void pyalloc_cupy_free(void* /*param*/, void* ptr, int device) {
+  guarded<int>(0, [&] { return free_impl(ptr, pyalloc::kAnySize, device), 0; });
+}
+
+void pyalloc_cupy_set_stream(void* stream) { t_cupy_stream = reinterpret_cast<StreamId>(stream); }
+
+int pyalloc_configure(const char* conf) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (conf == nullptr) {
+      set_error("pyalloc_configure: the configuration string is NULL");
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    std::string error;
+    const int status = pyalloc::configure(conf, &error);
+    if (status != PYALLOC_OK) set_error(error);
+    return status;
+  });
+}
+
+const char* pyalloc_last_error(void) { return t_last_error.c_str(); }
+
+size_t pyalloc_stats_json(int device, char* buf, size_t len) {
+  return guarded<size_t>(0, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_stats_json");
+    if (d == nullptr) return copy_out(error_json(t_last_error), buf, len);
+    return copy_out(d->stats_json(pyalloc::g_num_invalid_device.load(std::memory_order_relaxed)), buf, len);
+  });
+}
+
+size_t pyalloc_snapshot_json(char* buf, size_t len) {
+  return guarded<size_t>(0, [&] {
+    Runtime* r = pyalloc::current_runtime();
+    pyalloc::JsonWriter w;
+    w.begin_object();
+    w.key("segments").begin_array();
+    for (auto& d : r->devices) d->write_segments_json(w);
+    w.end_array();
+    w.key("device_traces").begin_array();
+    for (auto& d : r->devices) d->write_trace_json(w);
+    w.end_array();
+    w.key("allocator_settings").raw(pyalloc::config_json());
+    w.key("pyalloc_version").value(PYALLOC_VERSION);
+    if (!r->error.empty()) w.key("error").value(r->error);
+    w.end_object();
+    return copy_out(w.str(), buf, len);
+  });
+}
+
+int pyalloc_check(int device) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_check");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    std::string error;
+    if (d->check(&error)) return static_cast<int>(PYALLOC_OK);
+    set_error(error);
+    return static_cast<int>(PYALLOC_EINVAL);
+  });
+}
+
+const char* pyalloc_version(void) { return PYALLOC_VERSION; }
+
+int pyalloc_device_count(void) {
+  return guarded<int>(0, [] { return static_cast<int>(pyalloc::current_runtime()->devices.size()); });
+}
+
+size_t pyalloc_config_json(char* buf, size_t len) {
+  return guarded<size_t>(0, [&] { return copy_out(pyalloc::config_json(), buf, len); });
+}
+
+int pyalloc_reset_peak_stats(int device) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_reset_peak_stats");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    d->reset_peaks();
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_reset_accumulated_stats(int device) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_reset_accumulated_stats");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    d->reset_accumulated();
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_release_cached(int device, size_t bytes, size_t* released) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_release_cached");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    const size_t n = d->release_cached(bytes);
+    if (released != nullptr) *released = n;
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_pool_create(const char* name, int* pool_id) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (name == nullptr || pool_id == nullptr) {
+      set_error("pyalloc_pool_create: name and pool_id must not be NULL");
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    std::string error;
+    const int status = pyalloc::pool_create(name, pool_id, &error);
+    if (status != PYALLOC_OK) set_error(error);
+    return status;
+  });
+}
+
+int pyalloc_set_current_pool(int pool_id) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (pool_id < 0 || pool_id > pyalloc::pool_count()) {
+      set_error("pyalloc_set_current_pool: no pool has id " + std::to_string(pool_id));
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    t_current_pool = pool_id;
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_current_pool(void) { return t_current_pool; }
+
+int pyalloc_register_pressure_callback(pyalloc_pressure_fn fn, void* user_data, int* handle) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    std::string error;
+    const int status = pyalloc::register_callback(fn, user_data, handle, &error);
+    if (status != PYALLOC_OK) set_error(error);
+    return status;
+  });
+}
+
+int pyalloc_unregister_pressure_callback(int handle) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    std::string error;
+    const int status = pyalloc::unregister_callback(handle, &error);
+    if (status != PYALLOC_OK) set_error(error);
+    return status;
+  });
+}
+
+}  // extern "C"

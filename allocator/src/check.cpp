@@ -1,0 +1,182 @@
+// check.cpp: pyalloc_check(), the full invariant walk of one device.
+//
+// Recomputes everything from the segments' block lists and compares it with
+// the free sets, the live map, the pending list and every counter (types.hpp
+// I1..I8). Reports the first violation; never modifies state.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <unordered_set>
+
+#include "device_allocator.hpp"
+
+namespace pyalloc {
+
+namespace {
+
+std::string hex(uintptr_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
+  return buf;
+}
+
+struct Sums {
+  int64_t segments[kNumStatTypes] = {};
+  int64_t reserved[kNumStatTypes] = {};
+  int64_t allocations[kNumStatTypes] = {};
+  int64_t allocated[kNumStatTypes] = {};
+  int64_t requested[kNumStatTypes] = {};
+  int64_t active[kNumStatTypes] = {};
+  int64_t active_bytes[kNumStatTypes] = {};
+  int64_t inactive_split[kNumStatTypes] = {};
+  int64_t inactive_split_bytes[kNumStatTypes] = {};
+  int64_t cached_free = 0;
+  int64_t pending_bytes = 0;
+
+  void add(int64_t (&a)[kNumStatTypes], StatType t, int64_t n) {
+    a[kStatAll] += n;
+    a[t] += n;
+  }
+};
+
+bool compare(const char* name, const StatArray& counters, const int64_t (&walked)[kNumStatTypes],
+             std::string* error) {
+  static const char* const types[] = {"all", "small_pool", "large_pool"};
+  for (int t = 0; t < kNumStatTypes; ++t) {
+    if (counters[t].current != walked[t]) {
+      *error = std::string("I7: ") + name + "." + types[t] + ".current is " +
+               std::to_string(counters[t].current) + " but the walk sums " +
+               std::to_string(walked[t]);
+      return false;
+    }
+    if (counters[t].peak < counters[t].current) {
+      *error = std::string("I7: ") + name + "." + types[t] + ".peak is below current";
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool DeviceAllocator::check(std::string* error) {
+  Lock lock(mutex_);
+  const std::string where = "device " + std::to_string(device_) + ": ";
+  auto fail = [&](const std::string& message) {
+    *error = "pyalloc_check: " + where + message;
+    return false;
+  };
+
+  std::vector<const Pool*> pools = {&small_pool_, &large_pool_};
+  for (const auto& p : user_pools_) {
+    if (p) pools.push_back(p.get());
+  }
+  size_t free_set_entries = 0;
+  for (const Pool* pool : pools) free_set_entries += pool->free_blocks.size();
+
+  std::unordered_set<const Block*> pending_blocks;
+  for (const PendingFree& p : pending_) pending_blocks.insert(p.block);
+
+  Sums sums;
+  size_t free_blocks_walked = 0;
+  size_t allocated_walked = 0;
+  for (const auto& entry : segments_) {
+    const Segment* seg = entry.second;
+    const std::string sname = "segment " + hex(seg->base);
+    if (entry.first != seg->base) return fail(sname + " is filed under " + hex(entry.first));
+    if (seg->head == nullptr || seg->head->prev != nullptr) return fail(sname + ": bad head block");
+    if (seg->head->addr != seg->base) return fail("I1: " + sname + ": first block does not start at the base");
+    const StatType t = seg->stat_type();
+    sums.add(sums.segments, t, 1);
+    sums.add(sums.reserved, t, static_cast<int64_t>(seg->size));
+
+    size_t tiled = 0;
+    const Block* prev = nullptr;
+    for (const Block* b = seg->head; b != nullptr; prev = b, b = b->next) {
+      const std::string bname = sname + ": block " + hex(b->addr);
+      if (b->prev != prev) return fail("I1: " + bname + ": prev link is broken");
+      if (b->segment != seg || b->pool != seg->pool || b->stream != seg->stream) {
+        return fail(bname + ": segment, pool or stream differs from its segment's");
+      }
+      if (b->addr != seg->base + tiled) return fail("I1: " + bname + ": blocks do not tile the segment");
+      if (b->size == 0 || b->size % kBlockAlign != 0 || b->addr % kBlockAlign != 0) {
+        return fail("I8: " + bname + ": size or address is not a multiple of 512");
+      }
+      tiled += b->size;
+      if (tiled > seg->size) return fail("I1: " + bname + ": blocks run past the segment end");
+
+      const bool in_free_set = seg->pool->free_blocks.count(const_cast<Block*>(b)) == 1;
+      const auto live_it = live_.find(b->addr);
+      const bool in_live = live_it != live_.end() && live_it->second == b;
+      const bool in_pending = pending_blocks.count(b) == 1;
+      switch (b->state) {
+        case BlockState::kFree:
+          if (prev != nullptr && prev->is_free()) return fail("I2: " + bname + ": two adjacent free blocks");
+          if (!in_free_set) return fail("I3: " + bname + " is free but not in its pool's free set");
+          if (in_live || in_pending) return fail("I4/I5: " + bname + " is free but listed live or pending");
+          if (b->requested != 0) return fail(bname + ": free block keeps a requested size");
+          ++free_blocks_walked;
+          sums.cached_free += static_cast<int64_t>(b->size);
+          if (b->size != seg->size) {
+            sums.add(sums.inactive_split, t, 1);
+            sums.add(sums.inactive_split_bytes, t, static_cast<int64_t>(b->size));
+          }
+          break;
+        case BlockState::kAllocated:
+          if (!in_live) return fail("I4: " + bname + " is allocated but not in the live map");
+          if (in_free_set || in_pending) return fail("I3/I5: " + bname + " is allocated but listed free or pending");
+          if (b->requested == 0 || b->requested > b->size) return fail(bname + ": requested size out of range");
+          ++allocated_walked;
+          sums.add(sums.allocations, t, 1);
+          sums.add(sums.allocated, t, static_cast<int64_t>(b->size));
+          sums.add(sums.requested, t, static_cast<int64_t>(b->requested));
+          sums.add(sums.active, t, 1);
+          sums.add(sums.active_bytes, t, static_cast<int64_t>(b->size));
+          break;
+        case BlockState::kPendingFree:
+          if (!in_pending) return fail("I5: " + bname + " is pending but not in the pending list");
+          if (in_free_set || in_live) return fail("I3/I4: " + bname + " is pending but listed free or live");
+          sums.pending_bytes += static_cast<int64_t>(b->size);
+          sums.add(sums.active, t, 1);
+          sums.add(sums.active_bytes, t, static_cast<int64_t>(b->size));
+          break;
+      }
+    }
+    if (tiled != seg->size) return fail("I1: " + sname + ": blocks cover " + std::to_string(tiled) + " of " + std::to_string(seg->size) + " bytes");
+  }
+
+  if (free_blocks_walked != free_set_entries) {
+    return fail("I3: free sets hold " + std::to_string(free_set_entries) + " blocks but the walk found " +
+                std::to_string(free_blocks_walked) + " free blocks");
+  }
+  for (const Pool* pool : pools) {
+    for (const Block* b : pool->free_blocks) {
+      if (b->pool != pool || !b->is_free()) return fail("I3: free set of pool " + pool->name + " holds a foreign or non-free block");
+      auto it = segments_.find(b->segment->base);
+      if (it == segments_.end() || it->second != b->segment) return fail("I3: free set holds a block of an unknown segment");
+    }
+  }
+  if (allocated_walked != live_.size()) {
+    return fail("I4: live map holds " + std::to_string(live_.size()) + " entries but the walk found " +
+                std::to_string(allocated_walked) + " allocated blocks");
+  }
+  if (pending_blocks.size() != pending_.size()) return fail("I5: a block is pending twice");
+  if (sums.cached_free != static_cast<int64_t>(cached_free_bytes_)) {
+    return fail("I6: cached free counter is " + std::to_string(cached_free_bytes_) + " but the walk sums " +
+                std::to_string(sums.cached_free));
+  }
+  if (sums.reserved[kStatAll] != sums.allocated[kStatAll] + sums.pending_bytes + sums.cached_free) {
+    return fail("I6: reserved != allocated + pending_free + cached_free");
+  }
+  return compare("segment", stats_.segment, sums.segments, error) &&
+         compare("reserved_bytes", stats_.reserved_bytes, sums.reserved, error) &&
+         compare("allocation", stats_.allocation, sums.allocations, error) &&
+         compare("allocated_bytes", stats_.allocated_bytes, sums.allocated, error) &&
+         compare("requested_bytes", stats_.requested_bytes, sums.requested, error) &&
+         compare("active", stats_.active, sums.active, error) &&
+         compare("active_bytes", stats_.active_bytes, sums.active_bytes, error) &&
+         compare("inactive_split", stats_.inactive_split, sums.inactive_split, error) &&
+         compare("inactive_split_bytes", stats_.inactive_split_bytes, sums.inactive_split_bytes, error);
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,46 @@
+// config.hpp: the validated configuration passed to the allocator.
+//
+// Parsed from PYALLOC_CONF or pyalloc_configure(): comma-separated key=value.
+// Every key is listed once in kConfigKeys (config.cpp), which is also the
+// source of the README's table. The mechanism never reads the environment:
+// a Config is built, validated, and handed in at construction.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pyalloc {
+
+enum class BackendKind { kCuda, kHost, kSim };
+
+const char* backend_name(BackendKind kind);
+
+struct Config {
+  BackendKind backend = BackendKind::kCuda;
+  int devices = 1;                  // host/sim: number of devices
+  size_t capacity = 0;              // host/sim: bytes per device; 0 = backend default
+  double memory_fraction = 1.0;     // reserved <= fraction * device total
+  size_t max_cached = SIZE_MAX;     // cap on cached-but-free bytes (SIZE_MAX = none)
+  size_t small_segment = 2u << 20;  // segment size of the small pool
+  size_t large_segment = 20u << 20; // segment size for 1..large_segment/2 requests
+  int round_power2 = 0;             // divisions per power-of-two interval; 0 = off
+  size_t trace = 0;                 // trace ring entries; 0 = off
+  int event_delay = 0;              // host: an event completes after this many queries
+  bool oom_report = true;           // print the OOM report to stderr
+
+  // True when switching from `*this` to `next` requires rebuilding the
+  // allocator (possible only while nothing is allocated).
+  bool layout_differs(const Config& next) const;
+  std::string to_json() const;
+};
+
+// Parses `text` on top of `base` into `*out`. All-or-nothing: on error
+// returns false, leaves *out untouched and writes a message naming the key
+// and the accepted form.
+bool parse_config(const std::string& text, const Config& base, Config* out, std::string* error);
+
+// Parses sizes like "512", "512B", "64KiB", "1.5GiB", "2GB".
+bool parse_size(const std::string& text, size_t* out);
+
+}  // namespace pyalloc

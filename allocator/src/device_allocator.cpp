@@ -1,0 +1,631 @@
+// device_allocator.cpp: the caching allocator of one device.
+//
+// Note [Pressure ladder]
+// A request that finds no cached block goes to malloc_slow(), which climbs
+// until one step yields a block:
+//   0. reclaim pending frees whose events completed, and grow: a new segment
+//      from the backend, within memory_fraction's limit;
+//   1. synchronize pending frees, release every wholly free segment of this
+//      device, and grow again (counted in num_alloc_retries);
+//   2. defragment: stitch free physical chunks into one virtual range. The
+//      seam is defragment(); virtual-memory segments come with the
+//      defragmentation work, until then it finds nothing;
+//   3. call the registered pressure callbacks (the offload manager swaps or
+//      drops tensors), WITHOUT the device lock, then retry steps 0-1;
+//   4. ask gpumemd to have other processes trim (PressureHooks::ask_daemon,
+//      also without the lock), then retry;
+//   5. fail: count the OOM, record it in the trace and stats, and return
+//      nullptr with a report naming reserved, allocated, the largest free
+//      block, fragmentation and the biggest live blocks.
+// Steps 3 and 4 drop the lock, so the state may change meanwhile; every
+// retry starts again from the free set.
+#include "device_allocator.hpp"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
+#include "json.hpp"
+#include "pyalloc/pyalloc.h"
+
+#define PYALLOC_LIKELY(x) __builtin_expect(!!(x), 1)
+#define PYALLOC_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+namespace pyalloc {
+
+namespace {
+
+size_t round_up(size_t n, size_t step) { return (n + step - 1) / step * step; }
+
+std::string format_bytes(size_t n) {
+  static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[48];
+  if (u == 0) std::snprintf(buf, sizeof buf, "%zu B", n);
+  else std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+std::string hex(uintptr_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
+  return buf;
+}
+
+}  // namespace
+
+DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* backend,
+                                 PressureHooks* hooks)
+    : device_(device),
+      backend_(backend),
+      hooks_(hooks),
+      small_segment_(config.small_segment),
+      large_segment_(config.large_segment) {
+  small_pool_.kind = PoolKind::kSmall;
+  small_pool_.name = "small";
+  large_pool_.kind = PoolKind::kLarge;
+  large_pool_.name = "large";
+  live_.reserve(4096);
+  apply_settings(config);
+}
+
+DeviceAllocator::~DeviceAllocator() {
+  // Host-side bookkeeping only: no backend call (see Note [Shutdown]).
+  for (auto& entry : segments_) {
+    Block* b = entry.second->head;
+    while (b != nullptr) {
+      Block* next = b->next;
+      delete b;
+      b = next;
+    }
+    delete entry.second;
+  }
+}
+
+void DeviceAllocator::apply_settings(const Config& config) {
+  Lock lock(mutex_);
+  memory_fraction_ = config.memory_fraction;
+  max_cached_ = config.max_cached;
+  round_power2_ = config.round_power2;
+  oom_report_ = config.oom_report;
+  if (trace_.capacity() != config.trace) trace_.resize(config.trace);
+  if (cached_free_bytes_ > max_cached_) enforce_max_cached();
+}
+
+void DeviceAllocator::set_memory_fraction(double fraction) {
+  Lock lock(mutex_);
+  memory_fraction_ = fraction;
+}
+
+// ---- sizes and pools ---------------------------------------------------------
+
+size_t DeviceAllocator::round_size(size_t size) const {
+  if (size <= kBlockAlign) return kBlockAlign;
+  if (round_power2_ > 1) {
+    // Round up to one of `round_power2_` steps between adjacent powers of
+    // two: fewer distinct sizes, so freed blocks fit later requests.
+    const size_t floor2 = size_t{1} << (63 - __builtin_clzll(static_cast<unsigned long long>(size)));
+    const size_t step = floor2 / static_cast<size_t>(round_power2_);
+    if (floor2 != size && step > kBlockAlign) return round_up(size, step);
+  }
+  return round_up(size, kBlockAlign);
+}
+
+Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
+  if (PYALLOC_LIKELY(pool_id == 0)) return rounded <= kSmallRequest ? small_pool_ : large_pool_;
+  const size_t index = static_cast<size_t>(pool_id - 1);
+  if (index >= user_pools_.size()) user_pools_.resize(index + 1);
+  if (!user_pools_[index]) {
+    user_pools_[index] = std::make_unique<Pool>();
+    user_pools_[index]->kind = PoolKind::kUser;
+    user_pools_[index]->id = pool_id;
+    user_pools_[index]->name = "user:" + std::to_string(pool_id);
+  }
+  return *user_pools_[index];
+}
+
+size_t DeviceAllocator::segment_size_for(const Pool& pool, size_t rounded) const {
+  if (pool.kind == PoolKind::kSmall || rounded <= kSmallRequest) return small_segment_;
+  if (rounded < large_segment_ / 2) return large_segment_;
+  return round_up(rounded, kLargeRound);
+}
+
+bool DeviceAllocator::should_split(const Pool& pool, size_t remaining) const {
+  // A large-pool remainder of 1 MiB or less could only ever serve small
+  // requests, which the large pool never sees: keep it inside the block.
+  if (pool.kind == PoolKind::kLarge) return remaining > kLargeSplitMin;
+  return remaining >= kBlockAlign;
+}
+
+// Asked lazily: on cuda, asking creates the device's context, which a
+// process must not pay for devices it never uses.
+size_t DeviceAllocator::device_total() {
+  if (device_total_ == 0) device_total_ = backend_->mem_info(device_).total_bytes;
+  return device_total_;
+}
+
+size_t DeviceAllocator::reserved_limit() {
+  if (memory_fraction_ >= 1.0) return SIZE_MAX;
+  return static_cast<size_t>(memory_fraction_ * static_cast<double>(device_total()));
+}
+
+// ---- the fast path -------------------------------------------------------------
+
+void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status,
+                              std::string* error) {
+  const size_t rounded = round_size(size);
+  Lock lock(mutex_);
+  if (PYALLOC_UNLIKELY(retired_)) {
+    *status = PYALLOC_EBUSY;
+    return nullptr;
+  }
+  Pool& pool = select_pool(rounded, pool_id);
+  Block* block = pool.best_fit(stream, rounded);
+  if (PYALLOC_UNLIKELY(block == nullptr)) {
+    return malloc_slow(lock, pool, size, rounded, stream, status, error);
+  }
+  return take(block, size, rounded);
+}
+
+void* DeviceAllocator::take(Block* block, size_t size, size_t rounded) {
+  erase_free(block);
+  const size_t remaining = block->size - rounded;
+  if (should_split(*block->pool, remaining)) {
+    Block* rest = new Block;
+    rest->addr = block->addr + rounded;
+    rest->size = remaining;
+    rest->segment = block->segment;
+    rest->pool = block->pool;
+    rest->stream = block->stream;
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next != nullptr) block->next->prev = rest;
+    block->next = rest;
+    block->size = rounded;
+    insert_free(rest);
+  }
+  block->state = BlockState::kAllocated;
+  block->requested = size;
+  live_.emplace(block->addr, block);
+
+  const StatType t = block->segment->stat_type();
+  const int64_t bytes = static_cast<int64_t>(block->size);
+  stat_increase(stats_.allocation, t, 1);
+  stat_increase(stats_.allocated_bytes, t, bytes);
+  stat_increase(stats_.requested_bytes, t, static_cast<int64_t>(size));
+  stat_increase(stats_.active, t, 1);
+  stat_increase(stats_.active_bytes, t, bytes);
+  trace_.record(TraceAction::kAlloc, block->addr, block->size, block->stream);
+  return reinterpret_cast<void*>(block->addr);
+}
+
+FreeResult DeviceAllocator::free(uintptr_t addr, size_t size, std::string* error) {
+  Lock lock(mutex_);
+  if (PYALLOC_UNLIKELY(retired_)) return FreeResult::kRetired;
+  auto it = live_.find(addr);
+  if (PYALLOC_UNLIKELY(it == live_.end())) return classify_bad_free(addr, error);
+  Block* block = it->second;
+  if (PYALLOC_UNLIKELY(size != kAnySize && size != block->requested)) {
+    ++stats_.num_invalid_size;
+    *error = "pyalloc_free: size " + std::to_string(size) + " does not match the " +
+             std::to_string(block->requested) + " bytes allocated at " + hex(addr) +
+             " on device " + std::to_string(device_) + "; the block was not freed";
+    return FreeResult::kSizeMismatch;
+  }
+  live_.erase(it);
+
+  const StatType t = block->segment->stat_type();
+  stat_decrease(stats_.allocation, t, 1);
+  stat_decrease(stats_.allocated_bytes, t, static_cast<int64_t>(block->size));
+  stat_decrease(stats_.requested_bytes, t, static_cast<int64_t>(block->requested));
+  trace_.record(TraceAction::kFreeRequested, block->addr, block->size, block->stream);
+
+  if (PYALLOC_UNLIKELY(!block->uses.empty())) {
+    make_pending(block);
+  } else {
+    finish_free(block);
+  }
+  if (PYALLOC_UNLIKELY(cached_free_bytes_ > max_cached_)) enforce_max_cached();
+  return FreeResult::kOk;
+}
+
+// The block becomes free: coalesce with free neighbours and cache it.
+void DeviceAllocator::finish_free(Block* block) {
+  const StatType t = block->segment->stat_type();
+  stat_decrease(stats_.active, t, 1);
+  stat_decrease(stats_.active_bytes, t, static_cast<int64_t>(block->size));
+  trace_.record(TraceAction::kFreeCompleted, block->addr, block->size, block->stream);
+  block->state = BlockState::kFree;
+  block->requested = 0;
+
+  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
+    erase_free(prev);
+    prev->size += block->size;
+    prev->next = block->next;
+    if (block->next != nullptr) block->next->prev = prev;
+    delete block;
+    block = prev;
+  }
+  if (Block* next = block->next; next != nullptr && next->is_free()) {
+    erase_free(next);
+    block->size += next->size;
+    block->next = next->next;
+    if (next->next != nullptr) next->next->prev = block;
+    delete next;
+  }
+  insert_free(block);
+  if (block->segment->wholly_free()) block->segment->free_since = ++tick_;
+}
+
+// Free-set membership is where cached-free and inactive-split counters live.
+void DeviceAllocator::insert_free(Block* block) {
+  block->pool->free_blocks.insert(block);
+  cached_free_bytes_ += block->size;
+  if (block->size != block->segment->size) {
+    const StatType t = block->segment->stat_type();
+    stat_increase(stats_.inactive_split, t, 1);
+    stat_increase(stats_.inactive_split_bytes, t, static_cast<int64_t>(block->size));
+  }
+}
+
+void DeviceAllocator::erase_free(Block* block) {
+  block->pool->free_blocks.erase(block);
+  cached_free_bytes_ -= block->size;
+  if (block->size != block->segment->size) {
+    const StatType t = block->segment->stat_type();
+    stat_decrease(stats_.inactive_split, t, 1);
+    stat_decrease(stats_.inactive_split_bytes, t, static_cast<int64_t>(block->size));
+  }
+}
+
+bool DeviceAllocator::record_stream(uintptr_t addr, StreamId stream) {
+  Lock lock(mutex_);
+  auto it = live_.find(addr);
+  if (it == live_.end()) return false;
+  Block* block = it->second;
+  // Use on the allocation stream is already ordered; nothing to wait for.
+  if (stream != block->stream &&
+      std::find(block->uses.begin(), block->uses.end(), stream) == block->uses.end()) {
+    block->uses.push_back(stream);
+  }
+  return true;
+}
+
+void DeviceAllocator::count_invalid_size() {
+  Lock lock(mutex_);
+  ++stats_.num_invalid_size;
+}
+
+// ---- the slow path -----------------------------------------------------------------
+
+void* DeviceAllocator::malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded,
+                                   StreamId stream, int* status, std::string* error) {
+  reclaim_pending(false);
+  Block* block = try_serve(pool, rounded, stream, false);
+  if (block == nullptr) {  // step 1
+    ++stats_.num_alloc_retries;
+    block = try_serve(pool, rounded, stream, true);
+  }
+  if (block == nullptr && defragment(rounded, stream)) {  // step 2
+    block = try_serve(pool, rounded, stream, true);
+  }
+  size_t callback_freed = 0;
+  size_t daemon_freed = 0;
+  if (block == nullptr && hooks_ != nullptr) {  // step 3
+    ++stats_.num_pressure_callbacks;
+    lock.unlock();
+    callback_freed = hooks_->run_pressure_callbacks(device_, rounded);
+    lock.lock();
+    if (retired_) return *status = PYALLOC_EBUSY, nullptr;
+    stats_.pressure_callback_freed_bytes += static_cast<int64_t>(callback_freed);
+    block = try_serve(pool, rounded, stream, true);
+  }
+  if (block == nullptr && hooks_ != nullptr) {  // step 4
+    lock.unlock();
+    daemon_freed = hooks_->ask_daemon(device_, rounded);
+    lock.lock();
+    if (retired_) return *status = PYALLOC_EBUSY, nullptr;
+    if (daemon_freed > 0) block = try_serve(pool, rounded, stream, true);
+  }
+  if (block == nullptr) {  // step 5
+    ++stats_.num_ooms;
+    trace_.record(TraceAction::kOom, 0, rounded, stream);
+    *status = PYALLOC_ENOMEM;
+    *error = oom_report(size, rounded, stream, callback_freed, daemon_freed);
+    if (oom_report_) std::fprintf(stderr, "pyalloc: %s\n", error->c_str());
+    return nullptr;
+  }
+  return take(block, size, rounded);
+}
+
+Block* DeviceAllocator::try_serve(Pool& pool, size_t rounded, StreamId stream, bool release_cache) {
+  if (Block* b = pool.best_fit(stream, rounded)) return b;
+  if (Block* b = grow(pool, rounded, stream)) return b;
+  if (!release_cache) return nullptr;
+  synchronize_pending();
+  if (Block* b = pool.best_fit(stream, rounded)) return b;
+  if (release_free_segments(0) == 0) return nullptr;
+  return grow(pool, rounded, stream);
+}
+
+Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
+  const size_t size = segment_size_for(pool, rounded);
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].current);
+  if (size > reserved_limit() || reserved > reserved_limit() - size) return nullptr;
+  uintptr_t addr = 0;
+  Status s = backend_->segment_alloc(device_, size, &addr);
+  if (!s.ok) {
+    last_backend_error_ = s.message;
+    return nullptr;
+  }
+  Segment* segment = new Segment;
+  segment->base = addr;
+  segment->size = size;
+  segment->pool = &pool;
+  segment->stream = stream;
+  segment->id = next_segment_id_++;
+  Block* block = new Block;
+  block->addr = addr;
+  block->size = size;
+  block->segment = segment;
+  block->pool = &pool;
+  block->stream = stream;
+  segment->head = block;
+  segments_.emplace(addr, segment);
+
+  const StatType t = segment->stat_type();
+  stat_increase(stats_.segment, t, 1);
+  stat_increase(stats_.reserved_bytes, t, static_cast<int64_t>(size));
+  ++stats_.num_device_alloc;
+  trace_.record(TraceAction::kSegmentAlloc, addr, size, stream);
+  insert_free(block);
+  return block;
+}
+
+bool DeviceAllocator::defragment(size_t /*rounded*/, StreamId /*stream*/) {
+  // Step 2 of the ladder. Stitching needs virtual-memory segments, which
+  // plain segment_alloc() does not make; with none there is nothing to stitch.
+  return false;
+}
+
+void DeviceAllocator::make_pending(Block* block) {
+  PendingFree pending{block, {}, false};
+  for (StreamId s : block->uses) {
+    EventHandle event = 0;
+    Status st = backend_->event_record(device_, s, &event);
+    if (!st.ok) {
+      // Without an event we can never know the stream is done with this
+      // memory: keep it out of circulation rather than risk reuse.
+      pending.stuck = true;
+      last_backend_error_ = st.message;
+      continue;
+    }
+    pending.events.push_back(event);
+  }
+  block->uses.clear();
+  block->state = BlockState::kPendingFree;
+  pending_.push_back(std::move(pending));
+}
+
+size_t DeviceAllocator::reclaim_pending(bool synchronize) {
+  size_t reclaimed = 0;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    bool done = !it->stuck;
+    for (EventHandle e : it->events) {
+      if (synchronize) {
+        backend_->event_synchronize(device_, e);
+      } else if (!backend_->event_query(device_, e)) {
+        done = false;
+        break;
+      }
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    for (EventHandle e : it->events) backend_->event_release(device_, e);
+    Block* block = it->block;
+    it = pending_.erase(it);
+    reclaimed += block->size;
+    finish_free(block);
+  }
+  return reclaimed;
+}
+
+void DeviceAllocator::synchronize_pending() {
+  if (pending_.empty()) return;
+  ++stats_.num_sync_all_streams;
+  reclaim_pending(true);
+}
+
+size_t DeviceAllocator::release_free_segments(size_t bytes) {
+  std::vector<Segment*> candidates;
+  for (auto& entry : segments_) {
+    if (entry.second->wholly_free()) candidates.push_back(entry.second);
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
+    return a->free_since != b->free_since ? a->free_since < b->free_since : a->id < b->id;
+  });
+  size_t released = 0;
+  for (Segment* segment : candidates) {
+    if (bytes != 0 && released >= bytes) break;
+    released += segment->size;
+    release_segment(segment);
+  }
+  return released;
+}
+
+void DeviceAllocator::release_segment(Segment* segment) {
+  Block* block = segment->head;
+  erase_free(block);
+  const StatType t = segment->stat_type();
+  stat_decrease(stats_.segment, t, 1);
+  stat_decrease(stats_.reserved_bytes, t, static_cast<int64_t>(segment->size));
+  ++stats_.num_device_free;
+  trace_.record(TraceAction::kSegmentFree, segment->base, segment->size, segment->stream);
+  backend_->segment_free(device_, segment->base, segment->size);
+  segments_.erase(segment->base);
+  delete block;
+  delete segment;
+}
+
+void DeviceAllocator::enforce_max_cached() {
+  if (cached_free_bytes_ <= max_cached_) return;
+  std::vector<Segment*> candidates;
+  for (auto& entry : segments_) {
+    if (entry.second->wholly_free()) candidates.push_back(entry.second);
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
+    return a->free_since != b->free_since ? a->free_since < b->free_since : a->id < b->id;
+  });
+  for (Segment* segment : candidates) {
+    if (cached_free_bytes_ <= max_cached_) break;
+    release_segment(segment);
+  }
+}
+
+size_t DeviceAllocator::empty_cache() {
+  Lock lock(mutex_);
+  synchronize_pending();
+  return release_free_segments(0);
+}
+
+size_t DeviceAllocator::release_cached(size_t bytes) {
+  Lock lock(mutex_);
+  reclaim_pending(false);
+  return release_free_segments(bytes);
+}
+
+// ---- bad calls and reports ------------------------------------------------------------
+
+FreeResult DeviceAllocator::classify_bad_free(uintptr_t addr, std::string* error) {
+  const std::string where = hex(addr) + " on device " + std::to_string(device_);
+  auto it = segments_.upper_bound(addr);
+  if (it != segments_.begin()) {
+    const Segment* segment = std::prev(it)->second;
+    if (addr < segment->base + segment->size) {
+      for (const Block* b = segment->head; b != nullptr; b = b->next) {
+        if (b->addr == addr && b->state != BlockState::kAllocated) {
+          ++stats_.num_invalid_double_free;
+          *error = "pyalloc_free: double free of " + where + " (the block is already free)";
+          return FreeResult::kDoubleFree;
+        }
+      }
+      ++stats_.num_invalid_free;
+      *error = "pyalloc_free: " + where + " is inside a segment but is not the start of a live allocation";
+      return FreeResult::kUnknownPointer;
+    }
+  }
+  ++stats_.num_invalid_free;
+  *error = "pyalloc_free: " + where + " was not allocated by pyalloc";
+  return FreeResult::kUnknownPointer;
+}
+
+size_t DeviceAllocator::largest_free_block() const {
+  size_t largest = 0;
+  for (const Pool* pool : {&small_pool_, &large_pool_}) {
+    for (const Block* b : pool->free_blocks) largest = std::max(largest, b->size);
+  }
+  for (const auto& pool : user_pools_) {
+    if (!pool) continue;
+    for (const Block* b : pool->free_blocks) largest = std::max(largest, b->size);
+  }
+  return largest;
+}
+
+std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId stream,
+                                        size_t callback_freed, size_t daemon_freed) {
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].current);
+  const size_t allocated = static_cast<size_t>(stats_.allocated_bytes[kStatAll].current);
+  const size_t largest = largest_free_block();
+  const size_t limit = reserved_limit();
+  const double fragmentation =
+      cached_free_bytes_ == 0 ? 0.0 : 1.0 - static_cast<double>(largest) / cached_free_bytes_;
+
+  stats_.last_oom = OomRecord{static_cast<int64_t>(size),
+                              static_cast<int64_t>(reserved),
+                              static_cast<int64_t>(allocated),
+                              static_cast<int64_t>(cached_free_bytes_),
+                              static_cast<int64_t>(largest),
+                              limit == SIZE_MAX ? static_cast<int64_t>(device_total())
+                                                : static_cast<int64_t>(limit)};
+
+  std::vector<const Block*> live;
+  live.reserve(live_.size());
+  for (const auto& entry : live_) live.push_back(entry.second);
+  const size_t top = std::min<size_t>(5, live.size());
+  std::partial_sort(live.begin(), live.begin() + top, live.end(),
+                    [](const Block* a, const Block* b) { return a->size > b->size; });
+
+  char fr[32];
+  std::snprintf(fr, sizeof fr, "%.1f%%", 100.0 * fragmentation);
+  std::string r = "out of memory on device " + std::to_string(device_) + " (" + backend_->name() +
+                  " backend): tried to allocate " + format_bytes(size);
+  if (rounded != size) r += " (" + format_bytes(rounded) + " rounded)";
+  r += " on stream " + hex(stream) + ". Device total " + format_bytes(device_total());
+  if (limit != SIZE_MAX) r += ", memory_fraction limit " + format_bytes(limit);
+  r += "; reserved " + format_bytes(reserved) + ", allocated " + format_bytes(allocated) +
+       ", cached free " + format_bytes(cached_free_bytes_) + ", largest free block " +
+       format_bytes(largest) + " (fragmentation " + fr + ")";
+  if (!pending_.empty()) r += ", " + std::to_string(pending_.size()) + " frees pending on events";
+  r += ". Biggest live blocks:";
+  if (top == 0) r += " none";
+  for (size_t i = 0; i < top; ++i) {
+    r += (i ? ", " : " ") + format_bytes(live[i]->size) + " at " + hex(live[i]->addr);
+  }
+  r += ". Released the cache and retried; pressure callbacks freed " + format_bytes(callback_freed);
+  if (daemon_freed) r += "; other processes freed " + format_bytes(daemon_freed);
+  r += ".";
+  if (!last_backend_error_.empty()) r += " Backend said: " + last_backend_error_;
+  return r;
+}
+
+// ---- stats, snapshots, reconfiguration ---------------------------------------------------
+
+std::string DeviceAllocator::stats_json(int64_t num_invalid_device) {
+  Lock lock(mutex_);
+  return stats_.to_json(num_invalid_device);
+}
+
+void DeviceAllocator::reset_peaks() {
+  Lock lock(mutex_);
+  stats_.reset_peaks();
+}
+
+void DeviceAllocator::reset_accumulated() {
+  Lock lock(mutex_);
+  stats_.reset_accumulated();
+}
+
+void DeviceAllocator::write_trace_json(JsonWriter& w) {
+  Lock lock(mutex_);
+  trace_.write_json(w);
+}
+
+bool DeviceAllocator::retire_if_idle(int64_t* live_bytes) {
+  Lock lock(mutex_);
+  *live_bytes = stats_.allocated_bytes[kStatAll].current;
+  if (!live_.empty() || !pending_.empty()) {
+    // Pending frees finish on their own; only live allocations block.
+    if (live_.empty()) {
+      synchronize_pending();
+    } else {
+      return false;
+    }
+  }
+  release_free_segments(0);
+  retired_ = true;
+  return true;
+}
+
+void DeviceAllocator::unretire() {
+  Lock lock(mutex_);
+  retired_ = false;
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,176 @@
+// device_allocator.hpp: the caching allocator of one device.
+//
+// Policy summary
+//   - Sizes are rounded up to 512 B (optionally to power-of-two divisions,
+//     like PyTorch's roundup_power2_divisions).
+//   - Requests up to 1 MiB come from the small pool, carved from
+//     `small_segment` (2 MiB) segments; larger ones from the large pool:
+//     below large_segment/2 from `large_segment` (20 MiB) segments, above
+//     that from a segment of their own rounded up to 2 MiB. A thread's current
+//     user pool overrides both.
+//   - A free block is found by best fit on the request's stream, lowest
+//     address first among equal sizes. It is split when the remainder is
+//     worth keeping: any remainder in the small and user pools, more than
+//     1 MiB in the large pool.
+//   - Freed blocks coalesce with free neighbours at once. A block used on
+//     other streams (record_stream) is pending until events recorded on those
+//     streams complete.
+//   - Segments go back to the backend only when wholly free: on
+//     empty_cache(), when cached free bytes exceed max_cached (oldest first),
+//     and on the slow path under pressure (Note [Pressure ladder]).
+//
+// Locking: one mutex per device guards everything here. The fast path takes
+// it once. It is never held while calling a pressure callback or the daemon.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend.hpp"
+#include "config.hpp"
+#include "stats.hpp"
+#include "trace.hpp"
+#include "types.hpp"
+
+namespace pyalloc {
+
+class JsonWriter;
+
+// Steps of the pressure ladder that reach outside this device. The runtime
+// implements them; both are called WITHOUT the device lock held.
+class PressureHooks {
+ public:
+  virtual ~PressureHooks() = default;
+  // Step 3: registered pressure callbacks. Returns the bytes they freed.
+  virtual size_t run_pressure_callbacks(int device, size_t bytes_needed) = 0;
+  // Step 4: ask gpumemd to have other processes on the device trim. Returns
+  // the bytes freed elsewhere (the seam: 0 until the daemon issue fills it).
+  virtual size_t ask_daemon(int device, size_t bytes_needed) = 0;
+};
+
+// Passed as `size` to free() when the caller does not know it (CuPy).
+constexpr size_t kAnySize = SIZE_MAX;
+
+enum class FreeResult { kOk, kUnknownPointer, kDoubleFree, kSizeMismatch, kRetired };
+
+class DeviceAllocator {
+ public:
+  DeviceAllocator(int device, const Config& config, Backend* backend, PressureHooks* hooks);
+  ~DeviceAllocator();
+  DeviceAllocator(const DeviceAllocator&) = delete;
+  DeviceAllocator& operator=(const DeviceAllocator&) = delete;
+
+  // Returns the block's address, or nullptr with *status (PYALLOC_ENOMEM, or
+  // PYALLOC_EBUSY when this allocator was retired by a reconfiguration) and
+  // *error filled. `size` must be in (0, kMaxRequest].
+  void* malloc(size_t size, StreamId stream, int pool_id, int* status, std::string* error);
+  FreeResult free(uintptr_t addr, size_t size, std::string* error);
+  // False when `addr` is not a live allocation of this device.
+  bool record_stream(uintptr_t addr, StreamId stream);
+  // Counts a request refused before reaching the allocator (absurd size).
+  void count_invalid_size();
+
+  // Synchronizes pending frees and releases every wholly free segment.
+  size_t empty_cache();
+  // Releases wholly free segments, oldest first, until `bytes` (0 = all).
+  size_t release_cached(size_t bytes);
+
+  void apply_settings(const Config& config);  // runtime-adjustable keys only
+  void set_memory_fraction(double fraction);
+
+  // Full invariant walk (types.hpp I1..I8). False with *error on violation.
+  bool check(std::string* error);
+
+  std::string stats_json(int64_t num_invalid_device);
+  void reset_peaks();
+  void reset_accumulated();
+  void write_segments_json(JsonWriter& w);
+  void write_trace_json(JsonWriter& w);
+
+  // Reconfiguration: true when nothing is allocated or pending; then
+  // releases all memory and marks this allocator retired, so late callers
+  // are sent to its successor.
+  bool retire_if_idle(int64_t* live_bytes);
+  void unretire();  // undoes retire_if_idle when a reconfiguration is abandoned
+
+  int device() const { return device_; }
+
+ private:
+  using Lock = std::unique_lock<std::mutex>;
+
+  struct PendingFree {
+    Block* block;
+    std::vector<EventHandle> events;
+    bool stuck;  // an event could not be recorded: never safe to reuse
+  };
+
+  size_t round_size(size_t size) const;
+  Pool& select_pool(size_t rounded, int pool_id);
+  size_t segment_size_for(const Pool& pool, size_t rounded) const;
+  bool should_split(const Pool& pool, size_t remaining) const;
+
+  // Fast-path pieces.
+  void* take(Block* block, size_t size, size_t rounded);
+  void finish_free(Block* block);
+  void insert_free(Block* block);
+  void erase_free(Block* block);
+
+  // Slow path (Note [Pressure ladder] in device_allocator.cpp).
+  void* malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded, StreamId stream,
+                    int* status, std::string* error);
+  Block* try_serve(Pool& pool, size_t rounded, StreamId stream, bool release_cache);
+  Block* grow(Pool& pool, size_t rounded, StreamId stream);
+  bool defragment(size_t rounded, StreamId stream);
+  void make_pending(Block* block);
+  size_t reclaim_pending(bool synchronize);
+  void synchronize_pending();
+  size_t release_free_segments(size_t bytes);
+  void release_segment(Segment* segment);
+  void enforce_max_cached();
+  FreeResult classify_bad_free(uintptr_t addr, std::string* error);
+  std::string oom_report(size_t size, size_t rounded, StreamId stream, size_t callback_freed,
+                         size_t daemon_freed);
+  size_t reserved_limit();
+  size_t largest_free_block() const;
+  size_t device_total();  // the backend's total bytes, asked once (slow path only)
+
+  const int device_;
+  Backend* const backend_;
+  PressureHooks* const hooks_;
+  const size_t small_segment_;
+  const size_t large_segment_;
+
+  std::mutex mutex_;
+  bool retired_ = false;
+
+  // Runtime-adjustable settings.
+  double memory_fraction_;
+  size_t max_cached_;
+  int round_power2_;
+  bool oom_report_;
+
+  Pool small_pool_;
+  Pool large_pool_;
+  std::vector<std::unique_ptr<Pool>> user_pools_;  // index = pool id - 1
+
+  std::map<uintptr_t, Segment*> segments_;        // by base address
+  std::unordered_map<uintptr_t, Block*> live_;     // allocated blocks by address
+  std::deque<PendingFree> pending_;
+  size_t cached_free_bytes_ = 0;                   // sum of free block sizes
+  uint64_t next_segment_id_ = 0;
+  uint64_t tick_ = 0;                              // orders segment free times
+  std::string last_backend_error_;
+  size_t device_total_ = 0;  // 0 until device_total() asked the backend
+
+  DeviceStats stats_;
+  TraceRing trace_;
+};
+
+}  // namespace pyalloc

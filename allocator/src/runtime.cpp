@@ -1,0 +1,229 @@
+// runtime.cpp: configuration, reconfiguration, pools and pressure callbacks.
+//
+// Note [Shutdown]
+// PyTorch frees tensors from static destructors and atexit handlers, after
+// which any of our statics may already be gone, and the CUDA driver may be
+// shutting down. So the Runtime, its Backend and everything below them are
+// heap objects that are never destroyed, and no destructor makes a device
+// call. The OS reclaims the memory at exit.
+#include "runtime.hpp"
+
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+
+namespace pyalloc {
+
+std::atomic<int64_t> g_num_invalid_device{0};
+
+namespace {
+
+struct Callback {
+  int handle;
+  pyalloc_pressure_fn fn;
+  void* user_data;
+};
+
+struct Process {
+  std::mutex configure_mutex;  // serializes configuration and runtime swaps
+  std::atomic<Runtime*> current{nullptr};
+  std::vector<Runtime*> retired;  // kept alive: late callers may still hold them
+
+  std::mutex pools_mutex;
+  std::vector<std::string> pool_names;  // index = id - 1
+
+  std::mutex callbacks_mutex;
+  std::condition_variable callbacks_idle;
+  std::vector<Callback> callbacks;
+  int next_handle = 1;
+  int callbacks_in_flight = 0;
+};
+
+Process& process() {
+  static Process* p = new Process;  // leaked: see Note [Shutdown]
+  return *p;
+}
+
+thread_local bool t_in_pressure_callback = false;
+
+Runtime* build_runtime(const Config& config) {
+  Runtime* r = new Runtime(config);
+  std::unique_ptr<Backend> backend;
+  switch (config.backend) {
+    case BackendKind::kHost: backend = make_host_backend(config, &r->error); break;
+    case BackendKind::kSim: backend = make_sim_backend(config, &r->error); break;
+    case BackendKind::kCuda: backend = make_cuda_backend(config, &r->error); break;
+  }
+  if (!backend) {
+    if (r->error.empty()) r->error = std::string("backend=") + backend_name(config.backend) + " failed to start";
+    return r;
+  }
+  const int n = backend->device_count();
+  if (n <= 0) {
+    r->error = std::string("backend=") + backend_name(config.backend) + ": no devices";
+    return r;
+  }
+  for (int i = 0; i < n; ++i) r->devices.push_back(std::make_unique<DeviceAllocator>(i, config, backend.get(), r));
+  r->backend = std::move(backend);
+  return r;
+}
+
+Runtime* initial_runtime_locked(Process& p) {
+  Runtime* r = p.current.load(std::memory_order_acquire);
+  if (r != nullptr) return r;
+  Config config;
+  std::string error;
+  const char* env = std::getenv("PYALLOC_CONF");
+  if (env != nullptr && !parse_config(env, Config{}, &config, &error)) {
+    r = new Runtime(Config{});
+    r->error = error;
+    std::fprintf(stderr, "pyalloc: %s; every allocation will fail until pyalloc_configure() succeeds\n", error.c_str());
+  } else {
+    r = build_runtime(config);
+  }
+  p.current.store(r, std::memory_order_release);
+  return r;
+}
+
+}  // namespace
+
+Runtime::Runtime(const Config& c) : config(c) {}
+
+Runtime* current_runtime() {
+  Runtime* r = process().current.load(std::memory_order_acquire);
+  if (__builtin_expect(r != nullptr, 1)) return r;
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.configure_mutex);
+  return initial_runtime_locked(p);
+}
+
+int configure(const char* text, std::string* error) {
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.configure_mutex);
+  Runtime* cur = initial_runtime_locked(p);
+  Config next;
+  if (!parse_config(text, cur->config, &next, error)) return PYALLOC_EINVAL;
+
+  if (cur->error.empty() && !cur->config.layout_differs(next)) {
+    cur->config = next;
+    for (auto& d : cur->devices) d->apply_settings(next);
+    return PYALLOC_OK;
+  }
+
+  // A layout change: build the successor first, so a failure leaves the
+  // current runtime untouched.
+  Runtime* fresh = build_runtime(next);
+  if (!fresh->error.empty()) {
+    *error = fresh->error;
+    p.retired.push_back(fresh);
+    return PYALLOC_EBACKEND;
+  }
+  size_t retired = 0;
+  for (; retired < cur->devices.size(); ++retired) {
+    int64_t live = 0;
+    if (!cur->devices[retired]->retire_if_idle(&live)) {
+      for (size_t i = 0; i < retired; ++i) cur->devices[i]->unretire();
+      *error = "pyalloc_configure: cannot change backend, capacity, devices, segment sizes or event_delay while " +
+               std::to_string(live) + " bytes are allocated on device " + std::to_string(retired) +
+               "; free them first";
+      p.retired.push_back(fresh);
+      return PYALLOC_EBUSY;
+    }
+  }
+  p.retired.push_back(cur);
+  p.current.store(fresh, std::memory_order_release);
+  return PYALLOC_OK;
+}
+
+std::string config_json() {
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.configure_mutex);
+  return initial_runtime_locked(p)->config.to_json();
+}
+
+int pool_create(const std::string& name, int* id, std::string* error) {
+  if (name.empty()) {
+    *error = "pyalloc_pool_create: the pool name is empty";
+    return PYALLOC_EINVAL;
+  }
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.pools_mutex);
+  for (size_t i = 0; i < p.pool_names.size(); ++i) {
+    if (p.pool_names[i] == name) return *id = static_cast<int>(i + 1), PYALLOC_OK;
+  }
+  constexpr size_t kMaxPools = 4096;
+  if (p.pool_names.size() >= kMaxPools) {
+    *error = "pyalloc_pool_create: too many pools (at most 4096)";
+    return PYALLOC_EINVAL;
+  }
+  p.pool_names.push_back(name);
+  *id = static_cast<int>(p.pool_names.size());
+  return PYALLOC_OK;
+}
+
+int pool_count() {
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.pools_mutex);
+  return static_cast<int>(p.pool_names.size());
+}
+
+int register_callback(pyalloc_pressure_fn fn, void* user_data, int* handle, std::string* error) {
+  if (fn == nullptr) {
+    *error = "pyalloc_register_pressure_callback: the callback is NULL";
+    return PYALLOC_EINVAL;
+  }
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.callbacks_mutex);
+  const int h = p.next_handle++;
+  p.callbacks.push_back(Callback{h, fn, user_data});
+  if (handle != nullptr) *handle = h;
+  return PYALLOC_OK;
+}
+
+int unregister_callback(int handle, std::string* error) {
+  Process& p = process();
+  std::unique_lock<std::mutex> lock(p.callbacks_mutex);
+  for (auto it = p.callbacks.begin(); it != p.callbacks.end(); ++it) {
+    if (it->handle == handle) {
+      p.callbacks.erase(it);
+      // The caller may free the callback's state once we return, so wait
+      // for calls in flight, unless we are inside one (it would never end).
+      if (!t_in_pressure_callback) p.callbacks_idle.wait(lock, [&] { return p.callbacks_in_flight == 0; });
+      return PYALLOC_OK;
+    }
+  }
+  *error = "pyalloc_unregister_pressure_callback: no callback has handle " + std::to_string(handle);
+  return PYALLOC_EINVAL;
+}
+
+size_t Runtime::run_pressure_callbacks(int device, size_t bytes_needed) {
+  if (t_in_pressure_callback) return 0;  // an allocation made by a callback: no re-entry
+  Process& p = process();
+  std::vector<Callback> calls;
+  {
+    std::lock_guard<std::mutex> lock(p.callbacks_mutex);
+    if (p.callbacks.empty()) return 0;
+    calls = p.callbacks;
+    ++p.callbacks_in_flight;
+  }
+  size_t freed = 0;
+  t_in_pressure_callback = true;
+  for (const Callback& c : calls) {
+    freed += c.fn(device, bytes_needed, c.user_data);
+    if (freed >= bytes_needed) break;
+  }
+  t_in_pressure_callback = false;
+  {
+    std::lock_guard<std::mutex> lock(p.callbacks_mutex);
+    --p.callbacks_in_flight;
+  }
+  p.callbacks_idle.notify_all();
+  return freed;
+}
+
+size_t Runtime::ask_daemon(int /*device*/, size_t /*bytes_needed*/) {
+  // Step 4 of the ladder: the gpumemd client fills this seam.
+  return 0;
+}
+
+}  // namespace pyalloc

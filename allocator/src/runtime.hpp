@@ -1,0 +1,53 @@
+// runtime.hpp: the process-wide state behind the C ABI.
+//
+// A Runtime is one configuration's allocator: its Config, its Backend and
+// one DeviceAllocator per device. Reconfiguring a layout key builds a new
+// Runtime and retires the old one (whose devices redirect late callers).
+// Pool names and pressure callbacks outlive Runtimes: they belong to the
+// process. Everything here is leaked at exit on purpose (Note [Shutdown]).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "config.hpp"
+#include "device_allocator.hpp"
+#include "pyalloc/pyalloc.h"
+
+namespace pyalloc {
+
+class Runtime final : public PressureHooks {
+ public:
+  explicit Runtime(const Config& config);
+
+  size_t run_pressure_callbacks(int device, size_t bytes_needed) override;
+  size_t ask_daemon(int device, size_t bytes_needed) override;
+
+  Config config;                     // guarded by the process's configure mutex
+  std::unique_ptr<Backend> backend;  // null when it failed to start
+  std::string error;                 // why the backend failed; empty if it runs
+  std::vector<std::unique_ptr<DeviceAllocator>> devices;
+};
+
+// The current Runtime; built from PYALLOC_CONF on first use. Never null.
+Runtime* current_runtime();
+
+// pyalloc_configure(): returns a PYALLOC_* status, message in *error.
+int configure(const char* text, std::string* error);
+std::string config_json();
+
+// Pools: names registered once per process; id 0 is the default pool.
+int pool_create(const std::string& name, int* id, std::string* error);
+int pool_count();
+
+int register_callback(pyalloc_pressure_fn fn, void* user_data, int* handle, std::string* error);
+int unregister_callback(int handle, std::string* error);
+
+// Calls outside [0, device_count) are counted process-wide.
+extern std::atomic<int64_t> g_num_invalid_device;
+
+}  // namespace pyalloc

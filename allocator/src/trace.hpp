@@ -1,0 +1,63 @@
+// trace.hpp: a fixed-size ring of allocator events, for snapshots.
+//
+// The action names are those of torch.cuda.memory._snapshot()'s
+// device_traces, so PyTorch's _memory_viz reads them. Recording happens
+// under the device lock; with capacity 0 (the default) record() is one
+// predictable branch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "backend.hpp"
+
+namespace pyalloc {
+
+class JsonWriter;
+
+enum class TraceAction : uint8_t {
+  kAlloc,
+  kFreeRequested,
+  kFreeCompleted,
+  kSegmentAlloc,
+  kSegmentFree,
+  kSegmentMap,
+  kSegmentUnmap,
+  kOom,
+};
+
+const char* trace_action_name(TraceAction action);
+
+struct TraceEvent {
+  TraceAction action;
+  uintptr_t addr;
+  size_t size;
+  StreamId stream;
+  uint64_t time_ns;  // steady clock
+};
+
+class TraceRing {
+ public:
+  void resize(size_t capacity);  // drops recorded events
+  size_t capacity() const { return events_.size(); }
+
+  void record(TraceAction action, uintptr_t addr, size_t size, StreamId stream) {
+    if (events_.empty()) return;
+    record_slow(action, addr, size, stream);
+  }
+
+  // Oldest first, as a JSON array of PyTorch TraceEntry objects.
+  void write_json(JsonWriter& w) const;
+
+ private:
+  void record_slow(TraceAction action, uintptr_t addr, size_t size, StreamId stream);
+
+  std::vector<TraceEvent> events_;
+  size_t next_ = 0;      // slot of the next event
+  uint64_t total_ = 0;   // events ever recorded
+};
+
+uint64_t now_ns();
+
+}  // namespace pyalloc

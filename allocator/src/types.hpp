@@ -1,0 +1,133 @@
+// types.hpp: the allocator's data structures, and the invariants they keep.
+//
+// Glossary
+//   segment      a contiguous range obtained from the backend in one call
+//                (cuMemAlloc on cuda). Segments belong to one pool and one
+//                stream, and are released to the backend only when wholly free.
+//   block        a piece of a segment. Blocks tile their segment exactly, in
+//                address order, linked by prev/next. A block is free,
+//                allocated, or pending-free.
+//   pool         a set of segments with one free set: the small pool
+//                (requests <= kSmallRequest), the large pool, and user pools
+//                (selected by the thread's current pool).
+//   free set     a pool's free blocks, ordered by (stream, size, address):
+//                best fit is a lower_bound, address order breaks ties.
+//   stream       the stream a segment was allocated for. A free block is
+//                reused only by requests on the same stream.
+//   stream use   another stream the block was used on (record_stream). Such
+//                a block, once freed, is pending until events recorded on
+//                those streams complete.
+//   cached free  bytes of free blocks: reserved but not handed out.
+//
+// Invariants (checked by DeviceAllocator::check, i.e. pyalloc_check)
+//   I1  the blocks of a segment tile it: first.addr == base,
+//       b.next.addr == b.addr + b.size, sum(b.size) == segment.size
+//   I2  no two address-adjacent blocks of a segment are both free
+//   I3  a block is in its pool's free set  <=>  it is free; every entry of a
+//       free set is a free block of a segment of that pool and stream
+//   I4  a block is in the live map  <=>  it is allocated (keyed by address)
+//   I5  a block is in the pending list  <=>  it is pending-free
+//   I6  reserved == allocated + pending_free + cached_free      (bytes)
+//       active   == allocated + pending_free                   (bytes)
+//   I7  every counter's current value equals what the walk sums, for all,
+//       small-pool and large-pool stat types
+//   I8  block sizes and addresses are multiples of kBlockAlign (512 B)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+
+namespace pyalloc {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+
+constexpr size_t kBlockAlign = 512;          // every size is rounded to this
+constexpr size_t kSmallRequest = 1 * kMiB;   // largest request of the small pool
+constexpr size_t kLargeSplitMin = 1 * kMiB;  // large blocks split only if more than this remains
+constexpr size_t kLargeRound = 2 * kMiB;     // big requests get segments rounded to this
+// Requests above this are refused outright: far beyond any device, and safe
+// from overflow in every rounding computation.
+constexpr size_t kMaxRequest = size_t{1} << 52;
+
+enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree };
+
+enum class PoolKind : uint8_t { kSmall, kLarge, kUser };
+
+// Stat types, as in torch.cuda.memory_stats(): all / small_pool / large_pool.
+// A segment's blocks count as small_pool when its pool is the small pool;
+// large and user pools count as large_pool.
+enum StatType : int { kStatAll = 0, kStatSmall = 1, kStatLarge = 2, kNumStatTypes = 3 };
+
+struct Pool;
+struct Segment;
+
+struct Block {
+  uintptr_t addr = 0;
+  size_t size = 0;           // bytes, multiple of kBlockAlign
+  size_t requested = 0;      // bytes the caller asked for; 0 unless allocated/pending
+  Segment* segment = nullptr;
+  Pool* pool = nullptr;      // == segment->pool, kept here for the fast path
+  StreamId stream = 0;       // == segment->stream, likewise
+  Block* prev = nullptr;     // address-order neighbours in the segment
+  Block* next = nullptr;
+  BlockState state = BlockState::kFree;
+  std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
+
+  bool is_free() const { return state == BlockState::kFree; }
+};
+
+struct Segment {
+  uintptr_t base = 0;
+  size_t size = 0;
+  Pool* pool = nullptr;
+  StreamId stream = 0;
+  Block* head = nullptr;    // lowest-addressed block
+  uint64_t id = 0;          // creation order
+  uint64_t free_since = 0;  // tick at which it last became wholly free
+
+  bool wholly_free() const { return head->is_free() && head->size == size; }
+  StatType stat_type() const;
+};
+
+// Free-set order: stream, then size, then address (best fit, lowest address).
+struct BlockOrder {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->addr < b->addr;
+  }
+};
+
+using FreeSet = std::set<Block*, BlockOrder>;
+
+struct Pool {
+  PoolKind kind = PoolKind::kLarge;
+  int id = 0;               // 0 small/large defaults; user pools from 1
+  std::string name;
+  FreeSet free_blocks;
+
+  // Best fit on `stream`: the smallest free block of at least `size` bytes,
+  // lowest address first among equals. nullptr when none.
+  Block* best_fit(StreamId stream, size_t size) const {
+    Block key;
+    key.stream = stream;
+    key.size = size;
+    key.addr = 0;
+    auto it = free_blocks.lower_bound(&key);
+    if (it == free_blocks.end() || (*it)->stream != stream) return nullptr;
+    return *it;
+  }
+};
+
+inline StatType Segment::stat_type() const {
+  return pool->kind == PoolKind::kSmall ? kStatSmall : kStatLarge;
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,64 @@
+"""pyalloc: a caching, stream-ordered, fragmentation-aware GPU memory allocator."""
+
+from __future__ import annotations
+
+from ._lib import PyallocError, library_path
+from .core import (
+    check,
+    config,
+    configure,
+    create_pool,
+    current_pool,
+    device_count,
+    dump_snapshot,
+    empty_cache,
+    free,
+    malloc,
+    memory_stats,
+    pool,
+    record_stream,
+    register_pressure_callback,
+    release_cached,
+    reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
+    set_memory_fraction,
+    snapshot,
+    unregister_pressure_callback,
+    version,
+)
+from .torch_compat import (
+    install,
+    install_cupy,
+    patch_torch_memory_api,
+    unpatch_torch_memory_api,
+)
+
+__all__ = [
+    "PyallocError",
+    "check",
+    "config",
+    "configure",
+    "create_pool",
+    "current_pool",
+    "device_count",
+    "dump_snapshot",
+    "empty_cache",
+    "free",
+    "install",
+    "install_cupy",
+    "library_path",
+    "malloc",
+    "memory_stats",
+    "patch_torch_memory_api",
+    "pool",
+    "record_stream",
+    "register_pressure_callback",
+    "release_cached",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "set_memory_fraction",
+    "snapshot",
+    "unpatch_torch_memory_api",
+    "unregister_pressure_callback",
+    "version",
+]

@@ -1,0 +1,175 @@
+"""The allocator from Python: configuration, raw allocation, stats, snapshots, pools."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import pickle
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ._lib import PressureCallback, PyallocError, check_status, last_error, lib, read_json
+
+
+def configure(conf: str) -> None:
+    """Applies a PYALLOC_CONF-style string (``"backend=host,capacity=1GiB"``).
+
+    Raises PyallocError naming the bad key and the accepted form.
+    """
+    check_status(lib().pyalloc_configure(conf.encode()), "pyalloc_configure")
+
+
+def config() -> dict[str, Any]:
+    """The configuration in force."""
+    return read_json(lib().pyalloc_config_json)
+
+
+def device_count() -> int:
+    return int(lib().pyalloc_device_count())
+
+
+def version() -> str:
+    return lib().pyalloc_version().decode()
+
+
+def malloc(size: int, device: int = 0, stream: int = 0) -> int:
+    """Allocates ``size`` bytes; returns the address, raises PyallocError on failure.
+
+    ``malloc(0)`` returns 0 (NULL), as the C ABI does.
+    """
+    ptr = lib().pyalloc_malloc(size, device, stream)
+    if not ptr:
+        if size == 0:
+            return 0
+        raise PyallocError(last_error() or "pyalloc_malloc failed")
+    return int(ptr)
+
+
+def free(ptr: int, size: int, device: int = 0, stream: int = 0) -> None:
+    """Frees a block; a bad call raises PyallocError (the allocator stays intact)."""
+    before = last_error()
+    lib().pyalloc_free(ptr, size, device, stream)
+    _raise_if_new_error(before)
+
+
+def record_stream(ptr: int, stream: int) -> None:
+    before = last_error()
+    lib().pyalloc_record_stream(ptr, stream)
+    _raise_if_new_error(before)
+
+
+def _raise_if_new_error(before: str) -> None:
+    # void entry points report through last_error only; the counter-based
+    # stats are the authoritative record, this is a convenience for callers.
+    after = last_error()
+    if after and after != before:
+        raise PyallocError(after)
+
+
+def empty_cache() -> None:
+    lib().pyalloc_empty_cache()
+
+
+def set_memory_fraction(fraction: float, device: int = 0) -> None:
+    before = last_error()
+    lib().pyalloc_set_memory_fraction(fraction, device)
+    _raise_if_new_error(before)
+
+
+def release_cached(device: int = 0, nbytes: int = 0) -> int:
+    """Releases cached free segments (oldest first) until ``nbytes`` (0 = all); returns bytes."""
+    released = ctypes.c_size_t(0)
+    check_status(
+        lib().pyalloc_release_cached(device, nbytes, ctypes.byref(released)),
+        "pyalloc_release_cached",
+    )
+    return int(released.value)
+
+
+def check(device: int = 0) -> None:
+    """Walks every invariant of ``device``; raises PyallocError on the first violation."""
+    check_status(lib().pyalloc_check(device), "pyalloc_check")
+
+
+def memory_stats(device: int = 0) -> "OrderedDict[str, Any]":
+    """Stats in the flat format of ``torch.cuda.memory_stats()``, keys sorted."""
+    stats = read_json(lib().pyalloc_stats_json, device)
+    if "error" in stats:
+        raise PyallocError(stats["error"])
+    return OrderedDict(sorted(stats.items()))
+
+
+def reset_peak_memory_stats(device: int = 0) -> None:
+    check_status(lib().pyalloc_reset_peak_stats(device), "pyalloc_reset_peak_stats")
+
+
+def reset_accumulated_memory_stats(device: int = 0) -> None:
+    check_status(
+        lib().pyalloc_reset_accumulated_stats(device), "pyalloc_reset_accumulated_stats"
+    )
+
+
+def snapshot() -> dict[str, Any]:
+    """A dict in the format of ``torch.cuda.memory._snapshot()``."""
+    return read_json(lib().pyalloc_snapshot_json)
+
+
+def dump_snapshot(path: str | Path) -> None:
+    """Pickles :func:`snapshot` to ``path``, readable by ``python -m torch.cuda._memory_viz``."""
+    with open(path, "wb") as f:
+        pickle.dump(snapshot(), f)
+
+
+def create_pool(name: str) -> int:
+    pool_id = ctypes.c_int(0)
+    check_status(lib().pyalloc_pool_create(name.encode(), ctypes.byref(pool_id)), "pyalloc_pool_create")
+    return int(pool_id.value)
+
+
+def current_pool() -> int:
+    return int(lib().pyalloc_current_pool())
+
+
+@contextlib.contextmanager
+def pool(name: str) -> Iterator[int]:
+    """Routes this thread's allocations to the named user pool inside the block."""
+    pool_id = create_pool(name)
+    previous = current_pool()
+    check_status(lib().pyalloc_set_current_pool(pool_id), "pyalloc_set_current_pool")
+    try:
+        yield pool_id
+    finally:
+        check_status(lib().pyalloc_set_current_pool(previous), "pyalloc_set_current_pool")
+
+
+_callbacks: dict[int, Any] = {}  # keeps ctypes thunks alive while registered
+
+
+def register_pressure_callback(fn: Callable[[int, int], int]) -> int:
+    """Registers ``fn(device, bytes_needed) -> bytes_freed`` for step 3 of the ladder.
+
+    Returns a handle for :func:`unregister_pressure_callback`.
+    """
+
+    def thunk(device: int, needed: int, _user: Any) -> int:
+        try:
+            return max(0, int(fn(device, needed)))
+        except Exception:  # never let an exception unwind into C
+            return 0
+
+    c_fn = PressureCallback(thunk)
+    handle = ctypes.c_int(0)
+    check_status(
+        lib().pyalloc_register_pressure_callback(c_fn, None, ctypes.byref(handle)),
+        "pyalloc_register_pressure_callback",
+    )
+    _callbacks[handle.value] = c_fn
+    return int(handle.value)
+
+
+def unregister_pressure_callback(handle: int) -> None:
+    check_status(
+        lib().pyalloc_unregister_pressure_callback(handle), "pyalloc_unregister_pressure_callback"
+    )
+    _callbacks.pop(handle, None)
