@@ -60,6 +60,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pyalloc_snapshot_json": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
     "pyalloc_check": (ctypes.c_int, [ctypes.c_int]),
     "pyalloc_version": (ctypes.c_char_p, []),
+    "pyalloc_clear_last_error": (None, []),
     "pyalloc_device_count": (ctypes.c_int, []),
     "pyalloc_config_json": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
     "pyalloc_reset_peak_stats": (ctypes.c_int, [ctypes.c_int]),

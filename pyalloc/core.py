@@ -48,23 +48,23 @@ def malloc(size: int, device: int = 0, stream: int = 0) -> int:
 
 def free(ptr: int, size: int, device: int = 0, stream: int = 0) -> None:
     """Frees a block; a bad call raises PyallocError (the allocator stays intact)."""
-    before = last_error()
+    lib().pyalloc_clear_last_error()
     lib().pyalloc_free(ptr, size, device, stream)
-    _raise_if_new_error(before)
+    _raise_if_error()
 
 
 def record_stream(ptr: int, stream: int) -> None:
-    before = last_error()
+    lib().pyalloc_clear_last_error()
     lib().pyalloc_record_stream(ptr, stream)
-    _raise_if_new_error(before)
+    _raise_if_error()
 
 
-def _raise_if_new_error(before: str) -> None:
-    # void entry points report through last_error only; the counter-based
-    # stats are the authoritative record, this is a convenience for callers.
-    after = last_error()
-    if after and after != before:
-        raise PyallocError(after)
+def _raise_if_error() -> None:
+    # The void entry points report only through last_error, which the caller
+    # cleared just before the call.
+    message = last_error()
+    if message:
+        raise PyallocError(message)
 
 
 def empty_cache() -> None:
@@ -72,9 +72,9 @@ def empty_cache() -> None:
 
 
 def set_memory_fraction(fraction: float, device: int = 0) -> None:
-    before = last_error()
+    lib().pyalloc_clear_last_error()
     lib().pyalloc_set_memory_fraction(fraction, device)
-    _raise_if_new_error(before)
+    _raise_if_error()
 
 
 def release_cached(device: int = 0, nbytes: int = 0) -> int:

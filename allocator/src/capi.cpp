@@ -216,6 +216,8 @@ int pyalloc_check(int device) {
 
 const char* pyalloc_version(void) { return PYALLOC_VERSION; }
 
+void pyalloc_clear_last_error(void) { t_last_error.clear(); }
+
 int pyalloc_device_count(void) {
   return guarded<int>(0, [] { return static_cast<int>(pyalloc::current_runtime()->devices.size()); });
 }

@@ -27,6 +27,7 @@
 
 #include "json.hpp"
 #include "pyalloc/pyalloc.h"
+#include "runtime.hpp"
 
 #define PYALLOC_LIKELY(x) __builtin_expect(!!(x), 1)
 #define PYALLOC_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -124,7 +125,7 @@ Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
     user_pools_[index] = std::make_unique<Pool>();
     user_pools_[index]->kind = PoolKind::kUser;
     user_pools_[index]->id = pool_id;
-    user_pools_[index]->name = "user:" + std::to_string(pool_id);
+    user_pools_[index]->name = pool_name(pool_id);
   }
   return *user_pools_[index];
 }

@@ -167,6 +167,13 @@ int pool_count() {
   return static_cast<int>(p.pool_names.size());
 }
 
+std::string pool_name(int id) {
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.pools_mutex);
+  if (id < 1 || static_cast<size_t>(id) > p.pool_names.size()) return "";
+  return p.pool_names[static_cast<size_t>(id) - 1];
+}
+
 int register_callback(pyalloc_pressure_fn fn, void* user_data, int* handle, std::string* error) {
   if (fn == nullptr) {
     *error = "pyalloc_register_pressure_callback: the callback is NULL";

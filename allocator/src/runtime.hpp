@@ -43,6 +43,7 @@ std::string config_json();
 // Pools: names registered once per process; id 0 is the default pool.
 int pool_create(const std::string& name, int* id, std::string* error);
 int pool_count();
+std::string pool_name(int id);  // "" for unknown ids
 
 int register_callback(pyalloc_pressure_fn fn, void* user_data, int* handle, std::string* error);
 int unregister_callback(int handle, std::string* error);

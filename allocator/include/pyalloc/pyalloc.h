@@ -92,6 +92,9 @@ PYALLOC_API int pyalloc_check(int device);
 /* ---- additions ----------------------------------------------------------- */
 
 PYALLOC_API const char* pyalloc_version(void);
+/* Empties this thread's pyalloc_last_error(), so that a void entry point's
+ * failure can be told apart from an earlier one. */
+PYALLOC_API void pyalloc_clear_last_error(void);
 /* Number of devices of the configured backend (0 if it failed to start). */
 PYALLOC_API int pyalloc_device_count(void);
 /* The configuration in force, as JSON (snprintf-style, like stats). */
