@@ -1,0 +1,158 @@
+"""Allocation traces (format version 1, see TRACE_FORMAT.md): reading and validation.
+
+A trace is validated whole before anything replays it: a bad line raises
+:class:`TraceError` carrying its line number and the reason, so a replay
+never half-applies a bad trace.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator
+
+ALLOC, FREE, MARK = 0, 1, 2
+_OPS = {"alloc": ALLOC, "free": FREE, "mark": MARK}
+
+
+class TraceError(ValueError):
+    """A trace line that breaks the format; ``line`` is 1-based."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        super().__init__(f"{path}:{line}: {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+
+@dataclass
+class Trace:
+    """A validated trace: parallel lists, one entry per event (marks included)."""
+
+    source: str
+    header: dict[str, Any]
+    ops: list[int] = field(default_factory=list)     # ALLOC, FREE or MARK
+    ids: list[int] = field(default_factory=list)     # allocation id (-1 for marks)
+    sizes: list[int] = field(default_factory=list)   # requested bytes (0 unless alloc)
+    streams: list[int] = field(default_factory=list)
+    marks: list[tuple[int, str]] = field(default_factory=list)  # (event index, name)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    @property
+    def num_ops(self) -> int:
+        """Allocations and frees (marks excluded)."""
+        return sum(1 for op in self.ops if op != MARK)
+
+    def peak_live_bytes(self) -> int:
+        """Largest sum of requested sizes live at once."""
+        live: dict[int, int] = {}
+        current = peak = 0
+        for op, ident, size in zip(self.ops, self.ids, self.sizes):
+            if op == ALLOC:
+                live[ident] = size
+                current += size
+                peak = max(peak, current)
+            elif op == FREE:
+                current -= live.pop(ident)
+        return peak
+
+
+def _open_text(path: Path) -> IO[str]:
+    with open(path, "rb") as probe:
+        magic = probe.read(2)
+    if magic == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _int_field(event: dict[str, Any], key: str, default: int | None = None) -> int | None:
+    value = event.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"'{key}' must be an integer, got {value!r}")
+    return value
+
+
+def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Trace:
+    """Validates and collects a trace from its text lines."""
+    it: Iterator[tuple[int, str]] = enumerate(lines, start=1)
+    header: dict[str, Any] | None = None
+    trace: Trace | None = None
+    live: set[int] = set()
+    for number, raw in it:
+        text = raw.strip()
+        if not text:
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceError(name, number, f"not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(name, number, "a line must be a JSON object")
+        if header is None:
+            if obj.get("version") != 1:
+                raise TraceError(name, number, f"the header must carry \"version\": 1, got {obj.get('version')!r}")
+            header = obj
+            trace = Trace(source=str(obj.get("source", "")), header=obj)
+            continue
+        assert trace is not None
+        op_name = obj.get("op")
+        if op_name not in _OPS:
+            raise TraceError(name, number, f"unknown op {op_name!r} (expected alloc, free or mark)")
+        op = _OPS[op_name]
+        try:
+            stream = _int_field(obj, "stream", 0)
+            if op == MARK:
+                mark = obj.get("name")
+                if not isinstance(mark, str):
+                    raise ValueError("a mark needs a string 'name'")
+                trace.marks.append((len(trace.ops), mark))
+                ident, size = -1, 0
+            else:
+                ident = _int_field(obj, "id")
+                if ident is None:
+                    raise ValueError(f"{op_name} needs an integer 'id'")
+                if op == ALLOC:
+                    size = _int_field(obj, "size")
+                    if size is None or size <= 0:
+                        raise ValueError(f"alloc needs a positive 'size', got {obj.get('size')!r}")
+                    if ident in live:
+                        raise ValueError(f"alloc of id {ident}, which is already live")
+                    live.add(ident)
+                else:
+                    if ident not in live:
+                        raise ValueError(f"free of id {ident}, which is not live")
+                    live.remove(ident)
+                    size = 0
+        except ValueError as e:
+            raise TraceError(name, number, str(e)) from None
+        trace.ops.append(op)
+        trace.ids.append(ident)
+        trace.sizes.append(size)
+        trace.streams.append(stream if stream is not None else 0)
+    if trace is None:
+        raise TraceError(name, 1, "the trace is empty: no header line")
+    return trace
+
+
+def load(path: str | Path) -> Trace:
+    """Reads a JSON Lines trace, gzip-compressed or not, validating every line."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(str(p), 0, "no such file")
+    try:
+        with _open_text(p) as f:
+            return parse_lines(f, str(p))
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise TraceError(str(p), 0, f"cannot read the file ({e})") from None
+
+
+def workloads_dir() -> Path:
+    """The recorded workloads shipped inside the package."""
+    return Path(__file__).resolve().parent / "workloads"

@@ -1,0 +1,23 @@
+"""The README stays true: its configuration table and its set-up commands."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pyalloc
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_configuration_table_lists_exactly_the_librarys_keys() -> None:
+    section = README.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
+    assert sorted(documented) == sorted(pyalloc.config())
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    test_command = 'pip install ".[test]" && pytest -q'
+    assert test_command in README
+    assert test_command in (ROOT / ".ci" / "run").read_text()
