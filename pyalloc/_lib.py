@@ -77,6 +77,13 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         [PressureCallback, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],
     ),
     "pyalloc_unregister_pressure_callback": (ctypes.c_int, [ctypes.c_int]),
+    "pyalloc_replay": (
+        ctypes.c_int,
+        [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32),
+         ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+         ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+         ctypes.c_size_t, ctypes.c_void_p],
+    ),
 }
 
 _lib: ctypes.CDLL | None = None

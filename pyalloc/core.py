@@ -12,6 +12,24 @@ from typing import Any, Callable, Iterator
 from ._lib import PressureCallback, PyallocError, check_status, last_error, lib, read_json
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+          "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Parses sizes as PYALLOC_CONF does: ``512``, ``64KiB``, ``1.5GiB``, ``2GB``."""
+    t = text.strip().lower()
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
+    unit = t[len(number):].strip()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise PyallocError(f"bad size {text!r}: expected a number with an optional unit such as 512MiB or 2GB") from None
+    if value < 0 or value != int(value):
+        raise PyallocError(f"bad size {text!r}: must be a whole, non-negative number of bytes")
+    return int(value)
+
+
 def configure(conf: str) -> None:
     """Applies a PYALLOC_CONF-style string (``"backend=host,capacity=1GiB"``).
 

@@ -156,3 +156,80 @@ def load(path: str | Path) -> Trace:
 def workloads_dir() -> Path:
     """The recorded workloads shipped inside the package."""
     return Path(__file__).resolve().parent / "workloads"
+
+
+class _SnapshotUnpickler:
+    """Reads a PyTorch snapshot pickle without running code from the file.
+
+    ``torch.cuda.memory._snapshot()`` holds only dicts, lists, strings and
+    numbers; any other class in the pickle is refused.
+    """
+
+    @staticmethod
+    def load(path: Path) -> Any:
+        import pickle
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> Any:
+                raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a plain snapshot")
+
+        with open(path, "rb") as f:
+            return Restricted(f).load()
+
+
+def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
+    """Maps a snapshot's device trace to a Trace: alloc / free_completed by address.
+
+    Frees of addresses allocated before recording started are skipped: they
+    belong to no allocation of the trace.
+    """
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("device_traces"), list):
+        raise TraceError(name, 0, "not a PyTorch memory snapshot: no 'device_traces' list")
+    traces = snapshot["device_traces"]
+    if device >= len(traces):
+        raise TraceError(name, 0, f"the snapshot has no device {device}")
+    trace = Trace(source=f"PyTorch snapshot {name}, device {device}", header={"version": 1})
+    live: dict[int, int] = {}
+    next_id = 0
+    for index, entry in enumerate(traces[device]):
+        if not isinstance(entry, dict):
+            raise TraceError(name, index, "a trace entry is not a dict")
+        action = entry.get("action")
+        addr, size, stream = entry.get("addr"), entry.get("size"), entry.get("stream", 0)
+        if action == "alloc":
+            if not isinstance(addr, int) or not isinstance(size, int) or size <= 0:
+                raise TraceError(name, index, "an alloc entry needs an integer addr and a positive size")
+            if addr in live:
+                raise TraceError(name, index, f"alloc at {addr:#x}, which is already live")
+            live[addr] = next_id
+            trace.ops.append(ALLOC)
+            trace.ids.append(next_id)
+            trace.sizes.append(size)
+            trace.streams.append(int(stream) if isinstance(stream, int) else 0)
+            next_id += 1
+        elif action == "free_completed":
+            if addr not in live:
+                continue
+            trace.ops.append(FREE)
+            trace.ids.append(live.pop(addr))
+            trace.sizes.append(0)
+            trace.streams.append(int(stream) if isinstance(stream, int) else 0)
+    return trace
+
+
+def load_any(path: str | Path, device: int = 0) -> Trace:
+    """A JSON Lines trace (plain or gzip) or a pickled PyTorch memory snapshot."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(str(p), 0, "no such file")
+    with open(p, "rb") as f:
+        magic = f.read(2)
+    if magic[:1] == b"\x80":  # pickle protocol 2+
+        import pickle
+
+        try:
+            snapshot = _SnapshotUnpickler.load(p)
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+            raise TraceError(str(p), 0, f"cannot read the snapshot pickle ({e})") from None
+        return from_snapshot(snapshot, str(p), device)
+    return load(p)

@@ -22,11 +22,10 @@ using pyalloc::StreamId;
 
 namespace {
 
-thread_local std::string t_last_error;
 thread_local int t_current_pool = 0;
 thread_local StreamId t_cupy_stream = 0;
 
-void set_error(std::string message) { t_last_error = std::move(message); }
+void set_error(std::string message) { pyalloc::set_last_error(std::move(message)); }
 
 // Runs `body`, turning any exception into an error message and `fallback`.
 template <typename R, typename F>
@@ -87,7 +86,7 @@ void* malloc_impl(size_t size, int device, StreamId stream) {
       return nullptr;
     }
     int status = PYALLOC_OK;
-    void* p = d->malloc(size, stream, t_current_pool, &status, &t_last_error);
+    void* p = d->malloc(size, stream, t_current_pool, &status, &pyalloc::last_error_slot());
     if (PYALLOC_UNLIKELY(p == nullptr && status == PYALLOC_EBUSY)) continue;  // reconfigured meanwhile
     return p;
   }
@@ -99,7 +98,7 @@ void free_impl(void* ptr, size_t size, int device) {
     Runtime* r = pyalloc::current_runtime();
     DeviceAllocator* d = device_or_error(r, device, "pyalloc_free");
     if (d == nullptr) return;
-    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size, &t_last_error);
+    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size, &pyalloc::last_error_slot());
     if (PYALLOC_UNLIKELY(result == FreeResult::kRetired)) continue;
     return;
   }
@@ -174,12 +173,12 @@ int pyalloc_configure(const char* conf) {
   });
 }
 
-const char* pyalloc_last_error(void) { return t_last_error.c_str(); }
+const char* pyalloc_last_error(void) { return pyalloc::last_error_slot().c_str(); }
 
 size_t pyalloc_stats_json(int device, char* buf, size_t len) {
   return guarded<size_t>(0, [&] {
     DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_stats_json");
-    if (d == nullptr) return copy_out(error_json(t_last_error), buf, len);
+    if (d == nullptr) return copy_out(error_json(pyalloc::last_error_slot()), buf, len);
     return copy_out(d->stats_json(pyalloc::g_num_invalid_device.load(std::memory_order_relaxed)), buf, len);
   });
 }
@@ -216,7 +215,7 @@ int pyalloc_check(int device) {
 
 const char* pyalloc_version(void) { return PYALLOC_VERSION; }
 
-void pyalloc_clear_last_error(void) { t_last_error.clear(); }
+void pyalloc_clear_last_error(void) { pyalloc::last_error_slot().clear(); }
 
 int pyalloc_device_count(void) {
   return guarded<int>(0, [] { return static_cast<int>(pyalloc::current_runtime()->devices.size()); });

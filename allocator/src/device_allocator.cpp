@@ -588,6 +588,13 @@ std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId st
 
 // ---- stats, snapshots, reconfiguration ---------------------------------------------------
 
+DeviceAllocator::Usage DeviceAllocator::usage() {
+  Lock lock(mutex_);
+  return Usage{static_cast<size_t>(stats_.reserved_bytes[kStatAll].current),
+               static_cast<size_t>(stats_.allocated_bytes[kStatAll].current), cached_free_bytes_,
+               largest_free_block(), static_cast<size_t>(stats_.reserved_bytes[kStatAll].peak)};
+}
+
 std::string DeviceAllocator::stats_json(int64_t num_invalid_device) {
   Lock lock(mutex_);
   return stats_.to_json(num_invalid_device);

@@ -88,6 +88,16 @@ class DeviceAllocator {
   // Full invariant walk (types.hpp I1..I8). False with *error on violation.
   bool check(std::string* error);
 
+  // A consistent view of the device's memory, for replays and reports.
+  struct Usage {
+    size_t reserved;
+    size_t allocated;
+    size_t cached_free;
+    size_t largest_free;
+    size_t peak_reserved;
+  };
+  Usage usage();
+
   std::string stats_json(int64_t num_invalid_device);
   void reset_peaks();
   void reset_accumulated();

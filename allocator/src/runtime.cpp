@@ -17,6 +17,13 @@ namespace pyalloc {
 std::atomic<int64_t> g_num_invalid_device{0};
 
 namespace {
+thread_local std::string t_last_error;
+}  // namespace
+
+std::string& last_error_slot() { return t_last_error; }
+void set_last_error(std::string message) { t_last_error = std::move(message); }
+
+namespace {
 
 struct Callback {
   int handle;

@@ -48,6 +48,10 @@ std::string pool_name(int id);  // "" for unknown ids
 int register_callback(pyalloc_pressure_fn fn, void* user_data, int* handle, std::string* error);
 int unregister_callback(int handle, std::string* error);
 
+// The thread's message for pyalloc_last_error().
+void set_last_error(std::string message);
+std::string& last_error_slot();
+
 // Calls outside [0, device_count) are counted process-wide.
 extern std::atomic<int64_t> g_num_invalid_device;
 

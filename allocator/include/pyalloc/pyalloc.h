@@ -24,6 +24,7 @@
 #define PYALLOC_PYALLOC_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -123,6 +124,30 @@ typedef size_t (*pyalloc_pressure_fn)(int device, size_t bytes_needed, void* use
 PYALLOC_API int pyalloc_register_pressure_callback(pyalloc_pressure_fn fn, void* user_data,
                                                    int* handle);
 PYALLOC_API int pyalloc_unregister_pressure_callback(int handle);
+
+/* ---- trace replay ----------------------------------------------------------- */
+
+typedef struct pyalloc_replay_result {
+  uint64_t ops;                        /* allocations and frees replayed */
+  uint64_t peak_live_bytes;            /* most requested bytes live at once */
+  uint64_t peak_reserved_bytes;        /* most bytes the policy held in segments */
+  uint64_t largest_free_at_peak_bytes; /* largest free block when live bytes peaked */
+  uint64_t ooms;                       /* allocations that failed */
+  double ns_per_op;                    /* allocator time per operation (timed pass) */
+} pyalloc_replay_result;
+
+/* Replays a trace held in parallel arrays of n events: ops[i] is 0 (alloc),
+ * 1 (free) or 2 (mark, skipped); slots[i] < n_slots names the allocation
+ * (trace ids remapped densely); sizes[i] is the requested size (also on
+ * frees); streams[i] the stream. policy "pyalloc" replays through this
+ * allocator's C ABI on device 0 as configured (use backend=sim at GPU scale);
+ * "native" through a model of PyTorch's default caching policy with
+ * `capacity` bytes. Runs a timed pass, then a measured one. If curve_points
+ * > 0, writes live and reserved bytes sampled at evenly spaced events. */
+PYALLOC_API int pyalloc_replay(const char* policy, size_t capacity, const unsigned char* ops,
+                               const uint32_t* slots, const uint64_t* sizes, const uint64_t* streams,
+                               size_t n, size_t n_slots, uint64_t* curve_live, uint64_t* curve_reserved,
+                               size_t curve_points, pyalloc_replay_result* out);
 
 #ifdef __cplusplus
 }

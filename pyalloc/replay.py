@@ -1,0 +1,241 @@
+"""`pyalloc replay`: a trace through an allocator policy, at GPU scale, timed in C++.
+
+Python reads and validates the trace, turns it into flat arrays, and hands
+them to ``pyalloc_replay`` in the library, whose loop runs in C++: the
+``ns_per_op`` it reports is the allocator's time, not Python's.
+
+Policies:
+  pyalloc   this allocator, through the same C ABI PyTorch calls
+  native    a MODEL of PyTorch's default CUDACachingAllocator policy
+            (allocator/src/native_model.hpp says what it models)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from array import array
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import core
+from ._lib import PyallocError, check_status, lib
+from .trace import ALLOC, FREE, Trace, TraceError, load_any
+
+MiB = 1 << 20
+CAPACITY_STEP = 2 * MiB
+DEFAULT_CAPACITY = 80 << 30
+
+POLICIES = {
+    "pyalloc": "the pyalloc allocator",
+    "native": "a model of PyTorch's default caching allocator (a model, not PyTorch)",
+}
+
+
+class ReplayResultC(ctypes.Structure):
+    _fields_ = [
+        ("ops", ctypes.c_uint64),
+        ("peak_live_bytes", ctypes.c_uint64),
+        ("peak_reserved_bytes", ctypes.c_uint64),
+        ("largest_free_at_peak_bytes", ctypes.c_uint64),
+        ("ooms", ctypes.c_uint64),
+        ("ns_per_op", ctypes.c_double),
+    ]
+
+
+@dataclass
+class ReplayResult:
+    trace: str
+    policy: str
+    backend: str
+    capacity_bytes: int
+    ops: int
+    peak_live_bytes: int
+    peak_reserved_bytes: int
+    reserved_over_live: float
+    largest_free_at_peak_bytes: int
+    ooms: int
+    ns_per_op: float
+    curve_live: list[int]
+    curve_reserved: list[int]
+
+    def report(self) -> dict[str, Any]:
+        """The keys ``pyalloc replay --json`` prints."""
+        keys = ("ops", "peak_live_bytes", "peak_reserved_bytes", "reserved_over_live",
+                "largest_free_at_peak_bytes", "ooms", "ns_per_op", "policy", "backend", "trace")
+        d = asdict(self)
+        return {k: d[k] for k in keys}
+
+
+@dataclass
+class FlatTrace:
+    """A trace as the arrays ``pyalloc_replay`` takes."""
+
+    name: str
+    ops: bytes
+    slots: array
+    sizes: array
+    streams: array
+    n_slots: int
+    peak_live_bytes: int
+    device_capacity: int | None
+
+
+def flatten(trace: Trace, name: str) -> FlatTrace:
+    """Remaps trace ids to dense slots and gives every free its allocation's size."""
+    slots = array("I")
+    sizes = array("Q")
+    streams = array("Q")
+    slot_of: dict[int, int] = {}
+    n_slots = 0
+    for op, ident, size, stream in zip(trace.ops, trace.ids, trace.sizes, trace.streams):
+        if op == ALLOC:
+            slot_of[ident] = n_slots
+            slots.append(n_slots)
+            sizes.append(size)
+            n_slots += 1
+        elif op == FREE:
+            slot = slot_of.pop(ident)
+            slots.append(slot)
+            sizes.append(0)  # filled below from the allocation
+        else:
+            slots.append(0)
+            sizes.append(0)
+        streams.append(stream & 0xFFFFFFFFFFFFFFFF)
+    size_of_slot = array("Q", bytes(8 * max(1, n_slots)))
+    for i, op in enumerate(trace.ops):
+        if op == ALLOC:
+            size_of_slot[slots[i]] = sizes[i]
+        elif op == FREE:
+            sizes[i] = size_of_slot[slots[i]]
+    capacity = trace.header.get("device_capacity")
+    return FlatTrace(name, bytes(trace.ops), slots, sizes, streams, n_slots, trace.peak_live_bytes(),
+                     int(capacity) if isinstance(capacity, int) and capacity > 0 else None)
+
+
+def _pointer(arr: array, ctype: Any) -> Any:
+    if len(arr) == 0:
+        return None
+    address, _ = arr.buffer_info()
+    return ctypes.cast(address, ctypes.POINTER(ctype))
+
+
+def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
+    """A fresh single-device allocator of ``capacity`` bytes on ``backend``."""
+    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0"
+    core.configure(settings + ("," + conf if conf else ""))
+
+
+def replay(flat: FlatTrace, policy: str = "pyalloc", backend: str = "sim", capacity: int | None = None,
+           conf: str = "", curve_points: int = 0) -> ReplayResult:
+    if policy not in POLICIES:
+        raise PyallocError(f"unknown policy {policy!r} (expected one of {', '.join(POLICIES)})")
+    if backend not in ("sim", "host"):
+        raise PyallocError(f"replay backend must be sim or host, not {backend!r}")
+    cap = capacity or flat.device_capacity or DEFAULT_CAPACITY
+    if policy == "pyalloc":
+        configure_for_replay(backend, cap, conf)
+    result = ReplayResultC()
+    live = array("Q", bytes(8 * curve_points))
+    reserved = array("Q", bytes(8 * curve_points))
+    status = lib().pyalloc_replay(
+        policy.encode(), cap, flat.ops, _pointer(flat.slots, ctypes.c_uint32),
+        _pointer(flat.sizes, ctypes.c_uint64), _pointer(flat.streams, ctypes.c_uint64), len(flat.ops),
+        max(1, flat.n_slots), _pointer(live, ctypes.c_uint64), _pointer(reserved, ctypes.c_uint64),
+        curve_points, ctypes.byref(result))
+    check_status(status, "pyalloc_replay")
+    peak_live = int(result.peak_live_bytes)
+    return ReplayResult(
+        trace=flat.name, policy=policy, backend=backend if policy == "pyalloc" else "model",
+        capacity_bytes=cap, ops=int(result.ops), peak_live_bytes=peak_live,
+        peak_reserved_bytes=int(result.peak_reserved_bytes),
+        reserved_over_live=result.peak_reserved_bytes / peak_live if peak_live else 0.0,
+        largest_free_at_peak_bytes=int(result.largest_free_at_peak_bytes), ooms=int(result.ooms),
+        ns_per_op=float(result.ns_per_op), curve_live=list(live), curve_reserved=list(reserved))
+
+
+def replays_cleanly(flat: FlatTrace, policy: str, backend: str, capacity: int, conf: str = "") -> bool:
+    return replay(flat, policy, backend, capacity, conf).ooms == 0
+
+
+def find_min_capacity(flat: FlatTrace, policy: str = "pyalloc", backend: str = "sim", conf: str = "") -> int:
+    """The smallest capacity, in 2 MiB steps, at which the trace replays with no failed allocation.
+
+    Bisection between the peak of live bytes (no policy can do with less) and
+    a capacity that works (doubled until one does). A caching allocator's
+    success is not strictly monotonic in capacity, so the answer is then
+    confirmed by stepping down while the next smaller step still works.
+    """
+    step = CAPACITY_STEP
+    lo = max(step, flat.peak_live_bytes // step * step)  # may fail
+    hi = max(lo + step, -(-flat.peak_live_bytes * 2 // step) * step)
+    while not replays_cleanly(flat, policy, backend, hi, conf):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 50:
+            raise PyallocError(f"{flat.name}: no capacity up to 1 PiB replays without a failed allocation")
+    if replays_cleanly(flat, policy, backend, lo, conf):
+        return lo
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if replays_cleanly(flat, policy, backend, mid, conf):
+            hi = mid
+        else:
+            lo = mid
+    while hi - step > lo and replays_cleanly(flat, policy, backend, hi - step, conf):
+        hi -= step
+    return hi
+
+
+def _trace_name(path: Path) -> str:
+    return path.name.split(".")[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        trace = load_any(args.trace)
+    except TraceError as e:
+        print(f"pyalloc replay: {e}", file=sys.stderr)
+        return 1
+    flat = flatten(trace, _trace_name(args.trace))
+    capacity = core.parse_size(args.capacity) if args.capacity else None
+    result = replay(flat, args.policy, args.backend, capacity, args.conf or "")
+    report = result.report()
+    if args.find_min_capacity:
+        minimum = find_min_capacity(flat, args.policy, args.backend, args.conf or "")
+        report["min_capacity_bytes"] = minimum
+        report["min_capacity_over_live"] = minimum / flat.peak_live_bytes if flat.peak_live_bytes else 0.0
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    label = POLICIES[args.policy]
+    print(f"{flat.name}: {label}, {report['backend']} backend")
+    for key, value in report.items():
+        if key in ("policy", "backend", "trace"):
+            continue
+        if key.endswith("_bytes"):
+            print(f"  {key:<28} {value:>16,}  ({value / MiB:,.1f} MiB)")
+        elif isinstance(value, float):
+            print(f"  {key:<28} {value:>16.3f}")
+        else:
+            print(f"  {key:<28} {value:>16,}")
+    return 0
+
+
+def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    parser = subparsers.add_parser(
+        "replay", help="replay an allocation trace through a policy and report fragmentation",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", type=Path, help="trace (.jsonl, .jsonl.gz) or PyTorch snapshot pickle")
+    parser.add_argument("--backend", choices=["sim", "host"], default="sim")
+    parser.add_argument("--capacity", metavar="SIZE",
+                        help="device size, e.g. 80GiB (default: the trace's device_capacity, else 80GiB)")
+    parser.add_argument("--find-min-capacity", action="store_true",
+                        help="also find the smallest capacity (2 MiB steps) with no failed allocation")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="pyalloc")
+    parser.add_argument("--conf", metavar="CONF", help="extra PYALLOC_CONF keys for the pyalloc policy")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
