@@ -4,6 +4,7 @@
 // the current Runtime, and converts results to the C contract: no exception
 // crosses the ABI, and a failure leaves a thread-local message for
 // pyalloc_last_error().
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -24,6 +25,14 @@ namespace {
 
 thread_local int t_current_pool = 0;
 thread_local StreamId t_cupy_stream = 0;
+// Threads whose current pool is not the default. While it is zero (the
+// common case) malloc skips the thread-local read, which in a dlopen'ed
+// library costs a __tls_get_addr call.
+std::atomic<int> g_threads_in_user_pools{0};
+
+int current_pool_id() {
+  return g_threads_in_user_pools.load(std::memory_order_relaxed) == 0 ? 0 : t_current_pool;
+}
 
 void set_error(std::string message) { pyalloc::set_last_error(std::move(message)); }
 
@@ -43,18 +52,21 @@ R guarded(R fallback, F&& body) noexcept {
 }
 
 // The device's allocator, or nullptr with the error set and counted.
-DeviceAllocator* device_or_error(Runtime* r, int device, const char* fn) {
-  if (PYALLOC_UNLIKELY(!r->error.empty())) {
+__attribute__((noinline, cold)) DeviceAllocator* device_error(Runtime* r, int device, const char* fn) {
+  if (!r->error.empty()) {
     set_error(std::string(fn) + ": " + r->error);
     return nullptr;
   }
-  if (PYALLOC_UNLIKELY(device < 0 || device >= static_cast<int>(r->devices.size()))) {
-    pyalloc::g_num_invalid_device.fetch_add(1, std::memory_order_relaxed);
-    set_error(std::string(fn) + ": device " + std::to_string(device) + " is out of range (" +
-              std::to_string(r->devices.size()) + " devices on the " + pyalloc::backend_name(r->config.backend) +
-              " backend)");
-    return nullptr;
-  }
+  pyalloc::g_num_invalid_device.fetch_add(1, std::memory_order_relaxed);
+  set_error(std::string(fn) + ": device " + std::to_string(device) + " is out of range (" +
+            std::to_string(r->devices.size()) + " devices on the " + pyalloc::backend_name(r->config.backend) +
+            " backend)");
+  return nullptr;
+}
+
+// A failed runtime has no devices, so one range check covers both cases.
+inline DeviceAllocator* device_or_error(Runtime* r, int device, const char* fn) {
+  if (PYALLOC_UNLIKELY(static_cast<unsigned>(device) >= r->devices.size())) return device_error(r, device, fn);
   return r->devices[static_cast<size_t>(device)].get();
 }
 
@@ -86,7 +98,7 @@ void* malloc_impl(size_t size, int device, StreamId stream) {
       return nullptr;
     }
     int status = PYALLOC_OK;
-    void* p = d->malloc(size, stream, t_current_pool, &status, &pyalloc::last_error_slot());
+    void* p = d->malloc(size, stream, current_pool_id(), &status);
     if (PYALLOC_UNLIKELY(p == nullptr && status == PYALLOC_EBUSY)) continue;  // reconfigured meanwhile
     return p;
   }
@@ -98,7 +110,7 @@ void free_impl(void* ptr, size_t size, int device) {
     Runtime* r = pyalloc::current_runtime();
     DeviceAllocator* d = device_or_error(r, device, "pyalloc_free");
     if (d == nullptr) return;
-    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size, &pyalloc::last_error_slot());
+    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size);
     if (PYALLOC_UNLIKELY(result == FreeResult::kRetired)) continue;
     return;
   }
@@ -271,6 +283,9 @@ int pyalloc_set_current_pool(int pool_id) {
     if (pool_id < 0 || pool_id > pyalloc::pool_count()) {
       set_error("pyalloc_set_current_pool: no pool has id " + std::to_string(pool_id));
       return static_cast<int>(PYALLOC_EINVAL);
+    }
+    if ((t_current_pool != 0) != (pool_id != 0)) {
+      g_threads_in_user_pools.fetch_add(pool_id != 0 ? 1 : -1, std::memory_order_relaxed);
     }
     t_current_pool = pool_id;
     return static_cast<int>(PYALLOC_OK);

@@ -106,8 +106,8 @@ bool DeviceAllocator::check(std::string* error) {
       if (tiled > seg->size) return fail("I1: " + bname + ": blocks run past the segment end");
 
       const bool in_free_set = seg->pool->free_blocks.count(const_cast<Block*>(b)) == 1;
-      const auto live_it = live_.find(b->addr);
-      const bool in_live = live_it != live_.end() && live_it->second == b;
+      Block** live_entry = live_.find(b->addr);
+      const bool in_live = live_entry != nullptr && *live_entry == b;
       const bool in_pending = pending_blocks.count(b) == 1;
       switch (b->state) {
         case BlockState::kFree:

@@ -71,7 +71,6 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* back
   small_pool_.name = "small";
   large_pool_.kind = PoolKind::kLarge;
   large_pool_.name = "large";
-  live_.reserve(4096);
   apply_settings(config);
 }
 
@@ -86,6 +85,22 @@ DeviceAllocator::~DeviceAllocator() {
     }
     delete entry.second;
   }
+  for (Block* b : spare_blocks_) delete b;
+}
+
+Block* DeviceAllocator::new_block() {
+  if (spare_blocks_.empty()) return new Block;
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void DeviceAllocator::delete_block(Block* block) {
+  block->uses.clear();
+  block->requested = 0;
+  block->state = BlockState::kFree;
+  block->prev = block->next = nullptr;
+  spare_blocks_.push_back(block);
 }
 
 void DeviceAllocator::apply_settings(const Config& config) {
@@ -122,7 +137,7 @@ Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
   const size_t index = static_cast<size_t>(pool_id - 1);
   if (index >= user_pools_.size()) user_pools_.resize(index + 1);
   if (!user_pools_[index]) {
-    user_pools_[index] = std::make_unique<Pool>();
+    user_pools_[index] = std::make_unique<Pool>(&arena_);
     user_pools_[index]->kind = PoolKind::kUser;
     user_pools_[index]->id = pool_id;
     user_pools_[index]->name = pool_name(pool_id);
@@ -157,8 +172,7 @@ size_t DeviceAllocator::reserved_limit() {
 
 // ---- the fast path -------------------------------------------------------------
 
-void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status,
-                              std::string* error) {
+void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status) {
   const size_t rounded = round_size(size);
   Lock lock(mutex_);
   if (PYALLOC_UNLIKELY(retired_)) {
@@ -168,7 +182,7 @@ void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* st
   Pool& pool = select_pool(rounded, pool_id);
   Block* block = pool.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(block == nullptr)) {
-    return malloc_slow(lock, pool, size, rounded, stream, status, error);
+    return malloc_slow(lock, pool, size, rounded, stream, status);
   }
   return take(block, size, rounded);
 }
@@ -177,7 +191,7 @@ void* DeviceAllocator::take(Block* block, size_t size, size_t rounded) {
   erase_free(block);
   const size_t remaining = block->size - rounded;
   if (should_split(*block->pool, remaining)) {
-    Block* rest = new Block;
+    Block* rest = new_block();
     rest->addr = block->addr + rounded;
     rest->size = remaining;
     rest->segment = block->segment;
@@ -192,7 +206,7 @@ void* DeviceAllocator::take(Block* block, size_t size, size_t rounded) {
   }
   block->state = BlockState::kAllocated;
   block->requested = size;
-  live_.emplace(block->addr, block);
+  live_.insert(block->addr, block);
 
   const StatType t = block->segment->stat_type();
   const int64_t bytes = static_cast<int64_t>(block->size);
@@ -205,20 +219,20 @@ void* DeviceAllocator::take(Block* block, size_t size, size_t rounded) {
   return reinterpret_cast<void*>(block->addr);
 }
 
-FreeResult DeviceAllocator::free(uintptr_t addr, size_t size, std::string* error) {
+FreeResult DeviceAllocator::free(uintptr_t addr, size_t size) {
   Lock lock(mutex_);
   if (PYALLOC_UNLIKELY(retired_)) return FreeResult::kRetired;
-  auto it = live_.find(addr);
-  if (PYALLOC_UNLIKELY(it == live_.end())) return classify_bad_free(addr, error);
-  Block* block = it->second;
+  Block** entry = live_.find(addr);
+  if (PYALLOC_UNLIKELY(entry == nullptr)) return classify_bad_free(addr);
+  Block* block = *entry;
   if (PYALLOC_UNLIKELY(size != kAnySize && size != block->requested)) {
     ++stats_.num_invalid_size;
-    *error = "pyalloc_free: size " + std::to_string(size) + " does not match the " +
+    set_last_error("pyalloc_free: size " + std::to_string(size) + " does not match the " +
              std::to_string(block->requested) + " bytes allocated at " + hex(addr) +
-             " on device " + std::to_string(device_) + "; the block was not freed";
+             " on device " + std::to_string(device_) + "; the block was not freed");
     return FreeResult::kSizeMismatch;
   }
-  live_.erase(it);
+  live_.erase(entry);
 
   const StatType t = block->segment->stat_type();
   stat_decrease(stats_.allocation, t, 1);
@@ -249,7 +263,7 @@ void DeviceAllocator::finish_free(Block* block) {
     prev->size += block->size;
     prev->next = block->next;
     if (block->next != nullptr) block->next->prev = prev;
-    delete block;
+    delete_block(block);
     block = prev;
   }
   if (Block* next = block->next; next != nullptr && next->is_free()) {
@@ -257,7 +271,7 @@ void DeviceAllocator::finish_free(Block* block) {
     block->size += next->size;
     block->next = next->next;
     if (next->next != nullptr) next->next->prev = block;
-    delete next;
+    delete_block(next);
   }
   insert_free(block);
   if (block->segment->wholly_free()) block->segment->free_since = ++tick_;
@@ -286,9 +300,9 @@ void DeviceAllocator::erase_free(Block* block) {
 
 bool DeviceAllocator::record_stream(uintptr_t addr, StreamId stream) {
   Lock lock(mutex_);
-  auto it = live_.find(addr);
-  if (it == live_.end()) return false;
-  Block* block = it->second;
+  Block** entry = live_.find(addr);
+  if (entry == nullptr) return false;
+  Block* block = *entry;
   // Use on the allocation stream is already ordered; nothing to wait for.
   if (stream != block->stream &&
       std::find(block->uses.begin(), block->uses.end(), stream) == block->uses.end()) {
@@ -304,8 +318,8 @@ void DeviceAllocator::count_invalid_size() {
 
 // ---- the slow path -----------------------------------------------------------------
 
-void* DeviceAllocator::malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded,
-                                   StreamId stream, int* status, std::string* error) {
+__attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded,
+                                   StreamId stream, int* status) {
   reclaim_pending(false);
   Block* block = try_serve(pool, rounded, stream, false);
   if (block == nullptr) {  // step 1
@@ -337,8 +351,9 @@ void* DeviceAllocator::malloc_slow(Lock& lock, Pool& pool, size_t size, size_t r
     ++stats_.num_ooms;
     trace_.record(TraceAction::kOom, 0, rounded, stream);
     *status = PYALLOC_ENOMEM;
-    *error = oom_report(size, rounded, stream, callback_freed, daemon_freed);
-    if (oom_report_) std::fprintf(stderr, "pyalloc: %s\n", error->c_str());
+    const std::string report = oom_report(size, rounded, stream, callback_freed, daemon_freed);
+    if (oom_report_) std::fprintf(stderr, "pyalloc: %s\n", report.c_str());
+    set_last_error(report);
     return nullptr;
   }
   return take(block, size, rounded);
@@ -370,7 +385,7 @@ Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
   segment->pool = &pool;
   segment->stream = stream;
   segment->id = next_segment_id_++;
-  Block* block = new Block;
+  Block* block = new_block();
   block->addr = addr;
   block->size = size;
   block->segment = segment;
@@ -394,7 +409,7 @@ bool DeviceAllocator::defragment(size_t /*rounded*/, StreamId /*stream*/) {
   return false;
 }
 
-void DeviceAllocator::make_pending(Block* block) {
+__attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block) {
   PendingFree pending{block, {}, false};
   for (StreamId s : block->uses) {
     EventHandle event = 0;
@@ -471,11 +486,11 @@ void DeviceAllocator::release_segment(Segment* segment) {
   trace_.record(TraceAction::kSegmentFree, segment->base, segment->size, segment->stream);
   backend_->segment_free(device_, segment->base, segment->size);
   segments_.erase(segment->base);
-  delete block;
+  delete_block(block);
   delete segment;
 }
 
-void DeviceAllocator::enforce_max_cached() {
+__attribute__((noinline, cold)) void DeviceAllocator::enforce_max_cached() {
   if (cached_free_bytes_ <= max_cached_) return;
   std::vector<Segment*> candidates;
   for (auto& entry : segments_) {
@@ -504,7 +519,7 @@ size_t DeviceAllocator::release_cached(size_t bytes) {
 
 // ---- bad calls and reports ------------------------------------------------------------
 
-FreeResult DeviceAllocator::classify_bad_free(uintptr_t addr, std::string* error) {
+__attribute__((noinline, cold)) FreeResult DeviceAllocator::classify_bad_free(uintptr_t addr) {
   const std::string where = hex(addr) + " on device " + std::to_string(device_);
   auto it = segments_.upper_bound(addr);
   if (it != segments_.begin()) {
@@ -513,17 +528,17 @@ FreeResult DeviceAllocator::classify_bad_free(uintptr_t addr, std::string* error
       for (const Block* b = segment->head; b != nullptr; b = b->next) {
         if (b->addr == addr && b->state != BlockState::kAllocated) {
           ++stats_.num_invalid_double_free;
-          *error = "pyalloc_free: double free of " + where + " (the block is already free)";
+          set_last_error("pyalloc_free: double free of " + where + " (the block is already free)");
           return FreeResult::kDoubleFree;
         }
       }
       ++stats_.num_invalid_free;
-      *error = "pyalloc_free: " + where + " is inside a segment but is not the start of a live allocation";
+      set_last_error("pyalloc_free: " + where + " is inside a segment but is not the start of a live allocation");
       return FreeResult::kUnknownPointer;
     }
   }
   ++stats_.num_invalid_free;
-  *error = "pyalloc_free: " + where + " was not allocated by pyalloc";
+  set_last_error("pyalloc_free: " + where + " was not allocated by pyalloc");
   return FreeResult::kUnknownPointer;
 }
 
@@ -558,7 +573,7 @@ std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId st
 
   std::vector<const Block*> live;
   live.reserve(live_.size());
-  for (const auto& entry : live_) live.push_back(entry.second);
+  live_.for_each([&](uintptr_t, Block* b) { live.push_back(b); });
   const size_t top = std::min<size_t>(5, live.size());
   std::partial_sort(live.begin(), live.begin() + top, live.end(),
                     [](const Block* a, const Block* b) { return a->size > b->size; });
@@ -618,9 +633,9 @@ void DeviceAllocator::write_trace_json(JsonWriter& w) {
 bool DeviceAllocator::retire_if_idle(int64_t* live_bytes) {
   Lock lock(mutex_);
   *live_bytes = stats_.allocated_bytes[kStatAll].current;
-  if (!live_.empty() || !pending_.empty()) {
+  if (live_.size() != 0 || !pending_.empty()) {
     // Pending frees finish on their own; only live allocations block.
-    if (live_.empty()) {
+    if (live_.size() == 0) {
       synchronize_pending();
     } else {
       return false;

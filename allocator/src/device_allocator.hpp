@@ -68,10 +68,12 @@ class DeviceAllocator {
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
   // Returns the block's address, or nullptr with *status (PYALLOC_ENOMEM, or
-  // PYALLOC_EBUSY when this allocator was retired by a reconfiguration) and
-  // *error filled. `size` must be in (0, kMaxRequest].
-  void* malloc(size_t size, StreamId stream, int pool_id, int* status, std::string* error);
-  FreeResult free(uintptr_t addr, size_t size, std::string* error);
+  // PYALLOC_EBUSY when this allocator was retired by a reconfiguration); an
+  // OOM report goes to the thread's last error. `size` must be in
+  // (0, kMaxRequest].
+  void* malloc(size_t size, StreamId stream, int pool_id, int* status);
+  // A bad call is counted and described in the thread's last error.
+  FreeResult free(uintptr_t addr, size_t size);
   // False when `addr` is not a live allocation of this device.
   bool record_stream(uintptr_t addr, StreamId stream);
   // Counts a request refused before reaching the allocator (absurd size).
@@ -127,14 +129,15 @@ class DeviceAllocator {
   bool should_split(const Pool& pool, size_t remaining) const;
 
   // Fast-path pieces.
+  Block* new_block();
+  void delete_block(Block* block);
   void* take(Block* block, size_t size, size_t rounded);
   void finish_free(Block* block);
   void insert_free(Block* block);
   void erase_free(Block* block);
 
   // Slow path (Note [Pressure ladder] in device_allocator.cpp).
-  void* malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded, StreamId stream,
-                    int* status, std::string* error);
+  void* malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* try_serve(Pool& pool, size_t rounded, StreamId stream, bool release_cache);
   Block* grow(Pool& pool, size_t rounded, StreamId stream);
   bool defragment(size_t rounded, StreamId stream);
@@ -144,7 +147,7 @@ class DeviceAllocator {
   size_t release_free_segments(size_t bytes);
   void release_segment(Segment* segment);
   void enforce_max_cached();
-  FreeResult classify_bad_free(uintptr_t addr, std::string* error);
+  FreeResult classify_bad_free(uintptr_t addr);
   std::string oom_report(size_t size, size_t rounded, StreamId stream, size_t callback_freed,
                          size_t daemon_freed);
   size_t reserved_limit();
@@ -166,12 +169,14 @@ class DeviceAllocator {
   int round_power2_;
   bool oom_report_;
 
-  Pool small_pool_;
-  Pool large_pool_;
+  NodeArena arena_;               // free-set nodes; declared before the pools
+  std::vector<Block*> spare_blocks_;  // recycled Block objects
+  Pool small_pool_{&arena_};
+  Pool large_pool_{&arena_};
   std::vector<std::unique_ptr<Pool>> user_pools_;  // index = pool id - 1
 
   std::map<uintptr_t, Segment*> segments_;        // by base address
-  std::unordered_map<uintptr_t, Block*> live_;     // allocated blocks by address
+  PtrMap<Block*> live_;                            // allocated blocks by address
   std::deque<PendingFree> pending_;
   size_t cached_free_bytes_ = 0;                   // sum of free block sizes
   uint64_t next_segment_id_ = 0;

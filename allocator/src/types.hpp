@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "arena.hpp"
 #include "backend.hpp"
 
 namespace pyalloc {
@@ -105,9 +106,11 @@ struct BlockOrder {
   }
 };
 
-using FreeSet = std::set<Block*, BlockOrder>;
+using FreeSet = std::set<Block*, BlockOrder, ArenaAllocator<Block*>>;
 
 struct Pool {
+  explicit Pool(NodeArena* arena) : free_blocks(BlockOrder{}, ArenaAllocator<Block*>(arena)) {}
+
   PoolKind kind = PoolKind::kLarge;
   int id = 0;               // 0 small/large defaults; user pools from 1
   std::string name;
