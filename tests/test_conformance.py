@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import pyalloc
-from conftest import Allocator, fresh_conf
+from allocator_fixture import Allocator, fresh_conf
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -413,9 +413,11 @@ def test_a_device_out_of_range_is_refused(allocator: Allocator, device: int) -> 
     assert allocator.stats()["num_invalid_device"] >= 2
 
 
-def test_record_stream_of_an_unknown_pointer_is_reported(allocator: Allocator) -> None:
-    with pytest.raises(pyalloc.PyallocError, match="not a live allocation"):
+def test_record_stream_of_an_unknown_pointer_is_reported_and_counted(allocator: Allocator) -> None:
+    before = allocator.stats()["num_invalid_record_stream"]
+    with pytest.raises(pyalloc.PyallocError, match="is not the start of a live allocation"):
         pyalloc.record_stream(0xDEAD000, 3)
+    assert allocator.stats()["num_invalid_record_stream"] == before + 1
 
 
 # ---- configuration ------------------------------------------------------------------------

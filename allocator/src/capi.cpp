@@ -5,6 +5,7 @@
 // crosses the ABI, and a failure leaves a thread-local message for
 // pyalloc_last_error().
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -136,8 +137,10 @@ void pyalloc_record_stream(void* ptr, void* stream) {
     for (auto& d : r->devices) {
       if (d->record_stream(reinterpret_cast<uintptr_t>(ptr), reinterpret_cast<StreamId>(stream))) return 0;
     }
-    set_error("pyalloc_record_stream: " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
-              " is not a live allocation");
+    pyalloc::g_num_invalid_record_stream.fetch_add(1, std::memory_order_relaxed);
+    char where[32];
+    std::snprintf(where, sizeof where, "%p", ptr);
+    set_error(std::string("pyalloc_record_stream: ") + where + " is not the start of a live allocation");
     return 0;
   });
 }
@@ -191,7 +194,8 @@ size_t pyalloc_stats_json(int device, char* buf, size_t len) {
   return guarded<size_t>(0, [&] {
     DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_stats_json");
     if (d == nullptr) return copy_out(error_json(pyalloc::last_error_slot()), buf, len);
-    return copy_out(d->stats_json(pyalloc::g_num_invalid_device.load(std::memory_order_relaxed)), buf, len);
+    const pyalloc::ProcessCounters c = pyalloc::process_counters();
+    return copy_out(d->stats_json(c.num_invalid_device, c.num_invalid_record_stream), buf, len);
   });
 }
 

@@ -610,9 +610,9 @@ DeviceAllocator::Usage DeviceAllocator::usage() {
                largest_free_block(), static_cast<size_t>(stats_.reserved_bytes[kStatAll].peak)};
 }
 
-std::string DeviceAllocator::stats_json(int64_t num_invalid_device) {
+std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) {
   Lock lock(mutex_);
-  return stats_.to_json(num_invalid_device);
+  return stats_.to_json(num_invalid_device, num_invalid_record_stream);
 }
 
 void DeviceAllocator::reset_peaks() {

@@ -100,7 +100,7 @@ class DeviceAllocator {
   };
   Usage usage();
 
-  std::string stats_json(int64_t num_invalid_device);
+  std::string stats_json(int64_t num_invalid_device, int64_t num_invalid_record_stream);
   void reset_peaks();
   void reset_accumulated();
   void write_segments_json(JsonWriter& w);

@@ -15,6 +15,12 @@
 namespace pyalloc {
 
 std::atomic<int64_t> g_num_invalid_device{0};
+std::atomic<int64_t> g_num_invalid_record_stream{0};
+
+ProcessCounters process_counters() {
+  return {g_num_invalid_device.load(std::memory_order_relaxed),
+          g_num_invalid_record_stream.load(std::memory_order_relaxed)};
+}
 
 namespace {
 thread_local std::string t_last_error;

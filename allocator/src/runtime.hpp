@@ -52,7 +52,15 @@ int unregister_callback(int handle, std::string* error);
 void set_last_error(std::string message);
 std::string& last_error_slot();
 
-// Calls outside [0, device_count) are counted process-wide.
+// Bad calls that name no device of ours are counted process-wide and shown
+// in every device's stats: a device out of range, and record_stream of a
+// pointer no device allocated.
+struct ProcessCounters {
+  int64_t num_invalid_device;
+  int64_t num_invalid_record_stream;
+};
 extern std::atomic<int64_t> g_num_invalid_device;
+extern std::atomic<int64_t> g_num_invalid_record_stream;
+ProcessCounters process_counters();
 
 }  // namespace pyalloc

@@ -42,7 +42,7 @@ void DeviceStats::reset_accumulated() {
   num_invalid_free = num_invalid_double_free = num_invalid_size = 0;
 }
 
-std::string DeviceStats::to_json(int64_t num_invalid_device) const {
+std::string DeviceStats::to_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) const {
   JsonWriter w;
   w.begin_object();
   write_array(w, "allocation", allocation);
@@ -57,9 +57,11 @@ std::string DeviceStats::to_json(int64_t num_invalid_device) const {
   // pyalloc never refuses to split a block by size (PyTorch's
   // max_split_size), so there are no oversize blocks; the keys exist so that
   // tools written for PyTorch (memory_summary) find them.
-  const StatArray none{};
-  write_array(w, "oversize_allocations", none);
-  write_array(w, "oversize_segments", none);
+  for (const char* name : {"oversize_allocations", "oversize_segments"}) {
+    for (const char* field : {"current", "peak", "allocated", "freed"}) {
+      w.key((std::string(name) + "." + field).c_str()).value(int64_t{0});
+    }
+  }
   w.key("max_split_size").value(int64_t{-1});
   w.key("num_alloc_retries").value(num_alloc_retries);
   w.key("num_ooms").value(num_ooms);
@@ -72,6 +74,7 @@ std::string DeviceStats::to_json(int64_t num_invalid_device) const {
   w.key("num_invalid_double_free").value(num_invalid_double_free);
   w.key("num_invalid_size").value(num_invalid_size);
   w.key("num_invalid_device").value(num_invalid_device);
+  w.key("num_invalid_record_stream").value(num_invalid_record_stream);
   w.key("last_oom.request_bytes").value(last_oom.request_bytes);
   w.key("last_oom.reserved_bytes").value(last_oom.reserved_bytes);
   w.key("last_oom.allocated_bytes").value(last_oom.allocated_bytes);

@@ -80,7 +80,7 @@ struct DeviceStats {
   void reset_peaks();
   void reset_accumulated();
   // Flat JSON with torch.cuda.memory_stats() key names plus pyalloc's own.
-  std::string to_json(int64_t num_invalid_device) const;
+  std::string to_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) const;
 };
 
 }  // namespace pyalloc

@@ -1,0 +1,739 @@
+// backend_cuda.cpp: the cuda backend, the CUDA driver API behind backend.hpp.
+//
+// Policy summary
+//   - The driver is loaded with dlopen("libcuda.so.1") once per process and
+//     every function is resolved with dlsym (cuda/driver_api.hpp lists them,
+//     with their versioned symbol names). No CUDA header or library is needed
+//     to build, and a machine without a driver gets a one-line error from
+//     make_cuda_backend, not a load failure of libpyalloc.so.
+//   - All memory lives in each device's primary context: the one the CUDA
+//     runtime, and so PyTorch and CuPy, use. Pointers we hand out are
+//     therefore valid in their kernels. See Note [Primary context].
+//   - Plain segments: cuMemAlloc_v2 / cuMemFree_v2. Virtual memory:
+//     cuMemAddressReserve, cuMemCreate (pinned device memory), cuMemMap +
+//     cuMemSetAccess, cuMemUnmap. Events come from a per-device pool of
+//     CU_EVENT_DISABLE_TIMING events (creating one costs microseconds and a
+//     driver lock; recording a reused one does not).
+//   - segment_free and unmap first wait for the device (cuCtxSynchronize):
+//     block frees are stream ordered, so kernels queued before the free may
+//     still be using the memory when it goes back to the driver.
+//   - Errors come back as a Status naming the call, the device and the
+//     driver's own error name. Errors a void method cannot return (a failed
+//     cuMemFree, an event query on a faulted context) are counted per device
+//     and the first is printed to stderr. See Note [Event errors].
+//
+// Threading (the Backend contract): calls for one device come with that
+// device's allocator lock held; calls for different devices run concurrently.
+// The function table and device handles are immutable after loading. Each
+// device's mutable state (its context, its event pool, cached attributes)
+// has a mutex of its own, held around those few fields and the one-time
+// driver queries that fill them (retaining the context, the granularity),
+// never around work queued on a stream.
+//
+// Shutdown: nothing here is ever torn down. The driver state is allocated
+// once and leaked, CudaBackend's destructor makes no driver call, and
+// primary contexts are never released: at process exit the driver may
+// already be gone, and a call into it then crashes (Note [Shutdown] in
+// runtime.cpp). ScopedContext's destructor does call the driver, but it is a
+// local guard that only lives inside a backend call.
+//
+// Note [Primary context]
+//   Each device's primary context is retained on the device's first use,
+//   not at load: creating a context costs hundreds of MiB of device memory,
+//   and a process (one DDP rank) usually uses one device of many. For the
+//   same reason mem_info() on a device whose primary context is not active
+//   yet reports the total as free instead of creating the context to ask.
+//   Around each driver call the context is made current with
+//   cuCtxPushCurrent and popped after, so the calling thread's current
+//   context is left as it was; when it is already current (the usual case
+//   under PyTorch, which makes it current on its threads) nothing is pushed.
+//
+// Note [Event errors]
+//   cuEventQuery returns CUDA_SUCCESS (done), CUDA_ERROR_NOT_READY (still
+//   running) or an error. An error means the context faulted (an illegal
+//   address in some kernel) or the driver is shutting down: no queued work
+//   will run any more, so none can still touch the memory the event guards.
+//   It is reported as complete, so that the allocator is not left waiting
+//   forever on memory it can never get back, and the error is remembered
+//   for diagnostics. CUDA_ERROR_DEINITIALIZED (the process is exiting) is
+//   expected then and not reported.
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "backend.hpp"
+#include "config.hpp"
+#include "driver_api.hpp"
+
+namespace pyalloc {
+namespace {
+
+// The driver's own names read as in NVIDIA's documentation.
+using namespace cuda_driver;  // NOLINT(google-build-using-namespace)
+
+// Appended to every error that stops the backend from starting.
+constexpr const char* kNoGpuHint = "use backend=host or backend=sim to run without a GPU";
+// Backend contract: segment addresses are aligned to at least this many bytes.
+// cuMemAlloc aligns far more (2 MiB for segment-sized requests); checked anyway.
+constexpr uintptr_t kSegmentAlign = 512;
+// Idle events kept per device. A burst of cross-stream frees needs many at
+// once, the steady state few; beyond this, released events are destroyed.
+constexpr size_t kMaxIdleEvents = 1024;
+// Granularity reported when the device cannot tell (no VMM support): what
+// every NVIDIA GPU so far reports. Never 0, which a caller would divide by;
+// reserve() and phys_create() then fail with a message saying why.
+constexpr size_t kFallbackGranularity = size_t{2} << 20;
+
+// ---- the driver, loaded once ---------------------------------------------------
+
+struct DriverApi {
+#define PYALLOC_DECLARE_FUNCTION(name, symbol, signature) \
+  std::add_pointer_t<signature> name = nullptr;
+  PYALLOC_CUDA_DRIVER_FUNCTIONS(PYALLOC_DECLARE_FUNCTION)
+#undef PYALLOC_DECLARE_FUNCTION
+};
+
+// One device's mutable state. `handle` is set at load and never changes;
+// `context` is written once under `mutex` and read without it.
+struct DeviceState {
+  CUdevice handle = 0;
+  std::atomic<CUcontext> context{nullptr};  // retained primary context; never released
+
+  std::mutex mutex;                 // guards the fields below
+  std::vector<CUevent> idle_events; // recorded-and-released events, ready for reuse
+  size_t granularity = 0;           // 0 until first asked
+  int vmm_supported = -1;           // -1 unknown, 0 no, 1 yes
+  uint64_t unreported_errors = 0;   // driver errors a void method could not return
+  std::string first_error;          // the first of them (printed once), for diagnostics
+};
+
+struct Driver {
+  DriverApi api;
+  int device_count = 0;
+  std::unique_ptr<DeviceState[]> devices;  // [device_count]
+};
+
+struct LoadResult {
+  Driver* driver = nullptr;  // leaked on purpose: lives until process exit
+  std::string error;         // why loading failed, when driver is null
+};
+
+// Keeps a message on one line (dlerror and driver strings are not ours).
+std::string one_line(std::string text) {
+  for (char& c : text) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return text;
+}
+
+// "CUDA_ERROR_OUT_OF_MEMORY (out of memory)"; the number when the driver
+// has no name for it.
+std::string error_text(const DriverApi& api, CUresult rc) {
+  const char* name = nullptr;
+  if (api.cuGetErrorName == nullptr || api.cuGetErrorName(rc, &name) != CUDA_SUCCESS ||
+      name == nullptr) {
+    return "CUresult " + std::to_string(static_cast<int>(rc));
+  }
+  std::string text = name;
+  const char* description = nullptr;
+  if (api.cuGetErrorString != nullptr && api.cuGetErrorString(rc, &description) == CUDA_SUCCESS &&
+      description != nullptr) {
+    text += " (";
+    text += description;
+    text += ")";
+  }
+  return one_line(text);
+}
+
+LoadResult load_driver() {
+  LoadResult out;
+  const std::string library_name = kDriverLibrary;
+
+  dlerror();  // clear any stale error so the one read below is ours
+  void* library = dlopen(kDriverLibrary, RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char* why = dlerror();
+    out.error = one_line("backend=cuda: cannot load " + library_name +
+                         " (no NVIDIA driver on this machine?): " +
+                         (why != nullptr ? why : "dlopen failed") + "; " + kNoGpuHint);
+    return out;
+  }
+  // The library stays loaded for the life of the process, also on failure
+  // below: unloading a driver that may have started threads is not safe.
+
+  auto driver = std::make_unique<Driver>();
+  DriverApi& api = driver->api;
+#define PYALLOC_RESOLVE_FUNCTION(name, symbol, signature)                                   \
+  api.name = reinterpret_cast<std::add_pointer_t<signature>>(dlsym(library, #symbol));    \
+  if (api.name == nullptr) {                                                                \
+    out.error = "backend=cuda: " + library_name + " has no " #symbol                        \
+                " (the NVIDIA driver is too old for pyalloc; update it); " + kNoGpuHint;    \
+    return out;                                                                             \
+  }
+  PYALLOC_CUDA_DRIVER_FUNCTIONS(PYALLOC_RESOLVE_FUNCTION)
+#undef PYALLOC_RESOLVE_FUNCTION
+
+  CUresult rc = api.cuInit(0);
+  if (rc != CUDA_SUCCESS) {
+    out.error = "backend=cuda: cuInit failed: " + error_text(api, rc) + "; " + kNoGpuHint;
+    return out;
+  }
+  int count = 0;
+  rc = api.cuDeviceGetCount(&count);
+  if (rc != CUDA_SUCCESS) {
+    out.error = "backend=cuda: cuDeviceGetCount failed: " + error_text(api, rc) + "; " + kNoGpuHint;
+    return out;
+  }
+  if (count <= 0) {
+    out.error = "backend=cuda: the NVIDIA driver sees no CUDA device (is CUDA_VISIBLE_DEVICES "
+                "empty?); " + std::string(kNoGpuHint);
+    return out;
+  }
+  driver->device_count = count;
+  driver->devices = std::make_unique<DeviceState[]>(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    rc = api.cuDeviceGet(&driver->devices[i].handle, i);
+    if (rc != CUDA_SUCCESS) {
+      out.error = "backend=cuda: cuDeviceGet(" + std::to_string(i) + ") failed: " +
+                  error_text(api, rc) + "; " + kNoGpuHint;
+      return out;
+    }
+  }
+  out.driver = driver.release();
+  return out;
+}
+
+// The outcome of loading, computed on the first call (thread-safe static
+// initialization) and the same for every later one: a backend rebuilt by a
+// reconfiguration shares the driver, its contexts and its event pools.
+const LoadResult& driver_load_result() {
+  static const LoadResult* const result = new LoadResult(load_driver());
+  return *result;
+}
+
+// ---- the current context ------------------------------------------------------------
+
+// Retains the device's primary context on first use (Note [Primary context]).
+CUresult primary_context(const DriverApi& api, DeviceState& state, CUcontext* out) {
+  CUcontext context = state.context.load(std::memory_order_acquire);
+  if (context == nullptr) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    context = state.context.load(std::memory_order_relaxed);
+    if (context == nullptr) {
+      const CUresult rc = api.cuDevicePrimaryCtxRetain(&context, state.handle);
+      if (rc != CUDA_SUCCESS) return rc;
+      state.context.store(context, std::memory_order_release);
+    }
+  }
+  *out = context;
+  return CUDA_SUCCESS;
+}
+
+// Makes a device's primary context current for the guard's scope and then
+// restores the thread's previous one.
+class ScopedContext {
+ public:
+  ScopedContext(const DriverApi& api, DeviceState& state) : api_(api) {
+    CUcontext context = nullptr;
+    result_ = primary_context(api, state, &context);
+    if (result_ != CUDA_SUCCESS) {
+      failed_call_ = "cuDevicePrimaryCtxRetain";
+      return;
+    }
+    CUcontext current = nullptr;
+    if (api.cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == context) return;
+    result_ = api.cuCtxPushCurrent(context);
+    if (result_ != CUDA_SUCCESS) {
+      failed_call_ = "cuCtxPushCurrent_v2";
+      return;
+    }
+    pushed_ = true;
+  }
+  ~ScopedContext() {
+    if (pushed_) {
+      CUcontext popped = nullptr;
+      api_.cuCtxPopCurrent(&popped);
+    }
+  }
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+
+  bool ok() const { return result_ == CUDA_SUCCESS; }
+  CUresult result() const { return result_; }
+  const char* failed_call() const { return failed_call_; }
+
+ private:
+  const DriverApi& api_;
+  CUresult result_ = CUDA_SUCCESS;
+  const char* failed_call_ = "";
+  bool pushed_ = false;
+};
+
+CUstream to_stream(StreamId stream) { return reinterpret_cast<CUstream>(stream); }
+CUevent to_event(EventHandle event) { return reinterpret_cast<CUevent>(event); }
+
+// A Status for when building the real one failed (std::bad_alloc): it
+// carries no message rather than risk another allocation.
+Status host_memory_failure() noexcept {
+  Status status;
+  status.ok = false;
+  try {
+    status.message = "cuda backend: out of host memory";
+  } catch (...) {
+  }
+  return status;
+}
+
+// ---- the backend ------------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(Driver& driver) : driver_(driver), api_(driver.api) {}
+  // No driver call (file comment, "Shutdown").
+  ~CudaBackend() override = default;
+
+  const char* name() const override { return "cuda"; }
+  int device_count() const override { return driver_.device_count; }
+
+  MemInfo mem_info(int device) override {
+    MemInfo info;
+    DeviceState* state = device_state(device);
+    if (state == nullptr) return info;
+    try {
+      if (state->context.load(std::memory_order_acquire) == nullptr &&
+          !primary_context_active(*state)) {
+        // Asking for free bytes would create the context (Note [Primary context]).
+        size_t total = 0;
+        const CUresult rc = api_.cuDeviceTotalMem(&total, state->handle);
+        if (rc != CUDA_SUCCESS) {
+          note_error(device, "cuDeviceTotalMem_v2", rc);
+          return info;
+        }
+        info.free_bytes = total;
+        info.total_bytes = total;
+        return info;
+      }
+      ScopedContext context(api_, *state);
+      if (!context.ok()) {
+        note_error(device, context.failed_call(), context.result());
+        return info;
+      }
+      size_t free_bytes = 0;
+      size_t total_bytes = 0;
+      const CUresult rc = api_.cuMemGetInfo(&free_bytes, &total_bytes);
+      if (rc != CUDA_SUCCESS) {
+        note_error(device, "cuMemGetInfo_v2", rc);
+        return info;
+      }
+      info.free_bytes = free_bytes;
+      info.total_bytes = total_bytes;
+    } catch (...) {
+    }
+    return info;
+  }
+
+  // ---- plain segments ----------------------------------------------------------
+
+  Status segment_alloc(int device, size_t size, uintptr_t* addr) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      CUdeviceptr ptr = 0;
+      const CUresult rc = api_.cuMemAlloc(&ptr, size);
+      if (rc != CUDA_SUCCESS) return alloc_failure(device, "cuMemAlloc_v2", size, rc);
+      if (ptr % kSegmentAlign != 0) {
+        api_.cuMemFree(ptr);
+        return Status::failure("cuda device " + std::to_string(device) + ": cuMemAlloc_v2 of " +
+                               std::to_string(size) + " bytes returned an address not aligned to " +
+                               std::to_string(kSegmentAlign) + " bytes");
+      }
+      *addr = static_cast<uintptr_t>(ptr);
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+  void segment_free(int device, uintptr_t addr, size_t /*size*/) override {
+    // Block frees are stream ordered: a kernel queued before the free may
+    // still use the segment. cuMemFree waits for the device in practice but
+    // does not promise it, so wait explicitly (then its own wait is free).
+    call_void(device, "cuCtxSynchronize", [&] { return api_.cuCtxSynchronize(); });
+    call_void(device, "cuMemFree_v2", [&] { return api_.cuMemFree(addr); });
+  }
+
+  // ---- virtual memory ----------------------------------------------------------
+
+  size_t granularity(int device) override {
+    DeviceState* state = device_state(device);
+    if (state == nullptr) return kFallbackGranularity;
+    try {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      if (state->granularity == 0) state->granularity = query_granularity(*state);
+      return state->granularity;
+    } catch (...) {
+      return kFallbackGranularity;
+    }
+  }
+
+  Status reserve(int device, size_t size, uintptr_t* va) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      if (!vmm_supported(*state)) return no_vmm(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      CUdeviceptr ptr = 0;
+      // Alignment 0: the allocation granularity. Address 0: anywhere.
+      const CUresult rc = api_.cuMemAddressReserve(&ptr, size, 0, 0, 0);
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemAddressReserve", rc);
+      *va = static_cast<uintptr_t>(ptr);
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+  void release_reservation(int device, uintptr_t va, size_t size) override {
+    call_void(device, "cuMemAddressFree", [&] { return api_.cuMemAddressFree(va, size); });
+  }
+
+  Status phys_create(int device, size_t size, PhysHandle* out) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      if (!vmm_supported(*state)) return no_vmm(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      const CUmemAllocationProp prop = device_memory_prop(*state);
+      CUmemGenericAllocationHandle handle = 0;
+      const CUresult rc = api_.cuMemCreate(&handle, size, &prop, 0);
+      if (rc != CUDA_SUCCESS) return alloc_failure(device, "cuMemCreate", size, rc);
+      out->value = handle;
+      out->size = size;
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+  void phys_release(int device, PhysHandle handle) override {
+    // Releasing a handle still mapped somewhere only drops our reference:
+    // the memory goes back when the last mapping is unmapped.
+    call_void(device, "cuMemRelease", [&] { return api_.cuMemRelease(handle.value); });
+  }
+
+  Status map(int device, uintptr_t va, PhysHandle handle) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      CUresult rc = api_.cuMemMap(va, handle.size, 0, handle.value, 0);
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemMap", rc);
+      // A fresh mapping is inaccessible until access is granted.
+      CUmemAccessDesc access{};
+      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access.location.id = state->handle;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      rc = api_.cuMemSetAccess(va, handle.size, &access, 1);
+      if (rc != CUDA_SUCCESS) {
+        api_.cuMemUnmap(va, handle.size);  // leave the range as we found it
+        return call_failure(device, "cuMemSetAccess", rc);
+      }
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+  void unmap(int device, uintptr_t va, size_t size) override {
+    // cuMemUnmap does not wait for queued work, and a kernel still using
+    // the range would fault; block frees are stream ordered, so such work
+    // may exist. Wait for the device first, as segment_free does (PyTorch's
+    // expandable segments likewise synchronize before unmapping).
+    call_void(device, "cuCtxSynchronize", [&] { return api_.cuCtxSynchronize(); });
+    call_void(device, "cuMemUnmap", [&] { return api_.cuMemUnmap(va, size); });
+  }
+
+  // ---- events and streams --------------------------------------------------------
+
+  Status event_record(int device, StreamId stream, EventHandle* event) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      CUevent ev = take_idle_event(*state);
+      if (ev == nullptr) {
+        const CUresult rc = api_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+        if (rc != CUDA_SUCCESS) return call_failure(device, "cuEventCreate", rc);
+      }
+      const CUresult rc = api_.cuEventRecord(ev, to_stream(stream));
+      if (rc != CUDA_SUCCESS) {
+        recycle_event(*state, ev);
+        return call_failure(device, "cuEventRecord", rc);
+      }
+      *event = reinterpret_cast<EventHandle>(ev);
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+  bool event_query(int device, EventHandle event) override {
+    DeviceState* state = device_state(device);
+    if (state == nullptr || event == 0) return true;
+    try {
+      ScopedContext context(api_, *state);
+      if (!context.ok()) {
+        note_error(device, context.failed_call(), context.result());
+        return true;  // Note [Event errors]
+      }
+      const CUresult rc = api_.cuEventQuery(to_event(event));
+      if (rc == CUDA_SUCCESS) return true;
+      if (rc == CUDA_ERROR_NOT_READY) return false;
+      note_error(device, "cuEventQuery", rc);
+      return true;  // Note [Event errors]
+    } catch (...) {
+      return false;  // not known to be complete: the caller asks again later
+    }
+  }
+
+  void event_synchronize(int device, EventHandle event) override {
+    if (event == 0) return;
+    call_void(device, "cuEventSynchronize",
+              [&] { return api_.cuEventSynchronize(to_event(event)); });
+  }
+
+  void event_release(int device, EventHandle event) override {
+    DeviceState* state = device_state(device);
+    if (state == nullptr || event == 0) return;
+    recycle_event(*state, to_event(event));
+  }
+
+  Status stream_wait(int device, StreamId stream, EventHandle event) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      const CUresult rc = api_.cuStreamWaitEvent(to_stream(stream), to_event(event), 0);
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuStreamWaitEvent", rc);
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+  // ---- copies ------------------------------------------------------------------------
+
+  Status copy_to_host_async(int device, void* dst, uintptr_t src, size_t size,
+                            StreamId stream) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      const CUresult rc = api_.cuMemcpyDtoHAsync(dst, src, size, to_stream(stream));
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyDtoHAsync_v2", rc);
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+  Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size,
+                              StreamId stream) override {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      const CUresult rc = api_.cuMemcpyHtoDAsync(dst, src, size, to_stream(stream));
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyHtoDAsync_v2", rc);
+      return Status::success();
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
+ private:
+  DeviceState* device_state(int device) const {
+    if (device < 0 || device >= driver_.device_count) return nullptr;
+    return &driver_.devices[device];
+  }
+
+  bool primary_context_active(const DeviceState& state) const {
+    unsigned int flags = 0;
+    int active = 0;
+    return api_.cuDevicePrimaryCtxGetState(state.handle, &flags, &active) == CUDA_SUCCESS &&
+           active != 0;
+  }
+
+  CUmemAllocationProp device_memory_prop(const DeviceState& state) const {
+    CUmemAllocationProp prop{};  // zeroed: no export handle, no compression, no Windows data
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = state.handle;
+    return prop;
+  }
+
+  // Called with state.mutex held. Needs no context.
+  bool query_vmm_supported(DeviceState& state) {
+    if (state.vmm_supported < 0) {
+      int supported = 0;
+      const CUresult rc = api_.cuDeviceGetAttribute(
+          &supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, state.handle);
+      state.vmm_supported = (rc == CUDA_SUCCESS && supported != 0) ? 1 : 0;
+    }
+    return state.vmm_supported == 1;
+  }
+
+  bool vmm_supported(DeviceState& state) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    return query_vmm_supported(state);
+  }
+
+  // Called with state.mutex held. Needs no context.
+  size_t query_granularity(DeviceState& state) {
+    if (!query_vmm_supported(state)) return kFallbackGranularity;
+    const CUmemAllocationProp prop = device_memory_prop(state);
+    size_t granularity = 0;
+    const CUresult rc =
+        api_.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    return (rc == CUDA_SUCCESS && granularity != 0) ? granularity : kFallbackGranularity;
+  }
+
+  CUevent take_idle_event(DeviceState& state) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.idle_events.empty()) return nullptr;
+    CUevent ev = state.idle_events.back();
+    state.idle_events.pop_back();
+    return ev;
+  }
+
+  // Returns an event to the device's pool, or destroys it when the pool is
+  // full. Re-recording a pooled event later is fine even if the work it
+  // captured last time is still running: a record replaces what it captures.
+  void recycle_event(DeviceState& state, CUevent ev) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      if (state.idle_events.size() < kMaxIdleEvents) {
+        state.idle_events.push_back(ev);
+        return;
+      }
+    } catch (...) {
+      // No room to keep it: destroy it below instead.
+    }
+    try {
+      ScopedContext context(api_, state);
+      if (context.ok()) api_.cuEventDestroy(ev);
+    } catch (...) {
+    }
+  }
+
+  // Runs a driver call of a void method in the device's context; a failure
+  // can only be noted (Note [Event errors]).
+  template <class Call>
+  void call_void(int device, const char* call_name, Call&& call) noexcept {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return;
+      ScopedContext context(api_, *state);
+      if (!context.ok()) {
+        note_error(device, context.failed_call(), context.result());
+        return;
+      }
+      const CUresult rc = call();
+      if (rc != CUDA_SUCCESS) note_error(device, call_name, rc);
+    } catch (...) {
+    }
+  }
+
+  // Counts an error no caller can be told about; prints the first one per
+  // device (later ones are usually the same sticky fault repeated).
+  void note_error(int device, const char* call_name, CUresult rc) noexcept {
+    if (rc == CUDA_ERROR_DEINITIALIZED) return;  // the process is exiting
+    DeviceState* state = device_state(device);
+    if (state == nullptr) return;
+    try {
+      std::string message = "cuda device " + std::to_string(device) + ": " + call_name +
+                            " failed: " + error_text(api_, rc);
+      std::lock_guard<std::mutex> lock(state->mutex);
+      ++state->unreported_errors;
+      if (!state->first_error.empty()) return;
+      state->first_error = std::move(message);
+      std::fprintf(stderr, "pyalloc: %s (further driver errors on this device are not printed)\n",
+                   state->first_error.c_str());
+    } catch (...) {
+    }
+  }
+
+  Status call_failure(int device, const char* call_name, CUresult rc) const {
+    return Status::failure("cuda device " + std::to_string(device) + ": " + call_name +
+                           " failed: " + error_text(api_, rc));
+  }
+
+  Status alloc_failure(int device, const char* call_name, size_t size, CUresult rc) const {
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
+      return Status::failure("cuda device " + std::to_string(device) + " out of memory: " +
+                             call_name + " of " + std::to_string(size) +
+                             " bytes failed: " + error_text(api_, rc));
+    }
+    return call_failure(device, call_name, rc);
+  }
+
+  Status context_failure(int device, const ScopedContext& context) const {
+    return call_failure(device, context.failed_call(), context.result());
+  }
+
+  Status bad_device(int device) const {
+    return Status::failure("cuda backend: device " + std::to_string(device) +
+                           " out of range (the driver sees " +
+                           std::to_string(driver_.device_count) + ")");
+  }
+
+  Status no_vmm(int device) const {
+    return Status::failure("cuda device " + std::to_string(device) +
+                           " does not support virtual memory management "
+                           "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)");
+  }
+
+  Driver& driver_;
+  const DriverApi& api_;
+};
+
+}  // namespace
+
+// The cuda backend takes nothing from the config: the device count and
+// capacity are the hardware's.
+std::unique_ptr<Backend> make_cuda_backend(const Config& /*config*/, std::string* error) {
+  try {
+    const LoadResult& loaded = driver_load_result();
+    if (loaded.driver == nullptr) {
+      if (error != nullptr) *error = loaded.error;
+      return nullptr;
+    }
+    return std::make_unique<CudaBackend>(*loaded.driver);
+  } catch (...) {
+    try {
+      if (error != nullptr) *error = "backend=cuda: out of host memory while loading the driver";
+    } catch (...) {
+    }
+    return nullptr;
+  }
+}
+
+}  // namespace pyalloc
