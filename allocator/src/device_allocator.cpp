@@ -279,7 +279,7 @@ void DeviceAllocator::finish_free(Block* block) {
 
 // Free-set membership is where cached-free and inactive-split counters live.
 void DeviceAllocator::insert_free(Block* block) {
-  block->pool->free_blocks.insert(block);
+  block->free_it = block->pool->free_blocks.insert(block).first;
   cached_free_bytes_ += block->size;
   if (block->size != block->segment->size) {
     const StatType t = block->segment->stat_type();
@@ -289,7 +289,7 @@ void DeviceAllocator::insert_free(Block* block) {
 }
 
 void DeviceAllocator::erase_free(Block* block) {
-  block->pool->free_blocks.erase(block);
+  block->pool->free_blocks.erase(block->free_it);
   cached_free_bytes_ -= block->size;
   if (block->size != block->segment->size) {
     const StatType t = block->segment->stat_type();

@@ -68,6 +68,31 @@ enum StatType : int { kStatAll = 0, kStatSmall = 1, kStatLarge = 2, kNumStatType
 
 struct Pool;
 struct Segment;
+struct Block;
+
+// A free-set search key: what BlockOrder compares, without a whole Block.
+struct BlockKey {
+  StreamId stream;
+  size_t size;
+  uintptr_t addr;
+};
+
+// Free-set order: stream, then size, then address (best fit, lowest address).
+// Transparent, so lookups take a BlockKey.
+struct BlockOrder {
+  using is_transparent = void;
+  static BlockKey key(const Block* b);
+  static BlockKey key(const BlockKey& k) { return k; }
+  template <typename A, typename B>
+  bool operator()(const A& a, const B& b) const {
+    const BlockKey x = key(a), y = key(b);
+    if (x.stream != y.stream) return x.stream < y.stream;
+    if (x.size != y.size) return x.size < y.size;
+    return x.addr < y.addr;
+  }
+};
+
+using FreeSet = std::set<Block*, BlockOrder, ArenaAllocator<Block*>>;
 
 struct Block {
   uintptr_t addr = 0;
@@ -80,9 +105,12 @@ struct Block {
   Block* next = nullptr;
   BlockState state = BlockState::kFree;
   std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
+  FreeSet::iterator free_it;   // its free-set entry while free: erase without a search
 
   bool is_free() const { return state == BlockState::kFree; }
 };
+
+inline BlockKey BlockOrder::key(const Block* b) { return {b->stream, b->size, b->addr}; }
 
 struct Segment {
   uintptr_t base = 0;
@@ -97,17 +125,6 @@ struct Segment {
   StatType stat_type() const;
 };
 
-// Free-set order: stream, then size, then address (best fit, lowest address).
-struct BlockOrder {
-  bool operator()(const Block* a, const Block* b) const {
-    if (a->stream != b->stream) return a->stream < b->stream;
-    if (a->size != b->size) return a->size < b->size;
-    return a->addr < b->addr;
-  }
-};
-
-using FreeSet = std::set<Block*, BlockOrder, ArenaAllocator<Block*>>;
-
 struct Pool {
   explicit Pool(NodeArena* arena) : free_blocks(BlockOrder{}, ArenaAllocator<Block*>(arena)) {}
 
@@ -119,11 +136,7 @@ struct Pool {
   // Best fit on `stream`: the smallest free block of at least `size` bytes,
   // lowest address first among equals. nullptr when none.
   Block* best_fit(StreamId stream, size_t size) const {
-    Block key;
-    key.stream = stream;
-    key.size = size;
-    key.addr = 0;
-    auto it = free_blocks.lower_bound(&key);
+    auto it = free_blocks.lower_bound(BlockKey{stream, size, 0});
     if (it == free_blocks.end() || (*it)->stream != stream) return nullptr;
     return *it;
   }
