@@ -105,7 +105,7 @@ bool DeviceAllocator::check(std::string* error) {
       tiled += b->size;
       if (tiled > seg->size) return fail("I1: " + bname + ": blocks run past the segment end");
 
-      const bool in_free_set = seg->pool->free_blocks.count(const_cast<Block*>(b)) == 1;
+      const bool in_free_set = seg->pool->free_blocks.contains(b);
       Block** live_entry = live_.find(b->addr);
       const bool in_live = live_entry != nullptr && *live_entry == b;
       const bool in_pending = pending_blocks.count(b) == 1;
@@ -150,11 +150,15 @@ bool DeviceAllocator::check(std::string* error) {
                 std::to_string(free_blocks_walked) + " free blocks");
   }
   for (const Pool* pool : pools) {
-    for (const Block* b : pool->free_blocks) {
-      if (b->pool != pool || !b->is_free()) return fail("I3: free set of pool " + pool->name + " holds a foreign or non-free block");
+    std::string problem;
+    if (!pool->free_blocks.validate(&problem)) return fail("I3: pool " + pool->name + ": " + problem);
+    pool->free_blocks.for_each([&](const Block* b) {
+      if (!problem.empty()) return;
+      if (b->pool != pool || !b->is_free()) problem = "I3: free set of pool " + pool->name + " holds a foreign or non-free block";
       auto it = segments_.find(b->segment->base);
-      if (it == segments_.end() || it->second != b->segment) return fail("I3: free set holds a block of an unknown segment");
-    }
+      if (it == segments_.end() || it->second != b->segment) problem = "I3: free set holds a block of an unknown segment";
+    });
+    if (!problem.empty()) return fail(problem);
   }
   if (allocated_walked != live_.size()) {
     return fail("I4: live map holds " + std::to_string(live_.size()) + " entries but the walk found " +

@@ -97,6 +97,7 @@ Block* DeviceAllocator::new_block() {
 
 void DeviceAllocator::delete_block(Block* block) {
   block->uses.clear();
+  block->bin_prev = block->bin_next = nullptr;
   block->requested = 0;
   block->state = BlockState::kFree;
   block->prev = block->next = nullptr;
@@ -137,7 +138,7 @@ Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
   const size_t index = static_cast<size_t>(pool_id - 1);
   if (index >= user_pools_.size()) user_pools_.resize(index + 1);
   if (!user_pools_[index]) {
-    user_pools_[index] = std::make_unique<Pool>(&arena_);
+    user_pools_[index] = std::make_unique<Pool>();
     user_pools_[index]->kind = PoolKind::kUser;
     user_pools_[index]->id = pool_id;
     user_pools_[index]->name = pool_name(pool_id);
@@ -180,7 +181,7 @@ void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* st
     return nullptr;
   }
   Pool& pool = select_pool(rounded, pool_id);
-  Block* block = pool.best_fit(stream, rounded);
+  Block* block = pool.free_blocks.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(block == nullptr)) {
     return malloc_slow(lock, pool, size, rounded, stream, status);
   }
@@ -279,7 +280,7 @@ void DeviceAllocator::finish_free(Block* block) {
 
 // Free-set membership is where cached-free and inactive-split counters live.
 void DeviceAllocator::insert_free(Block* block) {
-  block->free_it = block->pool->free_blocks.insert(block).first;
+  block->pool->free_blocks.insert(block);
   cached_free_bytes_ += block->size;
   if (block->size != block->segment->size) {
     const StatType t = block->segment->stat_type();
@@ -289,7 +290,7 @@ void DeviceAllocator::insert_free(Block* block) {
 }
 
 void DeviceAllocator::erase_free(Block* block) {
-  block->pool->free_blocks.erase(block->free_it);
+  block->pool->free_blocks.erase(block);
   cached_free_bytes_ -= block->size;
   if (block->size != block->segment->size) {
     const StatType t = block->segment->stat_type();
@@ -360,11 +361,11 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
 }
 
 Block* DeviceAllocator::try_serve(Pool& pool, size_t rounded, StreamId stream, bool release_cache) {
-  if (Block* b = pool.best_fit(stream, rounded)) return b;
+  if (Block* b = pool.free_blocks.best_fit(stream, rounded)) return b;
   if (Block* b = grow(pool, rounded, stream)) return b;
   if (!release_cache) return nullptr;
   synchronize_pending();
-  if (Block* b = pool.best_fit(stream, rounded)) return b;
+  if (Block* b = pool.free_blocks.best_fit(stream, rounded)) return b;
   if (release_free_segments(0) == 0) return nullptr;
   return grow(pool, rounded, stream);
 }
@@ -544,12 +545,11 @@ __attribute__((noinline, cold)) FreeResult DeviceAllocator::classify_bad_free(ui
 
 size_t DeviceAllocator::largest_free_block() const {
   size_t largest = 0;
-  for (const Pool* pool : {&small_pool_, &large_pool_}) {
-    for (const Block* b : pool->free_blocks) largest = std::max(largest, b->size);
-  }
+  auto visit = [&](const Block* b) { largest = std::max(largest, b->size); };
+  small_pool_.free_blocks.for_each(visit);
+  large_pool_.free_blocks.for_each(visit);
   for (const auto& pool : user_pools_) {
-    if (!pool) continue;
-    for (const Block* b : pool->free_blocks) largest = std::max(largest, b->size);
+    if (pool) pool->free_blocks.for_each(visit);
   }
   return largest;
 }

@@ -33,8 +33,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ptr_map.hpp"
 #include "backend.hpp"
 #include "config.hpp"
+#include "device_mutex.hpp"
 #include "stats.hpp"
 #include "trace.hpp"
 #include "types.hpp"
@@ -115,7 +117,7 @@ class DeviceAllocator {
   int device() const { return device_; }
 
  private:
-  using Lock = std::unique_lock<std::mutex>;
+  using Lock = std::unique_lock<DeviceMutex>;
 
   struct PendingFree {
     Block* block;
@@ -160,7 +162,7 @@ class DeviceAllocator {
   const size_t small_segment_;
   const size_t large_segment_;
 
-  std::mutex mutex_;
+  DeviceMutex mutex_;
   bool retired_ = false;
 
   // Runtime-adjustable settings.
@@ -169,10 +171,9 @@ class DeviceAllocator {
   int round_power2_;
   bool oom_report_;
 
-  NodeArena arena_;               // free-set nodes; declared before the pools
   std::vector<Block*> spare_blocks_;  // recycled Block objects
-  Pool small_pool_{&arena_};
-  Pool large_pool_{&arena_};
+  Pool small_pool_;
+  Pool large_pool_;
   std::vector<std::unique_ptr<Pool>> user_pools_;  // index = pool id - 1
 
   std::map<uintptr_t, Segment*> segments_;        // by base address

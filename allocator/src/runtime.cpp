@@ -37,9 +37,12 @@ struct Callback {
   void* user_data;
 };
 
+// The current runtime: a constant-initialized global, so reading it on the
+// fast path is one load with no static-initialization guard.
+std::atomic<Runtime*> g_current{nullptr};
+
 struct Process {
   std::mutex configure_mutex;  // serializes configuration and runtime swaps
-  std::atomic<Runtime*> current{nullptr};
   std::vector<Runtime*> retired;  // kept alive: late callers may still hold them
 
   std::mutex pools_mutex;
@@ -82,7 +85,7 @@ Runtime* build_runtime(const Config& config) {
 }
 
 Runtime* initial_runtime_locked(Process& p) {
-  Runtime* r = p.current.load(std::memory_order_acquire);
+  Runtime* r = g_current.load(std::memory_order_acquire);
   if (r != nullptr) return r;
   Config config;
   std::string error;
@@ -94,7 +97,7 @@ Runtime* initial_runtime_locked(Process& p) {
   } else {
     r = build_runtime(config);
   }
-  p.current.store(r, std::memory_order_release);
+  g_current.store(r, std::memory_order_release);
   return r;
 }
 
@@ -103,7 +106,7 @@ Runtime* initial_runtime_locked(Process& p) {
 Runtime::Runtime(const Config& c) : config(c) {}
 
 Runtime* current_runtime() {
-  Runtime* r = process().current.load(std::memory_order_acquire);
+  Runtime* r = g_current.load(std::memory_order_acquire);
   if (__builtin_expect(r != nullptr, 1)) return r;
   Process& p = process();
   std::lock_guard<std::mutex> lock(p.configure_mutex);
@@ -144,7 +147,7 @@ int configure(const char* text, std::string* error) {
     }
   }
   p.retired.push_back(cur);
-  p.current.store(fresh, std::memory_order_release);
+  g_current.store(fresh, std::memory_order_release);
   return PYALLOC_OK;
 }
 

@@ -10,8 +10,8 @@
 //   pool         a set of segments with one free set: the small pool
 //                (requests <= kSmallRequest), the large pool, and user pools
 //                (selected by the thread's current pool).
-//   free set     a pool's free blocks, ordered by (stream, size, address):
-//                best fit is a lower_bound, address order breaks ties.
+//   free set     a pool's free blocks by stream and size class (Note [Free
+//                sets]): best fit, lowest address first among equal sizes.
 //   stream       the stream a segment was allocated for. A free block is
 //                reused only by requests on the same stream.
 //   stream use   another stream the block was used on (record_stream). Such
@@ -36,13 +36,11 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <set>
 #include <string>
 #include <vector>
 
-#include "arena.hpp"
 #include "backend.hpp"
+#include "free_set.hpp"
 
 namespace pyalloc {
 
@@ -68,31 +66,6 @@ enum StatType : int { kStatAll = 0, kStatSmall = 1, kStatLarge = 2, kNumStatType
 
 struct Pool;
 struct Segment;
-struct Block;
-
-// A free-set search key: what BlockOrder compares, without a whole Block.
-struct BlockKey {
-  StreamId stream;
-  size_t size;
-  uintptr_t addr;
-};
-
-// Free-set order: stream, then size, then address (best fit, lowest address).
-// Transparent, so lookups take a BlockKey.
-struct BlockOrder {
-  using is_transparent = void;
-  static BlockKey key(const Block* b);
-  static BlockKey key(const BlockKey& k) { return k; }
-  template <typename A, typename B>
-  bool operator()(const A& a, const B& b) const {
-    const BlockKey x = key(a), y = key(b);
-    if (x.stream != y.stream) return x.stream < y.stream;
-    if (x.size != y.size) return x.size < y.size;
-    return x.addr < y.addr;
-  }
-};
-
-using FreeSet = std::set<Block*, BlockOrder, ArenaAllocator<Block*>>;
 
 struct Block {
   uintptr_t addr = 0;
@@ -105,12 +78,11 @@ struct Block {
   Block* next = nullptr;
   BlockState state = BlockState::kFree;
   std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
-  FreeSet::iterator free_it;   // its free-set entry while free: erase without a search
+  Block* bin_prev = nullptr;   // neighbours in its free-set class list, while free
+  Block* bin_next = nullptr;
 
   bool is_free() const { return state == BlockState::kFree; }
 };
-
-inline BlockKey BlockOrder::key(const Block* b) { return {b->stream, b->size, b->addr}; }
 
 struct Segment {
   uintptr_t base = 0;
@@ -126,20 +98,10 @@ struct Segment {
 };
 
 struct Pool {
-  explicit Pool(NodeArena* arena) : free_blocks(BlockOrder{}, ArenaAllocator<Block*>(arena)) {}
-
   PoolKind kind = PoolKind::kLarge;
   int id = 0;               // 0 small/large defaults; user pools from 1
   std::string name;
-  FreeSet free_blocks;
-
-  // Best fit on `stream`: the smallest free block of at least `size` bytes,
-  // lowest address first among equals. nullptr when none.
-  Block* best_fit(StreamId stream, size_t size) const {
-    auto it = free_blocks.lower_bound(BlockKey{stream, size, 0});
-    if (it == free_blocks.end() || (*it)->stream != stream) return nullptr;
-    return *it;
-  }
+  FreeSet free_blocks;  // Note [Free sets]
 };
 
 inline StatType Segment::stat_type() const {
