@@ -115,13 +115,15 @@ def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Trace:
                 trace.marks.append((len(trace.ops), mark))
                 ident, size = -1, 0
             else:
-                ident = _int_field(obj, "id")
-                if ident is None:
+                maybe_id = _int_field(obj, "id")
+                if maybe_id is None:
                     raise ValueError(f"{op_name} needs an integer 'id'")
+                ident = maybe_id
                 if op == ALLOC:
-                    size = _int_field(obj, "size")
-                    if size is None or size <= 0:
+                    maybe_size = _int_field(obj, "size")
+                    if maybe_size is None or maybe_size <= 0:
                         raise ValueError(f"alloc needs a positive 'size', got {obj.get('size')!r}")
+                    size = maybe_size
                     if ident in live:
                         raise ValueError(f"alloc of id {ident}, which is already live")
                     live.add(ident)
