@@ -23,6 +23,7 @@ from .core import (
     reset_peak_memory_stats,
     set_memory_fraction,
     snapshot,
+    startup_error,
     unregister_pressure_callback,
     version,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "set_memory_fraction",
     "snapshot",
+    "startup_error",
     "unpatch_torch_memory_api",
     "unregister_pressure_callback",
     "version",

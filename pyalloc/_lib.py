@@ -93,9 +93,18 @@ def lib() -> ctypes.CDLL:
     """The loaded library, with every entry point typed."""
     global _lib
     if _lib is None:
-        loaded = ctypes.CDLL(library_path())
+        path = library_path()
+        try:
+            loaded = ctypes.CDLL(path)
+        except OSError as e:
+            raise PyallocError(f"cannot load {path}: {e}") from None
         for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(loaded, name)
+            try:
+                fn = getattr(loaded, name)
+            except AttributeError:
+                raise PyallocError(
+                    f"{path} has no {name}: the library is older than this package; rebuild it"
+                ) from None
             fn.restype = restype
             fn.argtypes = argtypes
         _lib = loaded

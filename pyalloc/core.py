@@ -39,8 +39,16 @@ def configure(conf: str) -> None:
 
 
 def config() -> dict[str, Any]:
-    """The configuration in force."""
-    return read_json(lib().pyalloc_config_json)
+    """The configuration in force (every PYALLOC_CONF key)."""
+    settings = read_json(lib().pyalloc_config_json)
+    settings.pop("startup_error", None)
+    return settings
+
+
+def startup_error() -> str | None:
+    """Why the allocator is not running (a bad PYALLOC_CONF, no driver), or None."""
+    error = read_json(lib().pyalloc_config_json).get("startup_error")
+    return str(error) if error else None
 
 
 def device_count() -> int:

@@ -350,7 +350,7 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
   }
   if (block == nullptr) {  // step 5
     ++stats_.num_ooms;
-    trace_.record(TraceAction::kOom, 0, rounded, stream);
+    trace_.record_oom(size, stream, trace_.capacity() ? backend_->mem_info(device_).free_bytes : 0);
     *status = PYALLOC_ENOMEM;
     const std::string report = oom_report(size, rounded, stream, callback_freed, daemon_freed);
     if (oom_report_) std::fprintf(stderr, "pyalloc: %s\n", report.c_str());

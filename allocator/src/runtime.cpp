@@ -8,6 +8,8 @@
 // call. The OS reclaims the memory at exit.
 #include "runtime.hpp"
 
+#include "json.hpp"
+
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -154,7 +156,15 @@ int configure(const char* text, std::string* error) {
 std::string config_json() {
   Process& p = process();
   std::lock_guard<std::mutex> lock(p.configure_mutex);
-  return initial_runtime_locked(p)->config.to_json();
+  const Runtime* r = initial_runtime_locked(p);
+  std::string json = r->config.to_json();
+  if (!r->error.empty()) {
+    // Why the allocator is not running (a bad PYALLOC_CONF, no driver).
+    JsonWriter w;
+    w.value(r->error);
+    json.insert(json.size() - 1, ",\"startup_error\":" + w.str());
+  }
+  return json;
 }
 
 int pool_create(const std::string& name, int* id, std::string* error) {

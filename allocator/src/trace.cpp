@@ -34,8 +34,9 @@ void TraceRing::resize(size_t capacity) {
   total_ = 0;
 }
 
-void TraceRing::record_slow(TraceAction action, uintptr_t addr, size_t size, StreamId stream) {
-  events_[next_] = TraceEvent{action, addr, size, stream, now_ns()};
+void TraceRing::record_slow(TraceAction action, uintptr_t addr, size_t size, StreamId stream,
+                            size_t device_free) {
+  events_[next_] = TraceEvent{action, addr, size, stream, now_ns(), device_free};
   next_ = (next_ + 1) % events_.size();
   ++total_;
 }
@@ -48,7 +49,11 @@ void TraceRing::write_json(JsonWriter& w) const {
     const TraceEvent& e = events_[(first + i) % events_.size()];
     w.begin_object();
     w.key("action").value(trace_action_name(e.action));
-    w.key("addr").value(static_cast<uint64_t>(e.addr));
+    if (e.action == TraceAction::kOom) {
+      w.key("device_free").value(static_cast<uint64_t>(e.device_free));  // PyTorch: no addr on OOM
+    } else {
+      w.key("addr").value(static_cast<uint64_t>(e.addr));
+    }
     w.key("size").value(static_cast<uint64_t>(e.size));
     w.key("stream").value(static_cast<uint64_t>(e.stream));
     w.key("time_us").value(static_cast<uint64_t>(e.time_ns / 1000));

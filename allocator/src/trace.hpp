@@ -31,10 +31,11 @@ const char* trace_action_name(TraceAction action);
 
 struct TraceEvent {
   TraceAction action;
-  uintptr_t addr;
+  uintptr_t addr;      // unused for kOom
   size_t size;
   StreamId stream;
-  uint64_t time_ns;  // steady clock
+  uint64_t time_ns;    // steady clock
+  size_t device_free;  // kOom only: bytes the backend reported free
 };
 
 class TraceRing {
@@ -44,14 +45,18 @@ class TraceRing {
 
   void record(TraceAction action, uintptr_t addr, size_t size, StreamId stream) {
     if (events_.empty()) return;
-    record_slow(action, addr, size, stream);
+    record_slow(action, addr, size, stream, 0);
+  }
+  void record_oom(size_t size, StreamId stream, size_t device_free) {
+    if (events_.empty()) return;
+    record_slow(TraceAction::kOom, 0, size, stream, device_free);
   }
 
   // Oldest first, as a JSON array of PyTorch TraceEntry objects.
   void write_json(JsonWriter& w) const;
 
  private:
-  void record_slow(TraceAction action, uintptr_t addr, size_t size, StreamId stream);
+  void record_slow(TraceAction action, uintptr_t addr, size_t size, StreamId stream, size_t device_free);
 
   std::vector<TraceEvent> events_;
   size_t next_ = 0;      // slot of the next event

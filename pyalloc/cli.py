@@ -1,0 +1,204 @@
+"""The ``pyalloc`` command line.
+
+Subcommands are registered, not hard-wired: each is a function that adds its
+parser to the subparsers and sets ``handler`` (``Namespace -> exit code``) on
+it. Commands defined here are in :data:`BUILTIN_COMMANDS`; a command that lives
+in another module (``replay``, ``stress``, ...) is added by naming that module
+in :data:`COMMAND_MODULES`: it must define
+``register_cli(subparsers) -> None``. Modules are imported only when the CLI
+runs, so a heavy command costs nothing to the others.
+
+Errors are one line on stderr (``pyalloc: error: ...``) and a non-zero exit,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ._lib import PyallocError
+
+Handler = Callable[[argparse.Namespace], int]
+Subparsers = Any  # argparse._SubParsersAction[argparse.ArgumentParser]
+Register = Callable[[Subparsers], None]
+
+# Modules defining `register_cli(subparsers)`; add one here to add commands.
+COMMAND_MODULES: list[str] = ["pyalloc.stress", "pyalloc.replay", "pyalloc.record", "pyalloc.selftest"]
+
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 127  # as shells report a command that does not exist
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
+PYALLOC_EINVAL = 1  # enum pyalloc_status in pyalloc.h
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit status 2."""
+
+
+# ---- pyalloc run --------------------------------------------------------------
+
+
+def _register_run(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run a command with pyalloc installed in every Python process it starts",
+        description=(
+            "Runs CMD so that every Python interpreter it starts installs pyalloc as "
+            "PyTorch's CUDA allocator at start-up, with no change to the program. "
+            "Example: pyalloc run --conf max_cached=4GiB -- torchrun --nproc-per-node 8 "
+            "train.py"
+        ),
+    )
+    parser.add_argument(
+        "--conf",
+        metavar="CONF",
+        help="PYALLOC_CONF settings (key=value,...), applied on top of $PYALLOC_CONF",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD ARGS...")
+    parser.set_defaults(handler=_run)
+
+
+def child_environment(base: dict[str, str], conf: str | None) -> dict[str, str]:
+    """The environment of ``pyalloc run``'s child: bootstrap first on PYTHONPATH."""
+    env = dict(base)
+    env["PYALLOC_AUTOINSTALL"] = "1"
+    bootstrap = str(BOOTSTRAP_DIR)
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != bootstrap]
+    env["PYTHONPATH"] = os.pathsep.join([bootstrap, *entries])
+    if conf:
+        # Later keys win, so --conf overrides what PYALLOC_CONF already says.
+        inherited = env.get("PYALLOC_CONF", "").strip().strip(",")
+        env["PYALLOC_CONF"] = f"{inherited},{conf}" if inherited else conf
+    return env
+
+
+def _validate_conf(conf: str) -> None:
+    """Rejects a bad --conf here, in one line, rather than in every child.
+
+    Only syntax errors count: a backend that cannot start on this machine
+    (no driver for backend=cuda) is the child's business.
+    """
+    from .core import configure
+
+    try:
+        configure(conf)
+    except PyallocError as exc:
+        if exc.code == PYALLOC_EINVAL:
+            raise UsageError(f"--conf: {exc}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    command: list[str] = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("run: missing command (usage: pyalloc run [--conf CONF] [--] CMD ARGS...)")
+    if args.conf:
+        _validate_conf(args.conf)
+    env = child_environment(dict(os.environ), args.conf)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        # exec: the command replaces this process, so its exit status and the
+        # signals sent to it (Ctrl-C, SIGTERM from a scheduler) are its own.
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        print(f"pyalloc: error: run: command not found: {command[0]}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except OSError as exc:
+        print(f"pyalloc: error: run: cannot execute {command[0]}: {exc.strerror}", file=sys.stderr)
+        return 126
+    return 0  # not reached
+
+
+# ---- pyalloc config -----------------------------------------------------------
+
+
+def _register_config(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "config",
+        help="print the configuration in force",
+        description="Prints the configuration in force: defaults, then $PYALLOC_CONF, then --conf.",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--conf", metavar="CONF", help="settings to apply first (key=value,...)")
+    parser.set_defaults(handler=_config)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .core import config, configure, startup_error
+
+    if args.conf:
+        try:
+            configure(args.conf)
+        except PyallocError as exc:
+            if exc.code == PYALLOC_EINVAL:
+                raise UsageError(f"--conf: {exc}") from None
+            raise
+    settings = config()
+    if args.json:
+        print(json.dumps(settings, indent=2, sort_keys=True))
+    else:
+        width = max((len(k) for k in settings), default=0)
+        for key, value in settings.items():
+            print(f"{key:<{width}}  {_format_value(value)}")
+    error = startup_error()
+    if error:
+        # A bad $PYALLOC_CONF is the user's to fix: fail. A backend that cannot
+        # start here (no GPU driver) is a fact about this machine: say so.
+        print(f"pyalloc: the allocator is not running: {error}", file=sys.stderr)
+        return 1 if error.startswith("PYALLOC_CONF") else 0
+    return 0
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+# ---- main ---------------------------------------------------------------------
+
+BUILTIN_COMMANDS: list[Register] = [_register_run, _register_config]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyalloc",
+        description="pyalloc: a caching, stream-ordered GPU memory allocator for PyTorch",
+    )
+    subparsers = parser.add_subparsers(dest="command_name", metavar="COMMAND")
+    subparsers.required = True
+    for register in BUILTIN_COMMANDS:
+        register(subparsers)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register_cli(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pyalloc`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    handler: Handler = args.handler
+    try:
+        return int(handler(args))
+    except UsageError as exc:
+        print(f"pyalloc: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except PyallocError as exc:
+        print(f"pyalloc: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
