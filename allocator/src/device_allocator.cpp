@@ -174,12 +174,12 @@ size_t DeviceAllocator::reserved_limit() {
 // ---- the fast path -------------------------------------------------------------
 
 void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status) {
-  const size_t rounded = round_size(size);
   Lock lock(mutex_);
   if (PYALLOC_UNLIKELY(retired_)) {
     *status = PYALLOC_EBUSY;
     return nullptr;
   }
+  const size_t rounded = round_size(size);  // reads round_power2_: under the lock
   Pool& pool = select_pool(rounded, pool_id);
   Block* block = pool.free_blocks.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(block == nullptr)) {

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# sanitize.sh: build libpyalloc and the native stress test with sanitizers and
+# run the stress test under each, with every finding fatal.
+#
+#   asan   -DPYALLOC_SANITIZE=address,undefined  in build-asan/
+#   tsan   -DPYALLOC_SANITIZE=thread             in build-tsan/
+#
+# Prints one verdict line per sanitizer ("sanitize: asan+ubsan: PASS ..." or
+# "... FAIL ...") and exits non-zero when any run fails or reports a finding.
+#
+# Usage: tools/sanitize.sh [--only asan|tsan|all] [--short]
+#                          [--threads N] [--rounds N] [--ops N] [--seed N]
+#   --short   a quick run for CI (8 threads, 2 rounds, 300 ops per thread)
+set -u -o pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+only=all
+threads=8
+rounds=5
+ops=1000
+seed=42
+
+usage() {
+  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --only) only="${2:-}"; shift 2 ;;
+    --short) rounds=2; ops=300; shift ;;
+    --threads) threads="${2:-}"; shift 2 ;;
+    --rounds) rounds="${2:-}"; shift 2 ;;
+    --ops) ops="${2:-}"; shift 2 ;;
+    --seed) seed="${2:-}"; shift 2 ;;
+    -h|--help) usage ;;
+    *) echo "sanitize: unknown option $1" >&2; usage ;;
+  esac
+done
+case "$only" in asan|tsan|all) ;; *) echo "sanitize: --only takes asan, tsan or all" >&2; exit 2 ;; esac
+
+generator=()
+if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
+
+stress_args=(--threads "$threads" --rounds "$rounds" --ops "$ops" --seed "$seed")
+
+# Findings that must fail the run even if the process exited 0 (e.g. a
+# sanitizer built with recovery, or a report from a thread at exit).
+finding_pattern='ERROR: AddressSanitizer|ERROR: LeakSanitizer|runtime error:|WARNING: ThreadSanitizer|ThreadSanitizer: reported|ERROR: ThreadSanitizer|SUMMARY: (Address|Undefined|Thread)Sanitizer'
+
+status=0
+
+# build NAME DIR SANITIZERS: configure and build; the log is DIR/build.log.
+build() {
+  local name="$1" dir="$root/$2" sanitizers="$3"
+  local log="$dir/build.log"
+  mkdir -p "$dir"
+  if ! { cmake -S "$root" -B "$dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Debug \
+           -DPYALLOC_SANITIZE="$sanitizers" -DPYALLOC_BUILD_TESTS=ON \
+         && cmake --build "$dir" --target stress; } >"$log" 2>&1; then
+    echo "sanitize: $name: FAIL (build failed; see $log)"
+    tail -n 20 "$log" | sed 's/^/  /'
+    return 1
+  fi
+}
+
+# run_stress NAME DIR [PREFIX...]: runs the stress binary, logs to DIR/stress.log.
+# Sets `summary` to the stress summary line and returns its exit status.
+run_stress() {
+  local name="$1" dir="$root/$2"
+  shift 2
+  local log="$dir/stress.log"
+  "$@" "$dir/tests/native/stress" "${stress_args[@]}" >"$log" 2>&1
+  local rc=$?
+  summary="$(grep -m1 '^stress: ok' "$log" || true)"
+  return $rc
+}
+
+# verdict NAME DIR RC: one line, plus the first lines of any report.
+verdict() {
+  local name="$1" dir="$root/$2" rc="$3"
+  local log="$dir/stress.log"
+  if [[ $rc -eq 0 ]] && ! grep -Eq "$finding_pattern" "$log"; then
+    echo "sanitize: $name: PASS (${summary:-no summary})"
+    return 0
+  fi
+  echo "sanitize: $name: FAIL (exit $rc; log $log)"
+  grep -E -m5 "$finding_pattern|^stress: FAIL" "$log" | sed 's/^/  /'
+  return 1
+}
+
+if [[ "$only" == asan || "$only" == all ]]; then
+  if build asan+ubsan build-asan address,undefined; then
+    summary=""
+    ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0:exitcode=66" \
+    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+      run_stress asan+ubsan build-asan
+    rc=$?
+    verdict asan+ubsan build-asan $rc || status=1
+  else
+    status=1
+  fi
+fi
+
+if [[ "$only" == tsan || "$only" == all ]]; then
+  if build tsan build-tsan thread; then
+    summary=""
+    export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
+    run_stress tsan build-tsan
+    rc=$?
+    # TSan's shadow layout does not fit the high mmap randomization of newer
+    # kernels ("unexpected memory mapping"); rerun with ASLR off for the process.
+    if [[ $rc -ne 0 ]] && grep -q 'unexpected memory mapping\|FATAL: ThreadSanitizer' "$root/build-tsan/stress.log"; then
+      if command -v setarch >/dev/null 2>&1; then
+        echo "sanitize: tsan: retrying with ASLR off (setarch $(uname -m) -R)"
+        run_stress tsan build-tsan setarch "$(uname -m)" -R
+        rc=$?
+      fi
+    fi
+    unset TSAN_OPTIONS
+    verdict tsan build-tsan $rc || status=1
+  else
+    status=1
+  fi
+fi
+
+exit $status
