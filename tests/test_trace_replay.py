@@ -1,4 +1,4 @@
-"""Replays the sample traces (tests/data/*.jsonl.gz) through the Python binding.
+"""Replays the sample traces (pyalloc/workloads/{mlp,seq2seq}.jsonl.gz) through the Python binding.
 
 On the host backend every block is tagged at its start, middle and end with
 a value derived from its trace id, and the tags are verified when the trace
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import gzip
-import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +22,9 @@ from pathlib import Path
 import pytest
 
 import pyalloc
+from pyalloc import trace as trace_format
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = trace_format.workloads_dir()
 MiB = 1 << 20
 GiB = 1 << 30
 BLOCK_ALIGN = 512
@@ -57,42 +56,23 @@ class Trace:
 
 
 def load_trace(path: Path) -> Trace:
-    """Reads and validates a version-1 trace: a bad line raises ValueError naming it."""
-    trace = Trace(path.name)
+    """Reads a trace with pyalloc.trace (which validates every line) and derives the expected figures."""
+    parsed = trace_format.load(path)
+    trace = Trace(path.name, marks=len(parsed.marks))
     live: dict[int, int] = {}
     requested = 0
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        header = json.loads(f.readline())
-        if header.get("version") != 1:
-            raise ValueError(f"{path}:1: unsupported trace version {header.get('version')!r}")
-        for lineno, line in enumerate(f, start=2):
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
-            op = e.get("op")
-            if op == "alloc":
-                size = e.get("size")
-                if not isinstance(size, int) or size <= 0:
-                    raise ValueError(f"{path}:{lineno}: alloc needs a positive size")
-                if e["id"] in live:
-                    raise ValueError(f"{path}:{lineno}: alloc of live id {e['id']}")
-                live[e["id"]] = size
-                requested += size
-                trace.peak_requested = max(trace.peak_requested, requested)
-                trace.peak_live = max(trace.peak_live, len(live))
-                trace.allocs += 1
-                trace.events.append(("alloc", e["id"], size, int(e.get("stream", 0))))
-            elif op == "free":
-                if e.get("id") not in live:
-                    raise ValueError(f"{path}:{lineno}: free of id {e.get('id')} that is not live")
-                requested -= live.pop(e["id"])
-                trace.frees += 1
-                trace.events.append(("free", e["id"], 0, int(e.get("stream", 0))))
-            elif op == "mark":
-                trace.marks += 1
-            else:
-                raise ValueError(f"{path}:{lineno}: unknown op {op!r}")
+    for op, ident, size, stream in zip(parsed.ops, parsed.ids, parsed.sizes, parsed.streams):
+        if op == trace_format.ALLOC:
+            live[ident] = size
+            requested += size
+            trace.peak_requested = max(trace.peak_requested, requested)
+            trace.peak_live = max(trace.peak_live, len(live))
+            trace.allocs += 1
+            trace.events.append(("alloc", ident, size, stream))
+        elif op == trace_format.FREE:
+            requested -= live.pop(ident)
+            trace.frees += 1
+            trace.events.append(("free", ident, 0, stream))
     trace.left_live = len(live)
     return trace
 
