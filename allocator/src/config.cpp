@@ -126,6 +126,10 @@ const std::vector<KeySpec>& key_specs() {
        }},
       {"oom_report", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->oom_report); }},
+      {"registry", "0 or 1",
+       [](const std::string& v, Config* c) { return parse_bool(v, &c->registry); }},
+      {"pressure_opt_in", "0 or 1",
+       [](const std::string& v, Config* c) { return parse_bool(v, &c->pressure_opt_in); }},
   };
   return *specs;
 }
@@ -227,6 +231,8 @@ std::string Config::to_json() const {
   w.key("trace").value(static_cast<uint64_t>(trace));
   w.key("event_delay").value(static_cast<int64_t>(event_delay));
   w.key("oom_report").value(oom_report);
+  w.key("registry").value(registry);
+  w.key("pressure_opt_in").value(pressure_opt_in);
   w.end_object();
   return w.str();
 }

@@ -28,6 +28,8 @@ struct Config {
   size_t trace = 0;                 // trace ring entries; 0 = off
   int event_delay = 0;              // host: an event completes after this many queries
   bool oom_report = true;           // print the OOM report to stderr
+  bool registry = true;             // publish a record for gpumemd (/dev/shm)
+  bool pressure_opt_in = false;     // trim when gpumemd relays another process's pressure
 
   // True when switching from `*this` to `next` requires rebuilding the
   // allocator (possible only while nothing is allocated).

@@ -27,6 +27,7 @@
 
 #include "json.hpp"
 #include "pyalloc/pyalloc.h"
+#include "registry.hpp"
 #include "runtime.hpp"
 
 #define PYALLOC_LIKELY(x) __builtin_expect(!!(x), 1)
@@ -401,6 +402,7 @@ Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
   ++stats_.num_device_alloc;
   trace_.record(TraceAction::kSegmentAlloc, addr, size, stream);
   insert_free(block);
+  registry_poke();
   return block;
 }
 
@@ -486,6 +488,7 @@ void DeviceAllocator::release_segment(Segment* segment) {
   ++stats_.num_device_free;
   trace_.record(TraceAction::kSegmentFree, segment->base, segment->size, segment->stream);
   backend_->segment_free(device_, segment->base, segment->size);
+  registry_poke();
   segments_.erase(segment->base);
   delete_block(block);
   delete segment;
@@ -605,9 +608,17 @@ std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId st
 
 DeviceAllocator::Usage DeviceAllocator::usage() {
   Lock lock(mutex_);
-  return Usage{static_cast<size_t>(stats_.reserved_bytes[kStatAll].current),
-               static_cast<size_t>(stats_.allocated_bytes[kStatAll].current), cached_free_bytes_,
-               largest_free_block(), static_cast<size_t>(stats_.reserved_bytes[kStatAll].peak)};
+  Usage u;
+  u.reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].current);
+  u.allocated = static_cast<size_t>(stats_.allocated_bytes[kStatAll].current);
+  u.active = static_cast<size_t>(stats_.active_bytes[kStatAll].current);
+  u.cached_free = cached_free_bytes_;
+  u.largest_free = largest_free_block();
+  u.peak_reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].peak);
+  u.num_ooms = static_cast<uint64_t>(stats_.num_ooms);
+  u.num_alloc_retries = static_cast<uint64_t>(stats_.num_alloc_retries);
+  u.allocations_total = static_cast<uint64_t>(stats_.allocation[kStatAll].allocated);
+  return u;
 }
 
 std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) {

@@ -96,9 +96,13 @@ class DeviceAllocator {
   struct Usage {
     size_t reserved;
     size_t allocated;
+    size_t active;
     size_t cached_free;
     size_t largest_free;
     size_t peak_reserved;
+    uint64_t num_ooms;
+    uint64_t num_alloc_retries;
+    uint64_t allocations_total;  // changes whenever the device allocates
   };
   Usage usage();
 

@@ -9,6 +9,7 @@
 #include "runtime.hpp"
 
 #include "json.hpp"
+#include "registry.hpp"
 
 #include <condition_variable>
 #include <cstdio>
@@ -100,6 +101,7 @@ Runtime* initial_runtime_locked(Process& p) {
     r = build_runtime(config);
   }
   g_current.store(r, std::memory_order_release);
+  if (r->error.empty()) registry_apply(r->config);
   return r;
 }
 
@@ -125,6 +127,7 @@ int configure(const char* text, std::string* error) {
   if (cur->error.empty() && !cur->config.layout_differs(next)) {
     cur->config = next;
     for (auto& d : cur->devices) d->apply_settings(next);
+    registry_apply(next);
     return PYALLOC_OK;
   }
 
@@ -150,6 +153,7 @@ int configure(const char* text, std::string* error) {
   }
   p.retired.push_back(cur);
   g_current.store(fresh, std::memory_order_release);
+  registry_apply(next);
   return PYALLOC_OK;
 }
 
