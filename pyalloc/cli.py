@@ -92,6 +92,14 @@ def _validate_conf(conf: str) -> None:
     except PyallocError as exc:
         if exc.code == PYALLOC_EINVAL:
             raise UsageError(f"--conf: {exc}") from None
+    finally:
+        # This process is about to exec the command, which skips exit
+        # handlers: take down the registry record that loading the library
+        # published, or gpumemd would see it outlive us under the same pid.
+        try:
+            configure("registry=0")
+        except PyallocError:
+            pass
 
 
 def _run(args: argparse.Namespace) -> int:
