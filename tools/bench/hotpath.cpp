@@ -45,7 +45,7 @@ namespace {
 
 constexpr size_t KiB = size_t{1} << 10;
 constexpr size_t MiB = size_t{1} << 20;
-constexpr const char* kConf = "backend=sim,devices=1,capacity=80GiB,trace=0,oom_report=0";
+constexpr const char* kConf = "backend=sim,devices=1,capacity=80GiB,trace=0,oom_report=0,registry=0";
 
 [[noreturn]] void fail(const std::string& what) {
   const char* err = pyalloc_last_error();
