@@ -138,8 +138,12 @@ class Publisher {
 
   bool open_record() {
     const pid_t pid = getpid();
-    char name[128];
-    std::snprintf(name, sizeof name, "%s/%s%u.%d", PYALLOC_REGISTRY_DIR, PYALLOC_REGISTRY_PREFIX,
+    // PYALLOC_REGISTRY_DIR moves the records (tests, containers without a
+    // shared /dev/shm); gpumemd reads the same variable.
+    const char* dir = std::getenv("PYALLOC_REGISTRY_DIR");
+    if (dir == nullptr || dir[0] == '\0') dir = PYALLOC_REGISTRY_DIR;
+    char name[4096];
+    std::snprintf(name, sizeof name, "%s/%s%u.%d", dir, PYALLOC_REGISTRY_PREFIX,
                   static_cast<unsigned>(getuid()), static_cast<int>(pid));
     ::unlink(name);  // a stale record of an earlier process with our pid
     const int fd = ::open(name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);

@@ -1,7 +1,8 @@
 /*
  * registry.h: the shared-memory record a pyalloc process publishes for gpumemd.
  *
- * One file per process: /dev/shm/pyalloc.<uid>.<pid>, mode 0600, holding one
+ * One file per process: /dev/shm/pyalloc.<uid>.<pid> ($PYALLOC_REGISTRY_DIR
+ * overrides the folder), mode 0600, holding one
  * pyalloc_registry_record. The layout is fixed (little-endian, the x86-64 /
  * aarch64 ABI, no pointers) and versioned; readers check magic, version and
  * size before trusting anything, and validate every field.

@@ -1,0 +1,182 @@
+"""Pressure coordination: a starving pyalloc process asks the daemon for bytes on a device.
+
+Protocol: one JSON line in, one JSON line out, over a Unix socket.
+Request ``{"device": 0, "bytes": 1073741824}``; answer ``{"ok": true,
+"freed_bytes": N, "asked": [...]}``. The caller is identified by
+SO_PEERCRED, not by anything it says: it must be root or a process with a
+valid registry record of its own uid. The daemon then asks the other
+opted-in pyalloc processes on the device to trim, largest cache first (the
+oldest last allocation breaks ties), until the bytes are found.
+
+No client can hang the daemon: each connection has its own thread, a read
+deadline, and a bounded request size; each mailbox has its own timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import registry
+
+MAX_REQUEST_BYTES = 4096
+READ_TIMEOUT_S = 2.0
+TRIM_TIMEOUT_S = 0.5
+REQUEST_DEADLINE_S = 5.0
+
+
+def default_socket_path() -> str:
+    if os.geteuid() == 0:
+        return "/run/gpumemd.sock"
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gpumemd-{os.getuid()}", "gpumemd.sock")
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the connected peer, as the kernel saw it at connect()."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _read_line(conn: socket.socket, deadline: float) -> bytes:
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request not received in time")
+        conn.settimeout(left)
+        chunk = conn.recv(MAX_REQUEST_BYTES + 1 - len(buf))
+        if not chunk:
+            break  # the client went away (or sent no newline before closing)
+        buf += chunk
+        if len(buf) > MAX_REQUEST_BYTES:
+            raise ValueError("request too long")
+    return buf.split(b"\n", 1)[0]
+
+
+class PressureServer:
+    def __init__(self, path: str, registry_dir: str | Path | None = None,
+                 trim_timeout_s: float = TRIM_TIMEOUT_S, log: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.path = path
+        self.registry_dir = registry_dir
+        self.trim_timeout_s = trim_timeout_s
+        self.log = log or (lambda _e: None)
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.handled = 0
+
+    def start(self) -> None:
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.bind(self.path)
+        os.chmod(self.path, 0o666)  # anyone may ask; SO_PEERCRED decides who is answered
+        sock.listen(64)
+        sock.settimeout(0.2)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept_loop, name="gpumemd-pressure", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        if self._sock:
+            self._sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                answer = self._handle(conn)
+            except Exception as e:  # noqa: BLE001 - one bad client must not stop the server
+                answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            self.handled += 1
+            self.log({"event": "pressure", **answer})
+            try:
+                conn.settimeout(READ_TIMEOUT_S)
+                conn.sendall((json.dumps(answer) + "\n").encode())
+            except OSError:
+                pass  # the client died before the answer: nothing to do
+
+    def _handle(self, conn: socket.socket) -> dict[str, Any]:
+        pid, uid, _gid = peer_credentials(conn)
+        if uid != 0:
+            path = registry.record_path(pid, uid, self.registry_dir)
+            try:
+                rec = registry.read_record(path)
+            except registry.RecordError as e:
+                return {"ok": False, "error": f"peer pid {pid} uid {uid} has no valid registry record: {e}"}
+            if rec.uid != uid or not registry.is_alive(rec.pid, rec.start_time_ticks):
+                return {"ok": False, "error": f"peer pid {pid} uid {uid} does not own its record"}
+        line = _read_line(conn, time.monotonic() + READ_TIMEOUT_S)
+        try:
+            req = json.loads(line)
+            device, want = int(req["device"]), int(req["bytes"])
+        except (ValueError, KeyError, TypeError):
+            return {"ok": False, "error": "request must be one JSON line {\"device\": d, \"bytes\": n}"}
+        if not (0 <= device < registry.MAX_DEVICES and 0 < want <= registry.MAX_BYTES):
+            return {"ok": False, "error": "device or bytes out of range"}
+        return {"ok": True, "requester": pid, "device": device, "requested_bytes": want,
+                **self.coordinate(pid, device, want)}
+
+    def coordinate(self, requester: int, device: int, want: int) -> dict[str, Any]:
+        """Asks opted-in processes to trim, largest idle cache first, until ``want`` is freed."""
+        scan = registry.scan(self.registry_dir)
+        candidates = []
+        for rec in scan.records:
+            if rec.pid == requester or not rec.pressure_opt_in or device >= len(rec.devices):
+                continue
+            d = rec.devices[device]
+            if d.cached_free_bytes > 0 and registry.is_alive(rec.pid, rec.start_time_ticks):
+                candidates.append((-d.cached_free_bytes, d.last_alloc_unix_ns, rec))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        freed, asked = 0, []
+        deadline = time.monotonic() + REQUEST_DEADLINE_S
+        for _neg, _last, rec in candidates:
+            if freed >= want or time.monotonic() > deadline:
+                break
+            try:
+                got = registry.post_trim(rec.path, device, want - freed, timeout=self.trim_timeout_s)
+                freed += got
+                asked.append({"pid": rec.pid, "released_bytes": got})
+            except (registry.RecordError, registry.MailboxTimeout, OSError) as e:
+                asked.append({"pid": rec.pid, "skipped": str(e)})
+        return {"freed_bytes": freed, "asked": asked}
+
+
+def request(path: str, device: int, nbytes: int, timeout: float = 10.0) -> dict[str, Any]:
+    """Client side (what libpyalloc's step 4 does in C): ask for ``nbytes`` on ``device``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall((json.dumps({"device": device, "bytes": nbytes}) + "\n").encode())
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)

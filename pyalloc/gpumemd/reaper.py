@@ -1,0 +1,340 @@
+"""The reaper: finds processes that hold GPU memory for nothing and, when enforcing, ends them.
+
+Policy (TOML, see docs/deployment.md), one table per criterion, each with
+``enabled`` and thresholds:
+
+- ``zombie``: a defunct process still charged GPU memory. Signals can't kill
+  a zombie (it is already dead; only its parent's wait() removes it), so
+  the decision is a report unless ``signal_parent`` names a signal to send
+  the parent ("SIGCHLD" to nudge it to wait, "SIGTERM" to end it so init
+  adopts and reaps the zombie).
+- ``orphan``: reparented to init or a subreaper while holding GPU memory.
+- ``idle``: no SM activity and CPU under ``cpu_percent`` for ``window``,
+  holding more than ``min_bytes``.
+- ``stale_heartbeat``: a pyalloc record whose heartbeat is older than
+  ``window``: report only unless ``action = "kill"``.
+- ``no_proc``: NVML lists a pid with no process in /proc: always a report.
+
+Never touched: PID 1, the daemon and its ancestors, uids under
+``protect.min_uid`` (system daemons), listed pids/users/command patterns,
+and other users' processes unless running as root with
+``protect.allow_other_users``. Every decision, dry run or not, is one JSON
+line in the audit log with its evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .model import ProcessRow, Snapshot
+from .units import parse_duration, parse_size
+
+
+@dataclass
+class Criterion:
+    enabled: bool
+    min_bytes: int = 0
+    window_s: float = 0.0
+    cpu_percent: float = 1.0
+    action: str = "kill"  # "kill" or "report"
+    signal_parent: str | None = None
+
+
+@dataclass
+class Policy:
+    zombie: Criterion = field(default_factory=lambda: Criterion(True, action="report"))
+    orphan: Criterion = field(default_factory=lambda: Criterion(True, min_bytes=1))
+    idle: Criterion = field(default_factory=lambda: Criterion(False, 1 << 30, 3600.0))
+    stale_heartbeat: Criterion = field(default_factory=lambda: Criterion(True, 0, 300.0, action="report"))
+    no_proc: Criterion = field(default_factory=lambda: Criterion(True, action="report"))
+    grace_s: float = 10.0
+    cpu_sample_s: float = 1.0
+    min_uid: int = 1000
+    protected_pids: list[int] = field(default_factory=list)
+    protected_users: list[str] = field(default_factory=list)
+    protected_commands: list[str] = field(default_factory=list)
+    allow_other_users: bool = False
+    subreapers: list[str] = field(default_factory=lambda: ["systemd"])
+    audit_log: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "Policy":
+        if path is None:
+            return cls()
+        with open(path, "rb") as f:
+            return cls.from_dict(tomllib.load(f))
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "Policy":
+        p = cls()
+        known = {"zombie", "orphan", "idle", "stale_heartbeat", "no_proc", "protect",
+                 "grace_period", "cpu_sample", "audit_log", "subreapers"}
+        unknown = set(doc) - known
+        if unknown:
+            raise ValueError(f"unknown policy keys: {sorted(unknown)}")
+        for name in ("zombie", "orphan", "idle", "stale_heartbeat", "no_proc"):
+            table = doc.get(name, {})
+            c: Criterion = getattr(p, name)
+            for key, value in table.items():
+                if key == "enabled":
+                    c.enabled = bool(value)
+                elif key == "min_bytes":
+                    c.min_bytes = parse_size(value)
+                elif key == "window":
+                    c.window_s = parse_duration(value)
+                elif key == "cpu_percent":
+                    c.cpu_percent = float(value)
+                elif key == "action":
+                    if value not in ("kill", "report"):
+                        raise ValueError(f"{name}.action must be kill or report")
+                    c.action = value
+                elif key == "signal_parent":
+                    if value not in (False, "SIGCHLD", "SIGTERM"):
+                        raise ValueError(f"{name}.signal_parent must be false, SIGCHLD or SIGTERM")
+                    c.signal_parent = value or None
+                else:
+                    raise ValueError(f"unknown key {name}.{key}")
+        p.zombie.action = "report"  # see the module docstring: signals can't kill zombies
+        p.no_proc.action = "report"
+        p.grace_s = parse_duration(doc.get("grace_period", p.grace_s))
+        p.cpu_sample_s = parse_duration(doc.get("cpu_sample", p.cpu_sample_s))
+        p.audit_log = doc.get("audit_log")
+        p.subreapers = list(doc.get("subreapers", p.subreapers))
+        prot = doc.get("protect", {})
+        p.min_uid = int(prot.get("min_uid", p.min_uid))
+        p.protected_pids = [int(x) for x in prot.get("pids", [])]
+        p.protected_users = [str(x) for x in prot.get("users", [])]
+        p.protected_commands = [str(x) for x in prot.get("commands", [])]
+        for pattern in p.protected_commands:
+            re.compile(pattern)
+        p.allow_other_users = bool(prot.get("allow_other_users", False))
+        return p
+
+
+def default_audit_log() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/log/gpumemd/audit.jsonl")
+    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(state) / "gpumemd" / "audit.jsonl"
+
+
+@dataclass
+class Decision:
+    time: float
+    pid: int
+    criterion: str
+    action: str  # "kill", "report", "signal-parent", "protected"
+    dry_run: bool
+    evidence: dict[str, Any]
+    protected_reason: str | None = None
+    result: str | None = None
+
+
+def _ancestors() -> set[int]:
+    out, pid = set(), os.getpid()
+    while pid > 1:
+        out.add(pid)
+        try:
+            pid = psutil.Process(pid).ppid()
+        except psutil.Error:
+            break
+    return out
+
+
+def protected_reason(pid: int, uid: int | None, user: str | None, command: str | None,
+                     policy: Policy) -> str | None:
+    """Why ``pid`` must not be signalled, or None."""
+    if pid <= 1:
+        return "PID 1"
+    if pid in _ancestors():
+        return "gpumemd itself or its ancestor"
+    if pid in policy.protected_pids:
+        return "listed in protect.pids"
+    if uid is None:
+        return "owner unknown"
+    if uid < policy.min_uid:
+        return f"system uid {uid} < protect.min_uid {policy.min_uid}"
+    me = os.geteuid()
+    if uid != me and not (me == 0 and policy.allow_other_users):
+        return f"another user's process (uid {uid})"
+    if user is not None and user in policy.protected_users:
+        return f"user {user} listed in protect.users"
+    for pattern in policy.protected_commands:
+        if command and re.search(pattern, command):
+            return f"command matches protect.commands {pattern!r}"
+    return None
+
+
+def _held_bytes(rows: list[ProcessRow]) -> int:
+    """GPU bytes the process holds: NVML's count where known, else the allocator's reserve."""
+    total = 0
+    for r in rows:
+        if r.used_bytes is not None:
+            total += r.used_bytes
+        elif r.allocator is not None:
+            total += r.allocator.reserved_bytes
+    return total
+
+
+def _evidence(rows: list[ProcessRow], now: float) -> dict[str, Any]:
+    r = rows[0]
+    return {
+        "user": r.user, "uid": r.uid, "command": r.command, "status": r.status, "ppid": r.ppid,
+        "start_time": r.start_time, "cpu_percent": r.cpu_percent,
+        "held_bytes": _held_bytes(rows),
+        "devices": [{"device": x.device, "uuid": x.uuid, "used_bytes": x.used_bytes, "sm_util": x.sm_util,
+                     "allocator": asdict(x.allocator) if x.allocator else None} for x in rows],
+        "flags": asdict(r.flags),
+        "idle_s": None if r.flags.idle_since is None else round(now - r.flags.idle_since, 1),
+    }
+
+
+def decide(snap: Snapshot, policy: Policy, dry_run: bool) -> list[Decision]:
+    """Which processes match which criterion (the first that matches), with evidence."""
+    by_pid: dict[int, list[ProcessRow]] = {}
+    for row in snap.processes:
+        by_pid.setdefault(row.pid, []).append(row)
+    out: list[Decision] = []
+    now = snap.time
+    for pid, rows in sorted(by_pid.items()):
+        r = rows[0]
+        held = _held_bytes(rows)
+        ev = _evidence(rows, now)
+        match: tuple[str, Criterion] | None = None
+        if r.flags.no_proc and policy.no_proc.enabled:
+            match = ("no_proc", policy.no_proc)
+        elif r.flags.zombie and policy.zombie.enabled and held > policy.zombie.min_bytes - 1 and held > 0:
+            match = ("zombie", policy.zombie)
+        elif r.flags.orphan and policy.orphan.enabled and held >= max(1, policy.orphan.min_bytes):
+            ev["orphan_evidence"] = r.flags.orphan_evidence
+            match = ("orphan", policy.orphan)
+        elif (policy.idle.enabled and r.flags.idle_since is not None
+              and now - r.flags.idle_since >= policy.idle.window_s
+              and (r.cpu_percent is not None and r.cpu_percent < policy.idle.cpu_percent)
+              and held > policy.idle.min_bytes):
+            match = ("idle", policy.idle)
+        elif (policy.stale_heartbeat.enabled and any(
+                x.allocator is not None and x.allocator.heartbeat_age_s >= policy.stale_heartbeat.window_s
+                for x in rows)):
+            match = ("stale_heartbeat", policy.stale_heartbeat)
+        if match is None:
+            continue
+        name, crit = match
+        action = crit.action
+        if name == "zombie" and crit.signal_parent:
+            action = "signal-parent"
+        target = r.ppid if action == "signal-parent" else pid
+        reason = None
+        if action != "report":
+            if action == "signal-parent" and target is not None:
+                try:
+                    pp = psutil.Process(target)
+                    reason = protected_reason(target, pp.uids().real, pp.username(),
+                                              " ".join(pp.cmdline()), policy)
+                except psutil.Error:
+                    reason = "parent gone"
+            else:
+                reason = protected_reason(pid, r.uid, r.user, r.command, policy)
+            if reason:
+                action = "protected"
+        ev["criterion_thresholds"] = asdict(crit)
+        out.append(Decision(now, pid, name, action, dry_run, ev, reason))
+    return out
+
+
+def _verify_and_open(pid: int, start_time: float | None) -> int | None:
+    """A pidfd for ``pid`` if it is still the process we judged (not a reused pid)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        if start_time is not None and abs(psutil.Process(pid).create_time() - start_time) > 0.01:
+            os.close(fd)
+            return None
+    except psutil.Error:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def enforce(decisions: list[Decision], grace_s: float) -> None:
+    """SIGTERM every target, wait up to ``grace_s`` for all, SIGKILL the rest; results in place."""
+    pending: dict[int, tuple[Decision, int]] = {}
+    for d in decisions:
+        if d.action == "kill":
+            target, start = d.pid, d.evidence.get("start_time")
+            sig = signal.SIGTERM
+        elif d.action == "signal-parent":
+            target, start = d.evidence["ppid"], None
+            sig = signal.SIGCHLD if d.evidence["criterion_thresholds"]["signal_parent"] == "SIGCHLD" else signal.SIGTERM
+        else:
+            continue
+        fd = _verify_and_open(target, start)
+        if fd is None:
+            d.result = "gone or pid reused before signalling"
+            continue
+        try:
+            signal.pidfd_send_signal(fd, sig)
+            d.result = f"sent {sig.name} to {target}"
+            if sig == signal.SIGTERM:
+                pending[target] = (d, fd)
+            else:
+                os.close(fd)
+        except OSError as e:
+            d.result = f"signal failed: {e}"
+            os.close(fd)
+    deadline = time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:
+        for target in [t for t in pending if _gone(t)]:
+            d, fd = pending.pop(target)
+            d.result = f"SIGTERM: exited"
+            os.close(fd)
+        time.sleep(0.05)
+    for target, (d, fd) in pending.items():
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            d.result = f"SIGTERM ignored for {grace_s:g}s: SIGKILL sent"
+        except OSError as e:
+            d.result = f"SIGKILL failed: {e}"
+        os.close(fd)
+
+
+def audit(decisions: list[Decision], path: str | Path) -> None:
+    """Appends one JSON line a decision; O_APPEND keeps lines whole across writers."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        for d in decisions:
+            os.write(fd, (json.dumps(asdict(d), default=str) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def reap_once(snap: Snapshot, policy: Policy, enforce_: bool, audit_log: str | Path | None) -> list[Decision]:
+    decisions = decide(snap, policy, dry_run=not enforce_)
+    if enforce_:
+        enforce(decisions, policy.grace_s)
+    else:
+        for d in decisions:
+            d.result = "dry run" if d.action not in ("report", "protected") else d.action
+    audit(decisions, audit_log or policy.audit_log or default_audit_log())
+    return decisions
