@@ -38,11 +38,21 @@ def library_path() -> str:
             raise PyallocError(f"PYALLOC_LIBRARY={override!r}: no such file")
         return str(path)
     path = Path(__file__).resolve().parent / _LIB_NAME
-    if not path.is_file():
-        raise PyallocError(
-            f"{path} is missing: the package was not built; install it with `pip install .`"
-        )
-    return str(path)
+    if path.is_file():
+        return str(path)
+    # Imported from a source checkout (python -m from the repository root):
+    # use the library of the installed distribution, if there is one.
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        installed = Path(str(distribution("pyalloc").locate_file(f"pyalloc/{_LIB_NAME}"))).resolve()
+        if installed.is_file():
+            return str(installed)
+    except PackageNotFoundError:
+        pass
+    raise PyallocError(
+        f"{path} is missing: the package was not built; install it with `pip install .`"
+    )
 
 
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {

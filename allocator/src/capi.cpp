@@ -60,7 +60,7 @@ __attribute__((noinline, cold)) DeviceAllocator* device_error(Runtime* r, int de
   }
   pyalloc::g_num_invalid_device.fetch_add(1, std::memory_order_relaxed);
   set_error(std::string(fn) + ": device " + std::to_string(device) + " is out of range (" +
-            std::to_string(r->devices.size()) + " devices on the " + pyalloc::backend_name(r->config.backend) +
+            std::to_string(r->devices.size()) + " devices on the " + pyalloc::backend_name(r->backend_kind) +
             " backend)");
   return nullptr;
 }

@@ -232,7 +232,7 @@ class Publisher {
     const uint64_t seq = r->seq;
     __atomic_store_n(&r->seq, seq + 1, __ATOMIC_RELAXED);  // odd: writing
     __atomic_thread_fence(__ATOMIC_RELEASE);
-    std::snprintf(r->backend, sizeof r->backend, "%s", backend_name(rt->config.backend));
+    std::snprintf(r->backend, sizeof r->backend, "%s", backend_name(rt->backend_kind));
     r->heartbeat_unix_ns = now;
     r->num_devices = static_cast<uint32_t>(n);
     r->flags = opt_in_.load(std::memory_order_relaxed) ? PYALLOC_REGISTRY_PRESSURE_OPT_IN : 0;

@@ -107,7 +107,7 @@ Runtime* initial_runtime_locked(Process& p) {
 
 }  // namespace
 
-Runtime::Runtime(const Config& c) : config(c) {}
+Runtime::Runtime(const Config& c) : backend_kind(c.backend), config(c) {}
 
 Runtime* current_runtime() {
   Runtime* r = g_current.load(std::memory_order_acquire);

@@ -27,6 +27,7 @@ class Runtime final : public PressureHooks {
   size_t run_pressure_callbacks(int device, size_t bytes_needed) override;
   size_t ask_daemon(int device, size_t bytes_needed) override;
 
+  const BackendKind backend_kind;    // fixed for the runtime's life: readable without a lock
   Config config;                     // guarded by the process's configure mutex
   std::unique_ptr<Backend> backend;  // null when it failed to start
   std::string error;                 // why the backend failed; empty if it runs
