@@ -130,6 +130,12 @@ const std::vector<KeySpec>& key_specs() {
        [](const std::string& v, Config* c) { return parse_bool(v, &c->registry); }},
       {"pressure_opt_in", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->pressure_opt_in); }},
+      {"daemon_socket", "auto, off, or an absolute path to gpumemd's Unix socket (no commas)",
+       [](const std::string& v, Config* c) {
+         if (v != "auto" && v != "off" && (v.empty() || v[0] != '/' || v.size() >= 108)) return false;
+         c->daemon_socket = v;
+         return true;
+       }},
   };
   return *specs;
 }
@@ -233,6 +239,7 @@ std::string Config::to_json() const {
   w.key("oom_report").value(oom_report);
   w.key("registry").value(registry);
   w.key("pressure_opt_in").value(pressure_opt_in);
+  w.key("daemon_socket").value(daemon_socket);
   w.end_object();
   return w.str();
 }

@@ -30,6 +30,7 @@ struct Config {
   bool oom_report = true;           // print the OOM report to stderr
   bool registry = true;             // publish a record for gpumemd (/dev/shm)
   bool pressure_opt_in = false;     // trim when gpumemd relays another process's pressure
+  std::string daemon_socket = "auto";  // gpumemd's socket for ladder step 4; "off" disables
 
   // True when switching from `*this` to `next` requires rebuilding the
   // allocator (possible only while nothing is allocated).

@@ -344,9 +344,14 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
   }
   if (block == nullptr && hooks_ != nullptr) {  // step 4
     lock.unlock();
-    daemon_freed = hooks_->ask_daemon(device_, rounded);
+    const DaemonAnswer answer = hooks_->ask_daemon(device_, rounded);
     lock.lock();
     if (retired_) return *status = PYALLOC_EBUSY, nullptr;
+    if (answer.answered) {
+      ++stats_.num_daemon_requests;
+      stats_.daemon_freed_bytes += static_cast<int64_t>(answer.freed_bytes);
+    }
+    daemon_freed = answer.freed_bytes;
     if (daemon_freed > 0) block = try_serve(pool, rounded, stream, true);
   }
   if (block == nullptr) {  // step 5

@@ -45,6 +45,11 @@ namespace pyalloc {
 
 class JsonWriter;
 
+struct DaemonAnswer {
+  bool answered = false;  // gpumemd was reached and replied
+  size_t freed_bytes = 0;
+};
+
 // Steps of the pressure ladder that reach outside this device. The runtime
 // implements them; both are called WITHOUT the device lock held.
 class PressureHooks {
@@ -52,9 +57,8 @@ class PressureHooks {
   virtual ~PressureHooks() = default;
   // Step 3: registered pressure callbacks. Returns the bytes they freed.
   virtual size_t run_pressure_callbacks(int device, size_t bytes_needed) = 0;
-  // Step 4: ask gpumemd to have other processes on the device trim. Returns
-  // the bytes freed elsewhere (the seam: 0 until the daemon issue fills it).
-  virtual size_t ask_daemon(int device, size_t bytes_needed) = 0;
+  // Step 4: ask gpumemd to have other processes on the device trim.
+  virtual DaemonAnswer ask_daemon(int device, size_t bytes_needed) = 0;
 };
 
 // Passed as `size` to free() when the caller does not know it (CuPy).

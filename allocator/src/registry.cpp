@@ -79,8 +79,19 @@ void read_command(char* out, size_t len) {
     n = std::fread(out, 1, len - 1, f);
     std::fclose(f);
   }
+  // argv is NUL-separated, and an argument may hold newlines (python -c):
+  // readers want one printable line.
   for (size_t i = 0; i < n; ++i) {
-    if (out[i] == '\0') out[i] = ' ';
+    if (static_cast<unsigned char>(out[i]) < 0x20 || out[i] == 0x7f) out[i] = ' ';
+  }
+  // Cut at len - 1 bytes, a multi-byte UTF-8 character may be split: drop
+  // an incomplete last character so readers can decode the line.
+  size_t start = n;
+  while (start > 0 && (static_cast<unsigned char>(out[start - 1]) & 0xC0) == 0x80) --start;
+  if (start > 0) {
+    const unsigned char lead = static_cast<unsigned char>(out[start - 1]);
+    const size_t want = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
+    if (n - (start - 1) < want) n = start - 1;
   }
   while (n > 0 && out[n - 1] == ' ') --n;
   out[n] = '\0';

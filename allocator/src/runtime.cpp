@@ -9,6 +9,7 @@
 #include "runtime.hpp"
 
 #include "json.hpp"
+#include "gpumemd_client.hpp"
 #include "registry.hpp"
 
 #include <condition_variable>
@@ -258,9 +259,19 @@ size_t Runtime::run_pressure_callbacks(int device, size_t bytes_needed) {
   return freed;
 }
 
-size_t Runtime::ask_daemon(int /*device*/, size_t /*bytes_needed*/) {
-  // Step 4 of the ladder: the gpumemd client fills this seam.
-  return 0;
+DaemonAnswer Runtime::ask_daemon(int device, size_t bytes_needed) {
+  if (t_in_pressure_callback) return {};  // not from inside a callback's allocation
+  std::string socket_path;
+  bool registry = false;
+  {
+    std::lock_guard<std::mutex> lock(process().configure_mutex);
+    socket_path = config.daemon_socket;
+    registry = config.registry;
+  }
+  // gpumemd trusts a requester that has a registry record: without one, it
+  // would refuse us, so do not ask.
+  if (!registry || socket_path == "off") return {};
+  return ask_gpumemd(socket_path, device, bytes_needed);
 }
 
 }  // namespace pyalloc

@@ -25,7 +25,7 @@ class Runtime final : public PressureHooks {
   explicit Runtime(const Config& config);
 
   size_t run_pressure_callbacks(int device, size_t bytes_needed) override;
-  size_t ask_daemon(int device, size_t bytes_needed) override;
+  DaemonAnswer ask_daemon(int device, size_t bytes_needed) override;
 
   const BackendKind backend_kind;    // fixed for the runtime's life: readable without a lock
   Config config;                     // guarded by the process's configure mutex

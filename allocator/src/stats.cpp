@@ -39,6 +39,7 @@ void DeviceStats::reset_accumulated() {
   num_alloc_retries = num_ooms = num_sync_all_streams = 0;
   num_device_alloc = num_device_free = 0;
   num_pressure_callbacks = pressure_callback_freed_bytes = 0;
+  num_daemon_requests = daemon_freed_bytes = 0;
   num_invalid_free = num_invalid_double_free = num_invalid_size = 0;
 }
 
@@ -70,6 +71,8 @@ std::string DeviceStats::to_json(int64_t num_invalid_device, int64_t num_invalid
   w.key("num_device_free").value(num_device_free);
   w.key("num_pressure_callbacks").value(num_pressure_callbacks);
   w.key("pressure_callback_freed_bytes").value(pressure_callback_freed_bytes);
+  w.key("num_daemon_requests").value(num_daemon_requests);
+  w.key("daemon_freed_bytes").value(daemon_freed_bytes);
   w.key("num_invalid_free").value(num_invalid_free);
   w.key("num_invalid_double_free").value(num_invalid_double_free);
   w.key("num_invalid_size").value(num_invalid_size);

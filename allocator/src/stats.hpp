@@ -69,6 +69,8 @@ struct DeviceStats {
   int64_t num_device_free = 0;       // backend segment releases
   int64_t num_pressure_callbacks = 0;         // ladder step 3 invocations
   int64_t pressure_callback_freed_bytes = 0;  // bytes step 3 reported freed
+  int64_t num_daemon_requests = 0;            // ladder step 4: requests answered by gpumemd
+  int64_t daemon_freed_bytes = 0;             // bytes gpumemd had other processes release
 
   // Bad calls, counted and refused (state unchanged).
   int64_t num_invalid_free = 0;     // pointer not allocated here

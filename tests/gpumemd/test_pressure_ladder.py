@@ -1,0 +1,97 @@
+"""Step 4 of the pressure ladder end to end: the library asks gpumemd, gpumemd has
+an opted-in process trim, and the requester is told how much was freed.
+
+Real processes, the real library, a real Unix socket. On the host backend each
+process has a device of its own, so the bytes another process frees do not
+make the requester's allocation fit: what is checked is the mechanism (the
+request, the trim, the answer, the counters), not that the retry succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pyalloc.registry as registry
+
+from .conftest import env
+
+MiB = 1 << 20
+
+VICTIM = """
+import sys, pyalloc
+pyalloc.configure("backend=host,capacity=256MiB,pressure_opt_in=1,oom_report=0")
+blocks = [pyalloc.malloc(12 << 20) for _ in range(4)]
+for b in blocks:
+    pyalloc.free(b, 12 << 20)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+REQUESTER = """
+import json, sys, pyalloc
+pyalloc.configure("backend=host,capacity=32MiB,oom_report=0,daemon_socket=" + sys.argv[1])
+try:
+    pyalloc.malloc(64 << 20)
+    error = ""
+except pyalloc.PyallocError as e:
+    error = str(e)
+stats = pyalloc.memory_stats(0)
+print(json.dumps({"error": error, "requests": stats["num_daemon_requests"],
+                  "freed": stats["daemon_freed_bytes"]}))
+"""
+
+
+def eventually(condition: Callable[[], bool], deadline_s: float = 60.0) -> None:
+    """Waits for a state; the deadline only stops a hang (no timing is asserted)."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, "the condition never held"
+        time.sleep(0.05)
+
+
+def test_an_oom_asks_gpumemd_which_has_an_opted_in_process_trim(tmp_path: Path) -> None:
+    reg = tmp_path / "registry"
+    reg.mkdir()
+    sock = str(tmp_path / "gpumemd.sock")
+    child_env = {**env(), "PYALLOC_REGISTRY_DIR": str(reg)}
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "pyalloc.gpumemd", "--registry-dir", str(reg), "--no-nvml", "serve",
+         "--listen", "127.0.0.1:0", "--interval", "0.3s", "--socket", sock],
+        stdout=subprocess.PIPE, text=True, env=child_env)
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=child_env)
+    try:
+        assert daemon.stdout is not None and "listening" in daemon.stdout.readline()
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
+        victim_record = reg / f"pyalloc.{os.getuid()}.{victim.pid}"
+        eventually(lambda: victim_record.exists()
+                   and registry.read_record(victim_record).devices[0].cached_free_bytes == 48 * MiB)
+
+        out = subprocess.run([sys.executable, "-c", REQUESTER, sock], capture_output=True, text=True,
+                             env=child_env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        assert answer["requests"] == 1
+        assert answer["freed"] == 48 * MiB
+        assert "other processes freed 48.00 MiB" in answer["error"]
+        eventually(lambda: registry.read_record(victim_record).devices[0].cached_free_bytes == 0)
+    finally:
+        victim.kill()
+        daemon.terminate()
+        victim.wait()
+        daemon.wait(timeout=30)
+
+
+def test_without_a_daemon_the_ladder_goes_on_to_fail_cleanly(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", REQUESTER, str(tmp_path / "nobody.sock")],
+                         capture_output=True, text=True, env=env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["requests"] == 0 and answer["freed"] == 0
+    assert answer["error"].startswith("out of memory on device 0")
