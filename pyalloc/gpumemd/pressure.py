@@ -29,6 +29,7 @@ MAX_REQUEST_BYTES = 4096
 READ_TIMEOUT_S = 2.0
 TRIM_TIMEOUT_S = 0.5
 REQUEST_DEADLINE_S = 5.0
+MAX_CONNECTIONS = 32  # connections served at once; more are closed at once (the socket is 0666)
 
 
 def default_socket_path() -> str:
@@ -70,7 +71,9 @@ class PressureServer:
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.handled = 0
+        self.refused = 0
 
     def start(self) -> None:
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +108,17 @@ class PressureServer:
                 conn, _ = self._sock.accept()
             except (socket.timeout, OSError):
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                self.refused += 1  # a flood of silent clients must not cost a thread each
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_slot, args=(conn,), daemon=True).start()
+
+    def _serve_slot(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._slots.release()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:

@@ -1,0 +1,134 @@
+"""The pressure socket under hostile clients: no client can hang the daemon or get an
+answer it is not entitled to (SO_PEERCRED plus the registry record)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from pyalloc.gpumemd import pressure
+
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[pressure.PressureServer]:
+    reg = tmp_path / "registry"
+    reg.mkdir()
+    srv = pressure.PressureServer(str(tmp_path / "p.sock"), registry_dir=reg)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def ask(path: str, raw: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(raw)
+        return json.loads(s.makefile().readline())
+
+
+def test_garbage_gets_an_error_and_the_next_request_an_answer(server: pressure.PressureServer) -> None:
+    bad = ask(server.path, b"\x00\xffnot json at all\n")
+    assert bad["ok"] is False and "one JSON line" in bad["error"]
+    assert ask(server.path, b'{"device": 0, "bytes": 4096}\n')["ok"] is True
+
+
+@pytest.mark.parametrize("raw", [b'{"device": -1, "bytes": 4096}\n', b'{"device": 0, "bytes": 0}\n',
+                                 b'{"device": "zero", "bytes": 1}\n', b"[1, 2]\n"])
+def test_out_of_range_or_malformed_requests_are_refused(server: pressure.PressureServer, raw: bytes) -> None:
+    assert ask(server.path, raw)["ok"] is False
+
+
+def test_an_oversized_request_is_refused(server: pressure.PressureServer) -> None:
+    answer = ask(server.path, b"{" + b" " * (pressure.MAX_REQUEST_BYTES + 10) + b"\n")
+    assert answer["ok"] is False and "too long" in answer["error"]
+
+
+def test_a_client_dying_mid_request_hangs_nothing(server: pressure.PressureServer) -> None:
+    for _ in range(5):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(server.path)
+            s.sendall(b'{"device": 0,')  # and goes away without the rest
+    assert ask(server.path, b'{"device": 0, "bytes": 4096}\n')["ok"] is True
+
+
+def test_a_silent_client_does_not_block_others(server: pressure.PressureServer) -> None:
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(server.path)  # connects and never writes
+    try:
+        assert ask(server.path, b'{"device": 0, "bytes": 4096}\n')["ok"] is True
+    finally:
+        silent.close()
+
+
+def test_a_flood_of_silent_clients_is_capped_and_the_server_recovers(server: pressure.PressureServer) -> None:
+    flood = []
+    for _ in range(pressure.MAX_CONNECTIONS + 8):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(server.path)
+        flood.append(s)
+    for s in flood:
+        s.close()
+    # Every slot comes back once the readers time out or see the close.
+    assert ask(server.path, b'{"device": 0, "bytes": 4096}\n')["ok"] is True
+
+
+CLIENT_C = r"""
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+int main(int argc, char** argv) {
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un a = {0};
+  a.sun_family = AF_UNIX;
+  strncpy(a.sun_path, argv[1], sizeof a.sun_path - 1);
+  if (connect(fd, (struct sockaddr*)&a, sizeof a) != 0) { perror("connect"); return 2; }
+  const char* req = "{\"device\": 0, \"bytes\": 4096}\n";
+  write(fd, req, strlen(req));
+  char buf[4096];
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  if (n <= 0) return 3;
+  buf[n] = 0;
+  fputs(buf, stdout);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_a_peer_without_a_registry_record_is_refused() -> None:
+    # pytest's tmp_path lies under a root-only folder, and the interpreter may
+    # live where another user cannot run it: use a world-traversable folder
+    # and a small C client.
+    top = Path(tempfile.mkdtemp(prefix="gpumemd-peer-"))
+    try:
+        os.chmod(top, 0o755)
+        (top / "registry").mkdir()
+        srv = pressure.PressureServer(str(top / "p.sock"), registry_dir=top / "registry")
+        srv.start()
+        try:
+            source = top / "client.c"
+            source.write_text(CLIENT_C)
+            binary = top / "client"
+            if subprocess.run(["cc", str(source), "-o", str(binary)], capture_output=True).returncode != 0:
+                pytest.skip("no C compiler")
+            os.chmod(binary, 0o755)
+            out = subprocess.run([str(binary), srv.path], capture_output=True, text=True, timeout=60, user=65534)
+        finally:
+            srv.stop()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["ok"] is False and "has no valid registry record" in answer["error"]
