@@ -95,3 +95,25 @@ def test_without_a_daemon_the_ladder_goes_on_to_fail_cleanly(tmp_path: Path) -> 
     answer = json.loads(out.stdout)
     assert answer["requests"] == 0 and answer["freed"] == 0
     assert answer["error"].startswith("out of memory on device 0")
+
+
+def test_gpumemd_trim_has_a_real_process_release_its_cache(tmp_path: Path) -> None:
+    reg = tmp_path / "registry"
+    reg.mkdir()
+    child_env = {**env(), "PYALLOC_REGISTRY_DIR": str(reg)}
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=child_env)
+    try:
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
+        record = reg / f"pyalloc.{os.getuid()}.{victim.pid}"
+        eventually(lambda: record.exists() and registry.read_record(record).devices[0].cached_free_bytes == 48 * MiB)
+        out = subprocess.run([sys.executable, "-m", "pyalloc.gpumemd", "--registry-dir", str(reg), "trim",
+                              str(victim.pid), "--device", "0"],
+                             capture_output=True, text=True, env=child_env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert f"pid {victim.pid} device 0: released {48 * MiB} bytes" in out.stdout
+        eventually(lambda: registry.read_record(record).devices[0].cached_free_bytes == 0)
+        assert registry.read_record(record).devices[0].allocated_bytes == 0
+    finally:
+        victim.kill()
+        victim.wait()
