@@ -50,6 +50,7 @@ __all__ = [
     "library_path",
     "malloc",
     "memory_stats",
+    "offload",
     "patch_torch_memory_api",
     "pool",
     "record_stream",
@@ -64,3 +65,13 @@ __all__ = [
     "unregister_pressure_callback",
     "version",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The offload manager needs torch; import it only when asked for, so that
+    # `import pyalloc` (and gpumemd, which never needs torch) stays light.
+    if name == "offload":
+        from .offload_manager import offload
+
+        return offload
+    raise AttributeError(f"module 'pyalloc' has no attribute {name!r}")

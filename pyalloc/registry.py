@@ -286,8 +286,9 @@ def _validate(raw: bytes, path: str, st: os.stat_result) -> Record:
     devices = []
     for i in range(rec.num_devices):
         d = rec.devices[i]
-        counters = DeviceCounters(i, *(getattr(d, name) for name, _ in RegistryDevice._fields_))
-        for name, _ in RegistryDevice._fields_:
+        names = [field[0] for field in RegistryDevice._fields_]
+        counters = DeviceCounters(i, *(getattr(d, name) for name in names))
+        for name in names:
             if name.endswith("_bytes") and getattr(d, name) > MAX_BYTES:
                 raise RecordError(f"device {i}: {name} {getattr(d, name)} is not a size")
         for name in ("allocated_bytes", "active_bytes", "cached_free_bytes", "largest_free_bytes"):

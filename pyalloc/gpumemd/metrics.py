@@ -12,7 +12,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -159,7 +159,7 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                 body, ctype = generate_latest(registry), CONTENT_TYPE_LATEST
             elif path == "/v1/status":
                 snap = state.get()
-                doc = snap.to_json() if snap else {"error": "no snapshot yet"}
+                doc: dict[str, Any] = snap.to_json() if snap else {"error": "no snapshot yet"}
                 doc["reaper"] = state.reap
                 body, ctype = json.dumps(doc).encode(), "application/json"
             elif path in ("/", "/healthz"):

@@ -162,11 +162,13 @@ class Collector:
                 if dc.reserved_bytes == 0 and dc.last_alloc_unix_ns == 0:
                     continue  # device never used by this process
                 dev = self._device_for(rec, dc.index, devices, nv)
-                row = rows.get((rec.pid, dev.device))
-                if row is None:
+                existing = rows.get((rec.pid, dev.device))
+                if existing is None:
                     row = rows[(rec.pid, dev.device)] = self._row(rec.pid, dev, infos.get(rec.pid))
                     if row.command is None:
                         row.command = rec.command
+                else:
+                    row = existing
                 row.allocator = AllocatorView(
                     dc.allocated_bytes, dc.reserved_bytes, dc.active_bytes, dc.cached_free_bytes,
                     dc.largest_free_bytes, dc.swapped_out_bytes, dc.peak_reserved_bytes,
@@ -178,9 +180,9 @@ class Collector:
         for row in rows.values():
             self._flag_idle(row, now)
         live_keys = set(rows)
-        for key in list(self._idle_since):
-            if key not in live_keys:
-                del self._idle_since[key]
+        for idle_key in list(self._idle_since):
+            if idle_key not in live_keys:
+                del self._idle_since[idle_key]
         return Snapshot(now, nv.available, nv.error,
                         sorted(devices.values(), key=lambda d: d.device),
                         sorted(rows.values(), key=lambda r: (r.device, r.pid)),

@@ -166,7 +166,8 @@ class PressureServer:
             if d.cached_free_bytes > 0 and registry.is_alive(rec.pid, rec.start_time_ticks):
                 candidates.append((-d.cached_free_bytes, d.last_alloc_unix_ns, rec))
         candidates.sort(key=lambda c: (c[0], c[1]))
-        freed, asked = 0, []
+        freed = 0
+        asked: list[dict[str, Any]] = []
         deadline = time.monotonic() + REQUEST_DEADLINE_S
         for _neg, _last, rec in candidates:
             if freed >= want or time.monotonic() > deadline:
