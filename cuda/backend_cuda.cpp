@@ -343,11 +343,7 @@ class CudaBackend final : public Backend {
   // ---- plain segments ----------------------------------------------------------
 
   Status segment_alloc(int device, size_t size, uintptr_t* addr) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
+    return in_context(device, [&](DeviceState&) -> Status {
       CUdeviceptr ptr = 0;
       const CUresult rc = api_.cuMemAlloc(&ptr, size);
       if (rc != CUDA_SUCCESS) return alloc_failure(device, "cuMemAlloc_v2", size, rc);
@@ -359,9 +355,7 @@ class CudaBackend final : public Backend {
       }
       *addr = static_cast<uintptr_t>(ptr);
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    });
   }
 
   void segment_free(int device, uintptr_t addr, size_t /*size*/) override {
@@ -387,21 +381,14 @@ class CudaBackend final : public Backend {
   }
 
   Status reserve(int device, size_t size, uintptr_t* va) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      if (!vmm_supported(*state)) return no_vmm(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
+    return in_context(device, [&](DeviceState&) -> Status {
       CUdeviceptr ptr = 0;
       // Alignment 0: the allocation granularity. Address 0: anywhere.
       const CUresult rc = api_.cuMemAddressReserve(&ptr, size, 0, 0, 0);
       if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemAddressReserve", rc);
       *va = static_cast<uintptr_t>(ptr);
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    }, /*require_vmm=*/true);
   }
 
   void release_reservation(int device, uintptr_t va, size_t size) override {
@@ -409,22 +396,15 @@ class CudaBackend final : public Backend {
   }
 
   Status phys_create(int device, size_t size, PhysHandle* out) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      if (!vmm_supported(*state)) return no_vmm(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
-      const CUmemAllocationProp prop = device_memory_prop(*state);
+    return in_context(device, [&](DeviceState& state) -> Status {
+      const CUmemAllocationProp prop = device_memory_prop(state);
       CUmemGenericAllocationHandle handle = 0;
       const CUresult rc = api_.cuMemCreate(&handle, size, &prop, 0);
       if (rc != CUDA_SUCCESS) return alloc_failure(device, "cuMemCreate", size, rc);
       out->value = handle;
       out->size = size;
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    }, /*require_vmm=*/true);
   }
 
   void phys_release(int device, PhysHandle handle) override {
@@ -434,17 +414,13 @@ class CudaBackend final : public Backend {
   }
 
   Status map(int device, uintptr_t va, PhysHandle handle) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
+    return in_context(device, [&](DeviceState& state) -> Status {
       CUresult rc = api_.cuMemMap(va, handle.size, 0, handle.value, 0);
       if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemMap", rc);
       // A fresh mapping is inaccessible until access is granted.
       CUmemAccessDesc access{};
       access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-      access.location.id = state->handle;
+      access.location.id = state.handle;
       access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
       rc = api_.cuMemSetAccess(va, handle.size, &access, 1);
       if (rc != CUDA_SUCCESS) {
@@ -452,9 +428,7 @@ class CudaBackend final : public Backend {
         return call_failure(device, "cuMemSetAccess", rc);
       }
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    });
   }
 
   void unmap(int device, uintptr_t va, size_t size) override {
@@ -469,26 +443,20 @@ class CudaBackend final : public Backend {
   // ---- events and streams --------------------------------------------------------
 
   Status event_record(int device, StreamId stream, EventHandle* event) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
-      CUevent ev = take_idle_event(*state);
+    return in_context(device, [&](DeviceState& state) -> Status {
+      CUevent ev = take_idle_event(state);
       if (ev == nullptr) {
         const CUresult rc = api_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING);
         if (rc != CUDA_SUCCESS) return call_failure(device, "cuEventCreate", rc);
       }
       const CUresult rc = api_.cuEventRecord(ev, to_stream(stream));
       if (rc != CUDA_SUCCESS) {
-        recycle_event(*state, ev);
+        recycle_event(state, ev);
         return call_failure(device, "cuEventRecord", rc);
       }
       *event = reinterpret_cast<EventHandle>(ev);
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    });
   }
 
   bool event_query(int device, EventHandle event) override {
@@ -523,49 +491,31 @@ class CudaBackend final : public Backend {
   }
 
   Status stream_wait(int device, StreamId stream, EventHandle event) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
+    return in_context(device, [&](DeviceState&) -> Status {
       const CUresult rc = api_.cuStreamWaitEvent(to_stream(stream), to_event(event), 0);
       if (rc != CUDA_SUCCESS) return call_failure(device, "cuStreamWaitEvent", rc);
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    });
   }
 
   // ---- copies ------------------------------------------------------------------------
 
   Status copy_to_host_async(int device, void* dst, uintptr_t src, size_t size,
                             StreamId stream) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
+    return in_context(device, [&](DeviceState&) -> Status {
       const CUresult rc = api_.cuMemcpyDtoHAsync(dst, src, size, to_stream(stream));
       if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyDtoHAsync_v2", rc);
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    });
   }
 
   Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size,
                               StreamId stream) override {
-    try {
-      DeviceState* state = device_state(device);
-      if (state == nullptr) return bad_device(device);
-      ScopedContext context(api_, *state);
-      if (!context.ok()) return context_failure(device, context);
+    return in_context(device, [&](DeviceState&) -> Status {
       const CUresult rc = api_.cuMemcpyHtoDAsync(dst, src, size, to_stream(stream));
       if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyHtoDAsync_v2", rc);
       return Status::success();
-    } catch (...) {
-      return host_memory_failure();
-    }
+    });
   }
 
  private:
@@ -646,6 +596,23 @@ class CudaBackend final : public Backend {
 
   // Runs a driver call of a void method in the device's context; a failure
   // can only be noted (Note [Event errors]).
+  // The frame of every Status method: the device (and, for the virtual-memory
+  // calls, its VMM support), its primary context made current for the body,
+  // and no exception out.
+  template <class Body>
+  Status in_context(int device, Body&& body, bool require_vmm = false) noexcept {
+    try {
+      DeviceState* state = device_state(device);
+      if (state == nullptr) return bad_device(device);
+      if (require_vmm && !vmm_supported(*state)) return no_vmm(device);
+      ScopedContext context(api_, *state);
+      if (!context.ok()) return context_failure(device, context);
+      return body(*state);
+    } catch (...) {
+      return host_memory_failure();
+    }
+  }
+
   template <class Call>
   void call_void(int device, const char* call_name, Call&& call) noexcept {
     try {
