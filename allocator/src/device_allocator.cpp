@@ -320,16 +320,17 @@ void DeviceAllocator::count_invalid_size() {
 
 // ---- the slow path -----------------------------------------------------------------
 
-__attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded,
-                                   StreamId stream, int* status) {
+__attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, Pool& pool, size_t size,
+                                                                   size_t rounded, StreamId stream,
+                                                                   int* status) {
   reclaim_pending(false);
-  Block* block = try_serve(pool, rounded, stream, false);
-  if (block == nullptr) {  // step 1
+  Block* block = find_or_grow(pool, rounded, stream);
+  if (block == nullptr) {  // step 1: nothing changed since find_or_grow failed, so release first
     ++stats_.num_alloc_retries;
-    block = try_serve(pool, rounded, stream, true);
+    block = release_and_retry(pool, rounded, stream);
   }
   if (block == nullptr && defragment(rounded, stream)) {  // step 2
-    block = try_serve(pool, rounded, stream, true);
+    block = find_or_grow(pool, rounded, stream);
   }
   size_t callback_freed = 0;
   size_t daemon_freed = 0;
@@ -340,7 +341,7 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
     lock.lock();
     if (retired_) return *status = PYALLOC_EBUSY, nullptr;
     stats_.pressure_callback_freed_bytes += static_cast<int64_t>(callback_freed);
-    block = try_serve(pool, rounded, stream, true);
+    block = retry_after_outside_help(pool, rounded, stream);
   }
   if (block == nullptr && hooks_ != nullptr) {  // step 4
     lock.unlock();
@@ -352,7 +353,7 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
       stats_.daemon_freed_bytes += static_cast<int64_t>(answer.freed_bytes);
     }
     daemon_freed = answer.freed_bytes;
-    if (daemon_freed > 0) block = try_serve(pool, rounded, stream, true);
+    if (daemon_freed > 0) block = retry_after_outside_help(pool, rounded, stream);
   }
   if (block == nullptr) {  // step 5
     ++stats_.num_ooms;
@@ -366,14 +367,23 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
   return take(block, size, rounded);
 }
 
-Block* DeviceAllocator::try_serve(Pool& pool, size_t rounded, StreamId stream, bool release_cache) {
+Block* DeviceAllocator::find_or_grow(Pool& pool, size_t rounded, StreamId stream) {
   if (Block* b = pool.free_blocks.best_fit(stream, rounded)) return b;
-  if (Block* b = grow(pool, rounded, stream)) return b;
-  if (!release_cache) return nullptr;
+  return grow(pool, rounded, stream);
+}
+
+Block* DeviceAllocator::release_and_retry(Pool& pool, size_t rounded, StreamId stream) {
   synchronize_pending();
   if (Block* b = pool.free_blocks.best_fit(stream, rounded)) return b;
   if (release_free_segments(0) == 0) return nullptr;
   return grow(pool, rounded, stream);
+}
+
+// Steps 3 and 4 ran without the lock: what others freed may fit as it is, or
+// leave room to grow, before the cache has to go.
+Block* DeviceAllocator::retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream) {
+  if (Block* b = find_or_grow(pool, rounded, stream)) return b;
+  return release_and_retry(pool, rounded, stream);
 }
 
 Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
@@ -500,18 +510,8 @@ void DeviceAllocator::release_segment(Segment* segment) {
 }
 
 __attribute__((noinline, cold)) void DeviceAllocator::enforce_max_cached() {
-  if (cached_free_bytes_ <= max_cached_) return;
-  std::vector<Segment*> candidates;
-  for (auto& entry : segments_) {
-    if (entry.second->wholly_free()) candidates.push_back(entry.second);
-  }
-  std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
-    return a->free_since != b->free_since ? a->free_since < b->free_since : a->id < b->id;
-  });
-  for (Segment* segment : candidates) {
-    if (cached_free_bytes_ <= max_cached_) break;
-    release_segment(segment);
-  }
+  // Releasing, oldest first, at least the excess brings the cache back under the cap.
+  if (cached_free_bytes_ > max_cached_) release_free_segments(cached_free_bytes_ - max_cached_);
 }
 
 size_t DeviceAllocator::empty_cache() {

@@ -148,7 +148,9 @@ class DeviceAllocator {
 
   // Slow path (Note [Pressure ladder] in device_allocator.cpp).
   void* malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
-  Block* try_serve(Pool& pool, size_t rounded, StreamId stream, bool release_cache);
+  Block* find_or_grow(Pool& pool, size_t rounded, StreamId stream);
+  Block* release_and_retry(Pool& pool, size_t rounded, StreamId stream);  // step 1
+  Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);
   Block* grow(Pool& pool, size_t rounded, StreamId stream);
   bool defragment(size_t rounded, StreamId stream);
   void make_pending(Block* block);
