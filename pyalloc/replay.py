@@ -138,15 +138,7 @@ def replay(flat: FlatTrace, policy: str = "pyalloc", backend: str = "sim", capac
     cap = capacity or flat.device_capacity or DEFAULT_CAPACITY
     if policy == "pyalloc":
         configure_for_replay(backend, cap, conf)
-    result = ReplayResultC()
-    live = array("Q", bytes(8 * curve_points))
-    reserved = array("Q", bytes(8 * curve_points))
-    status = lib().pyalloc_replay(
-        policy.encode(), cap, flat.ops, _pointer(flat.slots, ctypes.c_uint32),
-        _pointer(flat.sizes, ctypes.c_uint64), _pointer(flat.streams, ctypes.c_uint64), len(flat.ops),
-        max(1, flat.n_slots), _pointer(live, ctypes.c_uint64), _pointer(reserved, ctypes.c_uint64),
-        curve_points, ctypes.byref(result))
-    check_status(status, "pyalloc_replay")
+    result, live, reserved = run_replay(flat, policy, cap, curve_points)
     peak_live = int(result.peak_live_bytes)
     return ReplayResult(
         trace=flat.name, policy=policy, backend=backend if policy == "pyalloc" else "model",
@@ -154,7 +146,27 @@ def replay(flat: FlatTrace, policy: str = "pyalloc", backend: str = "sim", capac
         peak_reserved_bytes=int(result.peak_reserved_bytes),
         reserved_over_live=result.peak_reserved_bytes / peak_live if peak_live else 0.0,
         largest_free_at_peak_bytes=int(result.largest_free_at_peak_bytes), ooms=int(result.ooms),
-        ns_per_op=float(result.ns_per_op), curve_live=list(live), curve_reserved=list(reserved))
+        ns_per_op=float(result.ns_per_op), curve_live=live, curve_reserved=reserved)
+
+
+def run_replay(flat: FlatTrace, policy: str, capacity: int,
+               curve_points: int = 0) -> tuple[ReplayResultC, list[int], list[int]]:
+    """One ``pyalloc_replay`` call on the allocator as it is configured now.
+
+    Returns the raw result and the sampled live and reserved curves. The
+    pyalloc policy uses whatever backend the caller configured (``replay``
+    configures sim or host; the stress suite's real-device run, cuda).
+    """
+    result = ReplayResultC()
+    live = array("Q", bytes(8 * curve_points))
+    reserved = array("Q", bytes(8 * curve_points))
+    status = lib().pyalloc_replay(
+        policy.encode(), capacity, flat.ops, _pointer(flat.slots, ctypes.c_uint32),
+        _pointer(flat.sizes, ctypes.c_uint64), _pointer(flat.streams, ctypes.c_uint64), len(flat.ops),
+        max(1, flat.n_slots), _pointer(live, ctypes.c_uint64), _pointer(reserved, ctypes.c_uint64),
+        curve_points, ctypes.byref(result))
+    check_status(status, "pyalloc_replay")
+    return result, list(live), list(reserved)
 
 
 def replays_cleanly(flat: FlatTrace, policy: str, backend: str, capacity: int, conf: str = "") -> bool:

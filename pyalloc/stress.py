@@ -23,7 +23,6 @@ replayed on the real device (backend=cuda).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime
 import json
@@ -38,8 +37,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import core, generators
-from ._lib import PyallocError, check_status, lib
-from .replay import DEFAULT_CAPACITY, POLICIES, FlatTrace, ReplayResult, ReplayResultC, find_min_capacity, flatten, replay
+from ._lib import PyallocError
+from .replay import (
+    DEFAULT_CAPACITY,
+    POLICIES,
+    FlatTrace,
+    ReplayResult,
+    ReplayResultC,
+    find_min_capacity,
+    flatten,
+    replay,
+    run_replay,
+)
 from .trace import Trace, TraceError, load, workloads_dir
 
 MiB = 1 << 20
@@ -184,21 +193,7 @@ def replay_configured(flat: FlatTrace, curve_points: int) -> tuple[ReplayResultC
     (cuda, for the real-device run). Returns the result and the sampled
     live and reserved curves.
     """
-    def pointer(arr: "array[int]", ctype: Any) -> Any:
-        if len(arr) == 0:
-            return None
-        return ctypes.cast(arr.buffer_info()[0], ctypes.POINTER(ctype))
-
-    result = ReplayResultC()
-    live = array("Q", bytes(8 * curve_points))
-    reserved = array("Q", bytes(8 * curve_points))
-    status = lib().pyalloc_replay(
-        b"pyalloc", 0, flat.ops, pointer(flat.slots, ctypes.c_uint32), pointer(flat.sizes, ctypes.c_uint64),
-        pointer(flat.streams, ctypes.c_uint64), len(flat.ops), max(1, flat.n_slots),
-        pointer(live, ctypes.c_uint64), pointer(reserved, ctypes.c_uint64), curve_points,
-        ctypes.byref(result))
-    check_status(status, "pyalloc_replay")
-    return result, list(live), list(reserved)
+    return run_replay(flat, "pyalloc", 0, curve_points)
 
 
 def cuda_device() -> Any | None:
