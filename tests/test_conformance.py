@@ -502,6 +502,35 @@ def test_peaks_follow_the_high_water_mark_and_reset(allocator: Allocator) -> Non
     assert allocator.stats()["allocation.all.allocated"] == 0
 
 
+def test_active_figures_are_exact_across_pending_frees_and_resets(allocator: Allocator) -> None:
+    # active = allocated + pending-free (Note [Counters]): check every field of
+    # it by hand through a pending free, both resets and its completion.
+    pyalloc.configure(fresh_conf(allocator.backend, "event_delay=1000"))
+    a = allocator.malloc(64 * KiB, stream=1)
+    b = allocator.malloc(32 * KiB, stream=1)
+    pyalloc.record_stream(a, 2)
+    allocator.free(a, stream=1)  # a: pending
+    s = allocator.stats()
+    assert (s["active.all.current"], s["active_bytes.all.current"]) == (2, 96 * KiB)
+    assert (s["active.all.allocated"], s["active.all.freed"]) == (2, 0)
+    assert s["allocation.all.freed"] == 1
+    pyalloc.reset_peak_memory_stats(0)
+    pyalloc.reset_accumulated_memory_stats(0)
+    c = allocator.malloc(16 * KiB, stream=1)  # while a is pending: active peaks here
+    s = allocator.stats()
+    assert (s["active.all.peak"], s["active_bytes.all.peak"]) == (3, 112 * KiB)
+    assert (s["allocated_bytes.all.peak"], s["active.all.allocated"], s["active.all.freed"]) == (48 * KiB, 1, 0)
+    allocator.free(b, stream=1)
+    allocator.free(c, stream=1)
+    pyalloc.empty_cache()  # completes a's pending free
+    pyalloc.check(0)
+    s = allocator.stats()
+    assert (s["active.all.current"], s["active.all.allocated"], s["active.all.freed"]) == (0, 1, 3)
+    assert (s["active_bytes.all.allocated"], s["active_bytes.all.freed"]) == (16 * KiB, 112 * KiB)
+    assert s["active_bytes.all.peak"] == 112 * KiB
+    assert s["active_bytes.small_pool.peak"] == 112 * KiB and s["active_bytes.large_pool.peak"] == 0
+
+
 def test_stats_use_pytorch_key_names(allocator: Allocator) -> None:
     s = allocator.stats()
     for name in ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",

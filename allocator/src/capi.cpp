@@ -13,9 +13,8 @@
 
 #include "json.hpp"
 #include "pyalloc/pyalloc.h"
+#include "device_allocator_inl.hpp"
 #include "runtime.hpp"
-
-#define PYALLOC_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
 using pyalloc::DeviceAllocator;
 using pyalloc::FreeResult;
@@ -86,32 +85,43 @@ std::string error_json(const std::string& message) {
   return w.str();
 }
 
-void* malloc_impl(size_t size, int device, StreamId stream) {
+// Why a malloc was refused before reaching an allocator: size 0 (NULL, no
+// error: documented), a device out of range, or an absurd size.
+__attribute__((noinline, cold)) void* malloc_refused(Runtime* r, size_t size, int device) {
   if (size == 0) return nullptr;
+  DeviceAllocator* d = device_or_error(r, device, "pyalloc_malloc");
+  if (d == nullptr) return nullptr;
+  d->count_invalid_size();
+  set_error("pyalloc_malloc: size " + std::to_string(size) + " is beyond any device (limit " +
+            std::to_string(pyalloc::kMaxRequest) + " bytes)");
+  return nullptr;
+}
+
+// The fast path: one load of the runtime, two range checks, the device's
+// malloc. A reconfiguration between the load and the device's lock retires
+// that device (status PYALLOC_EBUSY): start again from the new runtime.
+PYALLOC_INLINE void* malloc_impl(size_t size, int device, StreamId stream) {
   for (;;) {
     Runtime* r = pyalloc::current_runtime();
-    DeviceAllocator* d = device_or_error(r, device, "pyalloc_malloc");
-    if (d == nullptr) return nullptr;
-    if (PYALLOC_UNLIKELY(size > pyalloc::kMaxRequest)) {
-      d->count_invalid_size();
-      set_error("pyalloc_malloc: size " + std::to_string(size) + " is beyond any device (limit " +
-                std::to_string(pyalloc::kMaxRequest) + " bytes)");
-      return nullptr;
+    if (PYALLOC_UNLIKELY(size - 1 >= pyalloc::kMaxRequest || static_cast<unsigned>(device) >= r->devices.size())) {
+      return malloc_refused(r, size, device);
     }
     int status = PYALLOC_OK;
-    void* p = d->malloc(size, stream, current_pool_id(), &status);
-    if (PYALLOC_UNLIKELY(p == nullptr && status == PYALLOC_EBUSY)) continue;  // reconfigured meanwhile
+    void* p = r->devices[static_cast<size_t>(device)]->malloc(size, stream, current_pool_id(), &status);
+    if (PYALLOC_UNLIKELY(p == nullptr && status == PYALLOC_EBUSY)) continue;
     return p;
   }
 }
 
-void free_impl(void* ptr, size_t size, int device) {
+PYALLOC_INLINE void free_impl(void* ptr, size_t size, int device) {
   if (ptr == nullptr) return;
   for (;;) {
     Runtime* r = pyalloc::current_runtime();
-    DeviceAllocator* d = device_or_error(r, device, "pyalloc_free");
-    if (d == nullptr) return;
-    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size);
+    if (PYALLOC_UNLIKELY(static_cast<unsigned>(device) >= r->devices.size())) {
+      device_error(r, device, "pyalloc_free");
+      return;
+    }
+    const FreeResult result = r->devices[static_cast<size_t>(device)]->free(reinterpret_cast<uintptr_t>(ptr), size);
     if (PYALLOC_UNLIKELY(result == FreeResult::kRetired)) continue;
     return;
   }

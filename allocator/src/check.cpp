@@ -30,6 +30,8 @@ struct Sums {
   int64_t active_bytes[kNumStatTypes] = {};
   int64_t inactive_split[kNumStatTypes] = {};
   int64_t inactive_split_bytes[kNumStatTypes] = {};
+  int64_t pending[kNumStatTypes] = {};
+  int64_t pending_bytes_by_type[kNumStatTypes] = {};
   int64_t cached_free = 0;
   int64_t pending_bytes = 0;
 
@@ -39,7 +41,7 @@ struct Sums {
   }
 };
 
-bool compare(const char* name, const StatArray& counters, const int64_t (&walked)[kNumStatTypes],
+bool compare(const char* name, const StatView& counters, const int64_t (&walked)[kNumStatTypes],
              std::string* error) {
   static const char* const types[] = {"all", "small_pool", "large_pool"};
   for (int t = 0; t < kNumStatTypes; ++t) {
@@ -106,8 +108,8 @@ bool DeviceAllocator::check(std::string* error) {
       if (tiled > seg->size) return fail("I1: " + bname + ": blocks run past the segment end");
 
       const bool in_free_set = seg->pool->free_blocks.contains(b);
-      Block** live_entry = live_.find(b->addr);
-      const bool in_live = live_entry != nullptr && *live_entry == b;
+      auto* live_entry = live_.find(b->addr);
+      const bool in_live = live_entry != nullptr && live_entry->value == b;
       const bool in_pending = pending_blocks.count(b) == 1;
       switch (b->state) {
         case BlockState::kFree:
@@ -137,6 +139,8 @@ bool DeviceAllocator::check(std::string* error) {
           if (!in_pending) return fail("I5: " + bname + " is pending but not in the pending list");
           if (in_free_set || in_live) return fail("I3/I4: " + bname + " is pending but listed free or live");
           sums.pending_bytes += static_cast<int64_t>(b->size);
+          sums.add(sums.pending, t, 1);
+          sums.add(sums.pending_bytes_by_type, t, static_cast<int64_t>(b->size));
           sums.add(sums.active, t, 1);
           sums.add(sums.active_bytes, t, static_cast<int64_t>(b->size));
           break;
@@ -172,15 +176,17 @@ bool DeviceAllocator::check(std::string* error) {
   if (sums.reserved[kStatAll] != sums.allocated[kStatAll] + sums.pending_bytes + sums.cached_free) {
     return fail("I6: reserved != allocated + pending_free + cached_free");
   }
-  return compare("segment", stats_.segment, sums.segments, error) &&
-         compare("reserved_bytes", stats_.reserved_bytes, sums.reserved, error) &&
-         compare("allocation", stats_.allocation, sums.allocations, error) &&
-         compare("allocated_bytes", stats_.allocated_bytes, sums.allocated, error) &&
-         compare("requested_bytes", stats_.requested_bytes, sums.requested, error) &&
-         compare("active", stats_.active, sums.active, error) &&
-         compare("active_bytes", stats_.active_bytes, sums.active_bytes, error) &&
-         compare("inactive_split", stats_.inactive_split, sums.inactive_split, error) &&
-         compare("inactive_split_bytes", stats_.inactive_split_bytes, sums.inactive_split_bytes, error);
+  return compare("segment", stats_.segment.view(), sums.segments, error) &&
+         compare("reserved_bytes", stats_.reserved_bytes.view(), sums.reserved, error) &&
+         compare("allocation", stats_.allocation.view(), sums.allocations, error) &&
+         compare("allocated_bytes", stats_.allocated_bytes.view(), sums.allocated, error) &&
+         compare("requested_bytes", stats_.requested_bytes.view(), sums.requested, error) &&
+         compare("active", stats_.active(), sums.active, error) &&
+         compare("active_bytes", stats_.active_bytes(), sums.active_bytes, error) &&
+         compare("inactive_split", stats_.inactive_split.view(), sums.inactive_split, error) &&
+         compare("inactive_split_bytes", stats_.inactive_split_bytes.view(), sums.inactive_split_bytes, error) &&
+         compare("pending", stats_.pending.view(), sums.pending, error) &&
+         compare("pending_bytes", stats_.pending_bytes.view(), sums.pending_bytes_by_type, error);
 }
 
 }  // namespace pyalloc

@@ -20,6 +20,7 @@
 // Steps 3 and 4 drop the lock, so the state may change meanwhile; every
 // retry starts again from the free set.
 #include "device_allocator.hpp"
+#include "device_allocator_inl.hpp"
 
 #include <algorithm>
 #include <cinttypes>
@@ -30,14 +31,10 @@
 #include "registry.hpp"
 #include "runtime.hpp"
 
-#define PYALLOC_LIKELY(x) __builtin_expect(!!(x), 1)
-#define PYALLOC_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
 namespace pyalloc {
 
 namespace {
-
-size_t round_up(size_t n, size_t step) { return (n + step - 1) / step * step; }
 
 std::string format_bytes(size_t n) {
   static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -67,11 +64,9 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* back
       backend_(backend),
       hooks_(hooks),
       small_segment_(config.small_segment),
-      large_segment_(config.large_segment) {
-  small_pool_.kind = PoolKind::kSmall;
-  small_pool_.name = "small";
-  large_pool_.kind = PoolKind::kLarge;
-  large_pool_.name = "large";
+      large_segment_(config.large_segment),
+      small_pool_(PoolKind::kSmall, 0, "small"),
+      large_pool_(PoolKind::kLarge, 0, "large") {
   apply_settings(config);
 }
 
@@ -89,22 +84,6 @@ DeviceAllocator::~DeviceAllocator() {
   for (Block* b : spare_blocks_) delete b;
 }
 
-Block* DeviceAllocator::new_block() {
-  if (spare_blocks_.empty()) return new Block;
-  Block* b = spare_blocks_.back();
-  spare_blocks_.pop_back();
-  return b;
-}
-
-void DeviceAllocator::delete_block(Block* block) {
-  block->uses.clear();
-  block->bin_prev = block->bin_next = nullptr;
-  block->requested = 0;
-  block->state = BlockState::kFree;
-  block->prev = block->next = nullptr;
-  spare_blocks_.push_back(block);
-}
-
 void DeviceAllocator::apply_settings(const Config& config) {
   Lock lock(mutex_);
   memory_fraction_ = config.memory_fraction;
@@ -120,44 +99,19 @@ void DeviceAllocator::set_memory_fraction(double fraction) {
   memory_fraction_ = fraction;
 }
 
-// ---- sizes and pools ---------------------------------------------------------
+// ---- sizes and pools (the fast path's share is in device_allocator_inl.hpp) -----------
 
-size_t DeviceAllocator::round_size(size_t size) const {
-  if (size <= kBlockAlign) return kBlockAlign;
-  if (round_power2_ > 1) {
-    // Round up to one of `round_power2_` steps between adjacent powers of
-    // two: fewer distinct sizes, so freed blocks fit later requests.
-    const size_t floor2 = size_t{1} << (63 - __builtin_clzll(static_cast<unsigned long long>(size)));
-    const size_t step = floor2 / static_cast<size_t>(round_power2_);
-    if (floor2 != size && step > kBlockAlign) return round_up(size, step);
-  }
-  return round_up(size, kBlockAlign);
-}
-
-Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
-  if (PYALLOC_LIKELY(pool_id == 0)) return rounded <= kSmallRequest ? small_pool_ : large_pool_;
+Pool& DeviceAllocator::user_pool(int pool_id) {
   const size_t index = static_cast<size_t>(pool_id - 1);
   if (index >= user_pools_.size()) user_pools_.resize(index + 1);
-  if (!user_pools_[index]) {
-    user_pools_[index] = std::make_unique<Pool>();
-    user_pools_[index]->kind = PoolKind::kUser;
-    user_pools_[index]->id = pool_id;
-    user_pools_[index]->name = pool_name(pool_id);
-  }
+  if (!user_pools_[index]) user_pools_[index] = std::make_unique<Pool>(PoolKind::kUser, pool_id, pool_name(pool_id));
   return *user_pools_[index];
 }
 
 size_t DeviceAllocator::segment_size_for(const Pool& pool, size_t rounded) const {
   if (pool.kind == PoolKind::kSmall || rounded <= kSmallRequest) return small_segment_;
   if (rounded < large_segment_ / 2) return large_segment_;
-  return round_up(rounded, kLargeRound);
-}
-
-bool DeviceAllocator::should_split(const Pool& pool, size_t remaining) const {
-  // A large-pool remainder of 1 MiB or less could only ever serve small
-  // requests, which the large pool never sees: keep it inside the block.
-  if (pool.kind == PoolKind::kLarge) return remaining > kLargeSplitMin;
-  return remaining >= kBlockAlign;
+  return round_up_to(rounded, kLargeRound);
 }
 
 // Asked lazily: on cuda, asking creates the device's context, which a
@@ -174,137 +128,11 @@ size_t DeviceAllocator::reserved_limit() {
 
 // ---- the fast path -------------------------------------------------------------
 
-void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status) {
-  Lock lock(mutex_);
-  if (PYALLOC_UNLIKELY(retired_)) {
-    *status = PYALLOC_EBUSY;
-    return nullptr;
-  }
-  const size_t rounded = round_size(size);  // reads round_power2_: under the lock
-  Pool& pool = select_pool(rounded, pool_id);
-  Block* block = pool.free_blocks.best_fit(stream, rounded);
-  if (PYALLOC_UNLIKELY(block == nullptr)) {
-    return malloc_slow(lock, pool, size, rounded, stream, status);
-  }
-  return take(block, size, rounded);
-}
-
-void* DeviceAllocator::take(Block* block, size_t size, size_t rounded) {
-  erase_free(block);
-  const size_t remaining = block->size - rounded;
-  if (should_split(*block->pool, remaining)) {
-    Block* rest = new_block();
-    rest->addr = block->addr + rounded;
-    rest->size = remaining;
-    rest->segment = block->segment;
-    rest->pool = block->pool;
-    rest->stream = block->stream;
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next != nullptr) block->next->prev = rest;
-    block->next = rest;
-    block->size = rounded;
-    insert_free(rest);
-  }
-  block->state = BlockState::kAllocated;
-  block->requested = size;
-  live_.insert(block->addr, block);
-
-  const StatType t = block->segment->stat_type();
-  const int64_t bytes = static_cast<int64_t>(block->size);
-  stat_increase(stats_.allocation, t, 1);
-  stat_increase(stats_.allocated_bytes, t, bytes);
-  stat_increase(stats_.requested_bytes, t, static_cast<int64_t>(size));
-  stat_increase(stats_.active, t, 1);
-  stat_increase(stats_.active_bytes, t, bytes);
-  trace_.record(TraceAction::kAlloc, block->addr, block->size, block->stream);
-  return reinterpret_cast<void*>(block->addr);
-}
-
-FreeResult DeviceAllocator::free(uintptr_t addr, size_t size) {
-  Lock lock(mutex_);
-  if (PYALLOC_UNLIKELY(retired_)) return FreeResult::kRetired;
-  Block** entry = live_.find(addr);
-  if (PYALLOC_UNLIKELY(entry == nullptr)) return classify_bad_free(addr);
-  Block* block = *entry;
-  if (PYALLOC_UNLIKELY(size != kAnySize && size != block->requested)) {
-    ++stats_.num_invalid_size;
-    set_last_error("pyalloc_free: size " + std::to_string(size) + " does not match the " +
-             std::to_string(block->requested) + " bytes allocated at " + hex(addr) +
-             " on device " + std::to_string(device_) + "; the block was not freed");
-    return FreeResult::kSizeMismatch;
-  }
-  live_.erase(entry);
-
-  const StatType t = block->segment->stat_type();
-  stat_decrease(stats_.allocation, t, 1);
-  stat_decrease(stats_.allocated_bytes, t, static_cast<int64_t>(block->size));
-  stat_decrease(stats_.requested_bytes, t, static_cast<int64_t>(block->requested));
-  trace_.record(TraceAction::kFreeRequested, block->addr, block->size, block->stream);
-
-  if (PYALLOC_UNLIKELY(!block->uses.empty())) {
-    make_pending(block);
-  } else {
-    finish_free(block);
-  }
-  if (PYALLOC_UNLIKELY(cached_free_bytes_ > max_cached_)) enforce_max_cached();
-  return FreeResult::kOk;
-}
-
-// The block becomes free: coalesce with free neighbours and cache it.
-void DeviceAllocator::finish_free(Block* block) {
-  const StatType t = block->segment->stat_type();
-  stat_decrease(stats_.active, t, 1);
-  stat_decrease(stats_.active_bytes, t, static_cast<int64_t>(block->size));
-  trace_.record(TraceAction::kFreeCompleted, block->addr, block->size, block->stream);
-  block->state = BlockState::kFree;
-  block->requested = 0;
-
-  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
-    erase_free(prev);
-    prev->size += block->size;
-    prev->next = block->next;
-    if (block->next != nullptr) block->next->prev = prev;
-    delete_block(block);
-    block = prev;
-  }
-  if (Block* next = block->next; next != nullptr && next->is_free()) {
-    erase_free(next);
-    block->size += next->size;
-    block->next = next->next;
-    if (next->next != nullptr) next->next->prev = block;
-    delete_block(next);
-  }
-  insert_free(block);
-  if (block->segment->wholly_free()) block->segment->free_since = ++tick_;
-}
-
-// Free-set membership is where cached-free and inactive-split counters live.
-void DeviceAllocator::insert_free(Block* block) {
-  block->pool->free_blocks.insert(block);
-  cached_free_bytes_ += block->size;
-  if (block->size != block->segment->size) {
-    const StatType t = block->segment->stat_type();
-    stat_increase(stats_.inactive_split, t, 1);
-    stat_increase(stats_.inactive_split_bytes, t, static_cast<int64_t>(block->size));
-  }
-}
-
-void DeviceAllocator::erase_free(Block* block) {
-  block->pool->free_blocks.erase(block);
-  cached_free_bytes_ -= block->size;
-  if (block->size != block->segment->size) {
-    const StatType t = block->segment->stat_type();
-    stat_decrease(stats_.inactive_split, t, 1);
-    stat_decrease(stats_.inactive_split_bytes, t, static_cast<int64_t>(block->size));
-  }
-}
-
 bool DeviceAllocator::record_stream(uintptr_t addr, StreamId stream) {
   Lock lock(mutex_);
-  Block** entry = live_.find(addr);
+  auto* entry = live_.find(addr);
   if (entry == nullptr) return false;
-  Block* block = *entry;
+  Block* block = entry->value;
   // Use on the allocation stream is already ordered; nothing to wait for.
   if (stream != block->stream &&
       std::find(block->uses.begin(), block->uses.end(), stream) == block->uses.end()) {
@@ -320,9 +148,25 @@ void DeviceAllocator::count_invalid_size() {
 
 // ---- the slow path -----------------------------------------------------------------
 
-__attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, Pool& pool, size_t size,
-                                                                   size_t rounded, StreamId stream,
-                                                                   int* status) {
+namespace {
+
+// Releases a held device lock for a scope, and takes it back on leaving it,
+// exception or not: the caller's guard still owns the lock.
+class Unlocked {
+ public:
+  explicit Unlocked(DeviceMutex& m) : m_(m) { m_.unlock(); }
+  ~Unlocked() { m_.lock(); }
+  Unlocked(const Unlocked&) = delete;
+  Unlocked& operator=(const Unlocked&) = delete;
+
+ private:
+  DeviceMutex& m_;
+};
+
+}  // namespace
+
+__attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Pool& pool, size_t size, size_t rounded,
+                                                                   StreamId stream, int* status) {
   reclaim_pending(false);
   Block* block = find_or_grow(pool, rounded, stream);
   if (block == nullptr) {  // step 1: nothing changed since find_or_grow failed, so release first
@@ -336,17 +180,20 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
   size_t daemon_freed = 0;
   if (block == nullptr && hooks_ != nullptr) {  // step 3
     ++stats_.num_pressure_callbacks;
-    lock.unlock();
-    callback_freed = hooks_->run_pressure_callbacks(device_, rounded);
-    lock.lock();
+    {
+      Unlocked unlocked(mutex_);
+      callback_freed = hooks_->run_pressure_callbacks(device_, rounded);
+    }
     if (retired_) return *status = PYALLOC_EBUSY, nullptr;
     stats_.pressure_callback_freed_bytes += static_cast<int64_t>(callback_freed);
     block = retry_after_outside_help(pool, rounded, stream);
   }
   if (block == nullptr && hooks_ != nullptr) {  // step 4
-    lock.unlock();
-    const DaemonAnswer answer = hooks_->ask_daemon(device_, rounded);
-    lock.lock();
+    DaemonAnswer answer;
+    {
+      Unlocked unlocked(mutex_);
+      answer = hooks_->ask_daemon(device_, rounded);
+    }
     if (retired_) return *status = PYALLOC_EBUSY, nullptr;
     if (answer.answered) {
       ++stats_.num_daemon_requests;
@@ -364,7 +211,7 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Lock& lock, P
     set_last_error(report);
     return nullptr;
   }
-  return take(block, size, rounded);
+  return take(pool, block, size, rounded);
 }
 
 Block* DeviceAllocator::find_or_grow(Pool& pool, size_t rounded, StreamId stream) {
@@ -388,7 +235,7 @@ Block* DeviceAllocator::retry_after_outside_help(Pool& pool, size_t rounded, Str
 
 Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
   const size_t size = segment_size_for(pool, rounded);
-  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].current);
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
   if (size > reserved_limit() || reserved > reserved_limit() - size) return nullptr;
   uintptr_t addr = 0;
   Status s = backend_->segment_alloc(device_, size, &addr);
@@ -412,8 +259,8 @@ Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
   segments_.emplace(addr, segment);
 
   const StatType t = segment->stat_type();
-  stat_increase(stats_.segment, t, 1);
-  stat_increase(stats_.reserved_bytes, t, static_cast<int64_t>(size));
+  stats_.segment.increase(t, 1);
+  stats_.reserved_bytes.increase(t, static_cast<int64_t>(size));
   ++stats_.num_device_alloc;
   trace_.record(TraceAction::kSegmentAlloc, addr, size, stream);
   insert_free(block);
@@ -444,6 +291,9 @@ __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block)
   block->uses.clear();
   block->state = BlockState::kPendingFree;
   pending_.push_back(std::move(pending));
+  const StatType t = block->segment->stat_type();
+  stats_.pending.increase(t, 1);
+  stats_.pending_bytes.increase(t, static_cast<int64_t>(block->size));
 }
 
 size_t DeviceAllocator::reclaim_pending(bool synchronize) {
@@ -466,6 +316,9 @@ size_t DeviceAllocator::reclaim_pending(bool synchronize) {
     Block* block = it->block;
     it = pending_.erase(it);
     reclaimed += block->size;
+    const StatType t = block->segment->stat_type();
+    stats_.pending.decrease(t, 1);
+    stats_.pending_bytes.decrease(t, static_cast<int64_t>(block->size));
     finish_free(block);
   }
   return reclaimed;
@@ -498,8 +351,8 @@ void DeviceAllocator::release_segment(Segment* segment) {
   Block* block = segment->head;
   erase_free(block);
   const StatType t = segment->stat_type();
-  stat_decrease(stats_.segment, t, 1);
-  stat_decrease(stats_.reserved_bytes, t, static_cast<int64_t>(segment->size));
+  stats_.segment.decrease(t, 1);
+  stats_.reserved_bytes.decrease(t, static_cast<int64_t>(segment->size));
   ++stats_.num_device_free;
   trace_.record(TraceAction::kSegmentFree, segment->base, segment->size, segment->stream);
   backend_->segment_free(device_, segment->base, segment->size);
@@ -527,6 +380,14 @@ size_t DeviceAllocator::release_cached(size_t bytes) {
 }
 
 // ---- bad calls and reports ------------------------------------------------------------
+
+__attribute__((noinline, cold)) FreeResult DeviceAllocator::refuse_size_mismatch(Block* block, size_t size) {
+  ++stats_.num_invalid_size;
+  set_last_error("pyalloc_free: size " + std::to_string(size) + " does not match the " +
+                 std::to_string(block->requested) + " bytes allocated at " + hex(block->addr) + " on device " +
+                 std::to_string(device_) + "; the block was not freed");
+  return FreeResult::kSizeMismatch;
+}
 
 __attribute__((noinline, cold)) FreeResult DeviceAllocator::classify_bad_free(uintptr_t addr) {
   const std::string where = hex(addr) + " on device " + std::to_string(device_);
@@ -564,8 +425,8 @@ size_t DeviceAllocator::largest_free_block() const {
 
 std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId stream,
                                         size_t callback_freed, size_t daemon_freed) {
-  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].current);
-  const size_t allocated = static_cast<size_t>(stats_.allocated_bytes[kStatAll].current);
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  const size_t allocated = static_cast<size_t>(stats_.allocated_bytes.current(kStatAll));
   const size_t largest = largest_free_block();
   const size_t limit = reserved_limit();
   const double fragmentation =
@@ -614,15 +475,15 @@ std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId st
 DeviceAllocator::Usage DeviceAllocator::usage() {
   Lock lock(mutex_);
   Usage u;
-  u.reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].current);
-  u.allocated = static_cast<size_t>(stats_.allocated_bytes[kStatAll].current);
-  u.active = static_cast<size_t>(stats_.active_bytes[kStatAll].current);
+  u.reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  u.allocated = static_cast<size_t>(stats_.allocated_bytes.current(kStatAll));
+  u.active = static_cast<size_t>(stats_.active_bytes()[kStatAll].current);
   u.cached_free = cached_free_bytes_;
   u.largest_free = largest_free_block();
-  u.peak_reserved = static_cast<size_t>(stats_.reserved_bytes[kStatAll].peak);
+  u.peak_reserved = static_cast<size_t>(stats_.reserved_bytes.get(kStatAll).peak);
   u.num_ooms = static_cast<uint64_t>(stats_.num_ooms);
   u.num_alloc_retries = static_cast<uint64_t>(stats_.num_alloc_retries);
-  u.allocations_total = static_cast<uint64_t>(stats_.allocation[kStatAll].allocated);
+  u.allocations_total = static_cast<uint64_t>(stats_.allocation.get(kStatAll).allocated);
   return u;
 }
 
@@ -648,7 +509,7 @@ void DeviceAllocator::write_trace_json(JsonWriter& w) {
 
 bool DeviceAllocator::retire_if_idle(int64_t* live_bytes) {
   Lock lock(mutex_);
-  *live_bytes = stats_.allocated_bytes[kStatAll].current;
+  *live_bytes = stats_.allocated_bytes.current(kStatAll);
   if (live_.size() != 0 || !pending_.empty()) {
     // Pending frees finish on their own; only live allocations block.
     if (live_.size() == 0) {

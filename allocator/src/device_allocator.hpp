@@ -73,6 +73,7 @@ class DeviceAllocator {
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
+  // malloc and free are defined in device_allocator_inl.hpp (the fast path).
   // Returns the block's address, or nullptr with *status (PYALLOC_ENOMEM, or
   // PYALLOC_EBUSY when this allocator was retired by a reconfiguration); an
   // OOM report goes to the thread's last error. `size` must be in
@@ -125,7 +126,7 @@ class DeviceAllocator {
   int device() const { return device_; }
 
  private:
-  using Lock = std::unique_lock<DeviceMutex>;
+  using Lock = std::lock_guard<DeviceMutex>;
 
   struct PendingFree {
     Block* block;
@@ -135,19 +136,21 @@ class DeviceAllocator {
 
   size_t round_size(size_t size) const;
   Pool& select_pool(size_t rounded, int pool_id);
+  Pool& user_pool(int pool_id);  // created on first use
   size_t segment_size_for(const Pool& pool, size_t rounded) const;
   bool should_split(const Pool& pool, size_t remaining) const;
 
   // Fast-path pieces.
   Block* new_block();
   void delete_block(Block* block);
-  void* take(Block* block, size_t size, size_t rounded);
+  void* take(Pool& pool, Block* block, size_t size, size_t rounded);
   void finish_free(Block* block);
   void insert_free(Block* block);
   void erase_free(Block* block);
 
   // Slow path (Note [Pressure ladder] in device_allocator.cpp).
-  void* malloc_slow(Lock& lock, Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  // Called with the lock held; returns with it held (steps 3 and 4 drop it meanwhile).
+  void* malloc_slow(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* find_or_grow(Pool& pool, size_t rounded, StreamId stream);
   Block* release_and_retry(Pool& pool, size_t rounded, StreamId stream);  // step 1
   Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);
@@ -160,6 +163,7 @@ class DeviceAllocator {
   void release_segment(Segment* segment);
   void enforce_max_cached();
   FreeResult classify_bad_free(uintptr_t addr);
+  FreeResult refuse_size_mismatch(Block* block, size_t size);
   std::string oom_report(size_t size, size_t rounded, StreamId stream, size_t callback_freed,
                          size_t daemon_freed);
   size_t reserved_limit();

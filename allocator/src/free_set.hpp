@@ -51,6 +51,7 @@ class FreeSet {
   FreeSet(const FreeSet&) = delete;
   FreeSet& operator=(const FreeSet&) = delete;
 
+  // insert, erase and best_fit are defined in free_set_inl.hpp.
   void insert(Block* block);
   void erase(Block* block);
   // The smallest free block of at least `size` bytes on `stream`, lowest
@@ -81,9 +82,12 @@ class FreeSet {
     Block* heads[kClasses] = {};
   };
 
+  static bool before(const Block* a, const Block* b);
   static Block* next_of(const Block* b);
   StreamBins* find(StreamId stream) const;
+  StreamBins* find_other(StreamId stream) const;  // find() past the last-used stream
   StreamBins* find_or_add(StreamId stream);
+  StreamBins* add_stream(StreamId stream);  // the slow part of find_or_add
   static int first_class_at_or_above(const StreamBins& bins, int c);
 
   std::vector<std::unique_ptr<StreamBins>> streams_;

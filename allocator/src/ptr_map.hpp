@@ -8,7 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 namespace pyalloc {
 
@@ -18,47 +18,50 @@ namespace pyalloc {
 template <typename V>
 class PtrMap {
  public:
+  struct Entry {
+    uintptr_t key;  // 0: empty
+    V value;
+  };
+
   PtrMap() { rehash(1024); }
 
-  V* find(uintptr_t key) {
+  Entry* find(uintptr_t key) {
     for (size_t i = slot(key);; i = (i + 1) & mask_) {
-      if (keys_[i] == key) return &values_[i];
-      if (keys_[i] == 0) return nullptr;
+      if (entries_[i].key == key) return &entries_[i];
+      if (entries_[i].key == 0) return nullptr;
     }
   }
 
   void insert(uintptr_t key, V value) {
-    if (2 * (size_ + 1) > keys_.size()) rehash(2 * keys_.size());
+    if (__builtin_expect(size_ >= max_size_, 0)) rehash(2 * (mask_ + 1));
     size_t i = slot(key);
-    while (keys_[i] != 0) i = (i + 1) & mask_;
-    keys_[i] = key;
-    values_[i] = value;
+    while (entries_[i].key != 0) i = (i + 1) & mask_;
+    entries_[i] = Entry{key, value};
     ++size_;
   }
 
-  // Removes the entry found by find(); `value` must point into this map.
-  void erase(V* value) {
-    size_t hole = static_cast<size_t>(value - values_.data());
+  // Removes the entry find() returned.
+  void erase(Entry* entry) {
+    size_t hole = static_cast<size_t>(entry - entries_.get());
     --size_;
     // Shift later members of the probe run back so lookups never stop early.
-    for (size_t i = (hole + 1) & mask_; keys_[i] != 0; i = (i + 1) & mask_) {
-      const size_t home = slot(keys_[i]);
+    for (size_t i = (hole + 1) & mask_; entries_[i].key != 0; i = (i + 1) & mask_) {
+      const size_t home = slot(entries_[i].key);
       // Move entry i into the hole if its home is not in (hole, i].
       if (((i - home) & mask_) >= ((i - hole) & mask_)) {
-        keys_[hole] = keys_[i];
-        values_[hole] = values_[i];
+        entries_[hole] = entries_[i];
         hole = i;
       }
     }
-    keys_[hole] = 0;
+    entries_[hole].key = 0;
   }
 
   size_t size() const { return size_; }
 
   template <typename F>
   void for_each(F fn) const {
-    for (size_t i = 0; i < keys_.size(); ++i) {
-      if (keys_[i] != 0) fn(keys_[i], values_[i]);
+    for (size_t i = 0; i <= mask_; ++i) {
+      if (entries_[i].key != 0) fn(entries_[i].key, entries_[i].value);
     }
   }
 
@@ -69,23 +72,23 @@ class PtrMap {
   }
 
   void rehash(size_t capacity) {
-    std::vector<uintptr_t> old_keys(capacity, 0);
-    std::vector<V> old_values(capacity);
-    old_keys.swap(keys_);
-    old_values.swap(values_);
+    std::unique_ptr<Entry[]> old(new Entry[capacity]());
+    old.swap(entries_);
+    const size_t old_capacity = old == nullptr ? 0 : mask_ + 1;
     mask_ = capacity - 1;
     shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(capacity));
+    max_size_ = capacity / 2;  // at most half full
     size_ = 0;
-    for (size_t i = 0; i < old_keys.size(); ++i) {
-      if (old_keys[i] != 0) insert(old_keys[i], old_values[i]);
+    for (size_t i = 0; i < old_capacity; ++i) {
+      if (old[i].key != 0) insert(old[i].key, old[i].value);
     }
   }
 
-  std::vector<uintptr_t> keys_;
-  std::vector<V> values_;
+  std::unique_ptr<Entry[]> entries_;
   size_t mask_ = 0;
   unsigned shift_ = 0;
   size_t size_ = 0;
+  size_t max_size_ = 0;
 };
 
 }  // namespace pyalloc

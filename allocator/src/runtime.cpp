@@ -41,9 +41,13 @@ struct Callback {
   void* user_data;
 };
 
+}  // namespace
+
 // The current runtime: a constant-initialized global, so reading it on the
 // fast path is one load with no static-initialization guard.
-std::atomic<Runtime*> g_current{nullptr};
+std::atomic<Runtime*> g_current_runtime{nullptr};
+
+namespace {
 
 struct Process {
   std::mutex configure_mutex;  // serializes configuration and runtime swaps
@@ -89,7 +93,7 @@ Runtime* build_runtime(const Config& config) {
 }
 
 Runtime* initial_runtime_locked(Process& p) {
-  Runtime* r = g_current.load(std::memory_order_acquire);
+  Runtime* r = g_current_runtime.load(std::memory_order_acquire);
   if (r != nullptr) return r;
   Config config;
   std::string error;
@@ -101,7 +105,7 @@ Runtime* initial_runtime_locked(Process& p) {
   } else {
     r = build_runtime(config);
   }
-  g_current.store(r, std::memory_order_release);
+  g_current_runtime.store(r, std::memory_order_release);
   if (r->error.empty()) registry_apply(r->config);
   return r;
 }
@@ -110,9 +114,7 @@ Runtime* initial_runtime_locked(Process& p) {
 
 Runtime::Runtime(const Config& c) : backend_kind(c.backend), config(c) {}
 
-Runtime* current_runtime() {
-  Runtime* r = g_current.load(std::memory_order_acquire);
-  if (__builtin_expect(r != nullptr, 1)) return r;
+Runtime* first_runtime() {
   Process& p = process();
   std::lock_guard<std::mutex> lock(p.configure_mutex);
   return initial_runtime_locked(p);
@@ -153,7 +155,7 @@ int configure(const char* text, std::string* error) {
     }
   }
   p.retired.push_back(cur);
-  g_current.store(fresh, std::memory_order_release);
+  g_current_runtime.store(fresh, std::memory_order_release);
   registry_apply(next);
   return PYALLOC_OK;
 }

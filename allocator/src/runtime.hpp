@@ -34,8 +34,16 @@ class Runtime final : public PressureHooks {
   std::vector<std::unique_ptr<DeviceAllocator>> devices;
 };
 
+extern std::atomic<Runtime*> g_current_runtime;  // null until first use
+Runtime* first_runtime();  // builds it from PYALLOC_CONF (once, under a lock)
+
 // The current Runtime; built from PYALLOC_CONF on first use. Never null.
-Runtime* current_runtime();
+// Inline: every malloc and free starts here.
+inline Runtime* current_runtime() {
+  Runtime* r = g_current_runtime.load(std::memory_order_acquire);
+  if (__builtin_expect(r != nullptr, 1)) return r;
+  return first_runtime();
+}
 
 // pyalloc_configure(): returns a PYALLOC_* status, message in *error.
 int configure(const char* text, std::string* error);

@@ -8,34 +8,94 @@ namespace pyalloc {
 namespace {
 
 const char* const kStatTypeNames[kNumStatTypes] = {"all", "small_pool", "large_pool"};
+constexpr StatType kAllTypes[kNumStatTypes] = {kStatAll, kStatSmall, kStatLarge};
 
-void write_array(JsonWriter& w, const std::string& name, const StatArray& a) {
+void write_view(JsonWriter& w, const std::string& name, const StatView& view) {
   for (int t = 0; t < kNumStatTypes; ++t) {
     const std::string prefix = name + "." + kStatTypeNames[t] + ".";
-    w.key((prefix + "current").c_str()).value(a[t].current);
-    w.key((prefix + "peak").c_str()).value(a[t].peak);
-    w.key((prefix + "allocated").c_str()).value(a[t].allocated);
-    w.key((prefix + "freed").c_str()).value(a[t].freed);
+    w.key((prefix + "current").c_str()).value(view[t].current);
+    w.key((prefix + "peak").c_str()).value(view[t].peak);
+    w.key((prefix + "allocated").c_str()).value(view[t].allocated);
+    w.key((prefix + "freed").c_str()).value(view[t].freed);
   }
 }
 
 template <typename Fn>
-void for_each_array(DeviceStats& s, Fn fn) {
-  for (StatArray* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
-                       &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes,
-                       &s.requested_bytes}) {
-    for (Stat& stat : *a) fn(stat);
+void for_each_counter(DeviceStats& s, Fn fn) {
+  for (Counter* c : {&s.allocation, &s.segment, &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
+                     &s.inactive_split_bytes, &s.requested_bytes, &s.pending, &s.pending_bytes}) {
+    fn(*c);
   }
 }
 
 }  // namespace
 
+// ---- Counter (Note [Counters]) ----------------------------------------------------
+
+Stat Counter::get(StatType t) const {
+  if (t != kStatAll) {
+    const Part& p = parts_[t - 1];
+    return Stat{p.current, p.peak, p.increased, p.increased - (p.current - p.current_at_reset)};
+  }
+  const Stat small = get(kStatSmall);
+  const Stat large = get(kStatLarge);
+  return Stat{small.current + large.current, all_peak_, small.allocated + large.allocated,
+              small.freed + large.freed};
+}
+
+StatView Counter::view() const {
+  StatView v;
+  for (StatType t : kAllTypes) v[t] = get(t);
+  return v;
+}
+
+void Counter::reset_peak() {
+  for (Part& p : parts_) p.peak = p.current;
+  all_peak_ = current(kStatAll);
+}
+
+void Counter::reset_accumulated() {
+  for (Part& p : parts_) {
+    p.increased = 0;
+    p.current_at_reset = p.current;
+  }
+}
+
+// ---- DeviceStats -----------------------------------------------------------------------
+
+StatView DeviceStats::active_view(const Counter& held, const Counter& pending,
+                                  const int64_t (&peak)[kNumStatTypes]) {
+  StatView v;
+  for (StatType t : kAllTypes) {
+    const Stat h = held.get(t);
+    const Stat p = pending.get(t);
+    v[t].current = h.current + p.current;
+    v[t].allocated = h.allocated;
+    v[t].freed = h.freed - p.allocated + p.freed;
+    v[t].peak = h.peak > peak[t] ? h.peak : peak[t];
+  }
+  return v;
+}
+
+void DeviceStats::note_active_peaks() {
+  for (StatType t : kAllTypes) {
+    const int64_t active_now = allocation.current(t) + pending.current(t);
+    const int64_t active_bytes_now = allocated_bytes.current(t) + pending_bytes.current(t);
+    if (active_now > active_peak[t]) active_peak[t] = active_now;
+    if (active_bytes_now > active_bytes_peak[t]) active_bytes_peak[t] = active_bytes_now;
+  }
+}
+
 void DeviceStats::reset_peaks() {
-  for_each_array(*this, [](Stat& s) { s.reset_peak(); });
+  for_each_counter(*this, [](Counter& c) { c.reset_peak(); });
+  for (StatType t : kAllTypes) {
+    active_peak[t] = allocation.current(t) + pending.current(t);
+    active_bytes_peak[t] = allocated_bytes.current(t) + pending_bytes.current(t);
+  }
 }
 
 void DeviceStats::reset_accumulated() {
-  for_each_array(*this, [](Stat& s) { s.reset_accumulated(); });
+  for_each_counter(*this, [](Counter& c) { c.reset_accumulated(); });
   num_alloc_retries = num_ooms = num_sync_all_streams = 0;
   num_device_alloc = num_device_free = 0;
   num_pressure_callbacks = pressure_callback_freed_bytes = 0;
@@ -46,15 +106,15 @@ void DeviceStats::reset_accumulated() {
 std::string DeviceStats::to_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) const {
   JsonWriter w;
   w.begin_object();
-  write_array(w, "allocation", allocation);
-  write_array(w, "segment", segment);
-  write_array(w, "active", active);
-  write_array(w, "inactive_split", inactive_split);
-  write_array(w, "allocated_bytes", allocated_bytes);
-  write_array(w, "reserved_bytes", reserved_bytes);
-  write_array(w, "active_bytes", active_bytes);
-  write_array(w, "inactive_split_bytes", inactive_split_bytes);
-  write_array(w, "requested_bytes", requested_bytes);
+  write_view(w, "allocation", allocation.view());
+  write_view(w, "segment", segment.view());
+  write_view(w, "active", active());
+  write_view(w, "inactive_split", inactive_split.view());
+  write_view(w, "allocated_bytes", allocated_bytes.view());
+  write_view(w, "reserved_bytes", reserved_bytes.view());
+  write_view(w, "active_bytes", active_bytes());
+  write_view(w, "inactive_split_bytes", inactive_split_bytes.view());
+  write_view(w, "requested_bytes", requested_bytes.view());
   // pyalloc never refuses to split a block by size (PyTorch's
   // max_split_size), so there are no oversize blocks; the keys exist so that
   // tools written for PyTorch (memory_summary) find them.

@@ -1,13 +1,28 @@
 // stats.hpp: counters in the shape of torch.cuda.memory_stats().
 //
-// Each Stat is {current, peak, allocated, freed}: `allocated` and `freed`
-// accumulate increases and decreases, so current == allocated - freed until
-// reset_accumulated(). A StatArray holds one Stat per stat type (all, small
-// pool, large pool); update() keeps "all" equal to the sum of the others.
+// PyTorch reports each statistic as {current, peak, allocated, freed} for
+// three stat types: all, small pool, large pool. The fast path changes a few
+// of them on every malloc and free, so they are kept in the cheapest form
+// that still yields all four figures exactly (Note [Counters]).
 //
-// The allocator changes these only at its state transitions (segment
-// created/released, block handed out/returned, free-set insert/erase): see
-// DeviceAllocator. check() recomputes every current value from a walk.
+// Note [Counters]
+// A Counter keeps, for the small and the large pool, `current`, `peak` and
+// `increased` (the sum of increases since the last reset_accumulated()).
+//   - "all" is derived: current and increased are sums of the two pools.
+//     Its peak is not (a sum of peaks is not a peak), so increase() also
+//     raises all_peak_ from the new sum.
+//   - freed is derived: every decrease lowers current, so
+//       freed = increased - (current - current_at_reset),
+//     where current_at_reset is current when accumulation last restarted.
+//     decrease() therefore writes one word.
+// Active blocks are not counted separately (DeviceStats::active): a block is
+// active while allocated or pending-free, so active = allocation + pending,
+// and `pending` changes only on the record_stream path. See DeviceStats.
+//
+// The allocator changes counters only at its state transitions (segment
+// created/released, block handed out/returned, made pending, free-set
+// insert/erase): see DeviceAllocator. check() recomputes every current value
+// from a walk (types.hpp I7).
 #pragma once
 
 #include <array>
@@ -18,35 +33,48 @@
 
 namespace pyalloc {
 
+// The four figures PyTorch reports for one statistic and stat type.
 struct Stat {
   int64_t current = 0;
   int64_t peak = 0;
   int64_t allocated = 0;
   int64_t freed = 0;
-
-  void increase(int64_t n) {
-    current += n;
-    allocated += n;
-    if (current > peak) peak = current;
-  }
-  void decrease(int64_t n) {
-    current -= n;
-    freed += n;
-  }
-  void reset_peak() { peak = current; }
-  void reset_accumulated() { allocated = freed = 0; }
 };
 
-using StatArray = std::array<Stat, kNumStatTypes>;
+using StatView = std::array<Stat, kNumStatTypes>;  // indexed by StatType
 
-inline void stat_increase(StatArray& a, StatType t, int64_t n) {
-  a[kStatAll].increase(n);
-  a[t].increase(n);
-}
-inline void stat_decrease(StatArray& a, StatType t, int64_t n) {
-  a[kStatAll].decrease(n);
-  a[t].decrease(n);
-}
+class Counter {
+ public:
+  // `t` is kStatSmall or kStatLarge: "all" follows by itself.
+  void increase(StatType t, int64_t n) {
+    Part& p = parts_[t - 1];
+    p.current += n;
+    p.increased += n;
+    if (p.current > p.peak) p.peak = p.current;
+    const int64_t all = parts_[0].current + parts_[1].current;
+    if (all > all_peak_) all_peak_ = all;
+  }
+  void decrease(StatType t, int64_t n) { parts_[t - 1].current -= n; }
+
+  int64_t current(StatType t) const {
+    return t == kStatAll ? parts_[0].current + parts_[1].current : parts_[t - 1].current;
+  }
+  Stat get(StatType t) const;
+  StatView view() const;
+
+  void reset_peak();
+  void reset_accumulated();
+
+ private:
+  struct Part {
+    int64_t current = 0;
+    int64_t peak = 0;
+    int64_t increased = 0;
+    int64_t current_at_reset = 0;
+  };
+  Part parts_[2];  // small pool, large pool
+  int64_t all_peak_ = 0;
+};
 
 // Facts about the most recent OOM, flattened into the stats as last_oom.*.
 struct OomRecord {
@@ -59,8 +87,25 @@ struct OomRecord {
 };
 
 struct DeviceStats {
-  StatArray allocation, segment, active, inactive_split;
-  StatArray allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
+  Counter allocation, segment, inactive_split;
+  Counter allocated_bytes, reserved_bytes, inactive_split_bytes, requested_bytes;
+  // Blocks freed by the caller but still in use on another stream. Changed
+  // only on the record_stream path (make_pending, reclaim_pending).
+  Counter pending, pending_bytes;
+
+  // active = allocation + pending, and active only increases on malloc, so:
+  //   active.allocated = allocation.allocated
+  //   active.freed     = (allocation.freed - pending.allocated) + pending.freed
+  //                      (frees that completed at once, plus pending ones that
+  //                      completed: each counted since the last reset)
+  //   active.peak      = max(allocation.peak, active_peak)
+  // where active_peak is raised by note_active_peaks() on every malloc made
+  // while something is pending: when nothing is pending, active equals
+  // allocation, whose own peak covers it.
+  StatView active() const { return active_view(allocation, pending, active_peak); }
+  StatView active_bytes() const { return active_view(allocated_bytes, pending_bytes, active_bytes_peak); }
+  bool any_pending() const { return pending.current(kStatSmall) != 0 || pending.current(kStatLarge) != 0; }
+  void note_active_peaks();
 
   int64_t num_alloc_retries = 0;     // ladder step 1 ran (cache released and retried)
   int64_t num_ooms = 0;              // requests that failed after the whole ladder
@@ -83,6 +128,12 @@ struct DeviceStats {
   void reset_accumulated();
   // Flat JSON with torch.cuda.memory_stats() key names plus pyalloc's own.
   std::string to_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) const;
+
+ private:
+  static StatView active_view(const Counter& held, const Counter& pending, const int64_t (&peak)[kNumStatTypes]);
+
+  int64_t active_peak[kNumStatTypes] = {};
+  int64_t active_bytes_peak[kNumStatTypes] = {};
 };
 
 }  // namespace pyalloc

@@ -30,6 +30,7 @@ const char* trace_action_name(TraceAction action) {
 void TraceRing::resize(size_t capacity) {
   events_.assign(capacity, TraceEvent{});
   events_.shrink_to_fit();
+  capacity_ = capacity;
   next_ = 0;
   total_ = 0;
 }

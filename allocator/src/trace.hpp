@@ -41,14 +41,14 @@ struct TraceEvent {
 class TraceRing {
  public:
   void resize(size_t capacity);  // drops recorded events
-  size_t capacity() const { return events_.size(); }
+  size_t capacity() const { return capacity_; }
 
   void record(TraceAction action, uintptr_t addr, size_t size, StreamId stream) {
-    if (events_.empty()) return;
+    if (__builtin_expect(capacity_ == 0, 1)) return;
     record_slow(action, addr, size, stream, 0);
   }
   void record_oom(size_t size, StreamId stream, size_t device_free) {
-    if (events_.empty()) return;
+    if (capacity_ == 0) return;
     record_slow(TraceAction::kOom, 0, size, stream, device_free);
   }
 
@@ -59,6 +59,7 @@ class TraceRing {
   void record_slow(TraceAction action, uintptr_t addr, size_t size, StreamId stream, size_t device_free);
 
   std::vector<TraceEvent> events_;
+  size_t capacity_ = 0;  // == events_.size(), one load for record()
   size_t next_ = 0;      // slot of the next event
   uint64_t total_ = 0;   // events ever recorded
 };

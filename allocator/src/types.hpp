@@ -80,6 +80,7 @@ struct Block {
   std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
   Block* bin_prev = nullptr;   // neighbours in its free-set class list, while free
   Block* bin_next = nullptr;
+  int bin_class = -1;          // its free-set size class, while free
 
   bool is_free() const { return state == BlockState::kFree; }
 };
@@ -98,14 +99,18 @@ struct Segment {
 };
 
 struct Pool {
-  PoolKind kind = PoolKind::kLarge;
-  int id = 0;               // 0 small/large defaults; user pools from 1
-  std::string name;
+  Pool(PoolKind k, int pool_id, std::string pool_name)
+      : kind(k), stat(k == PoolKind::kSmall ? kStatSmall : kStatLarge), id(pool_id), name(std::move(pool_name)) {}
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  const PoolKind kind;
+  const StatType stat;      // the stat type its blocks count under
+  const int id;             // 0 small/large defaults; user pools from 1
+  const std::string name;
   FreeSet free_blocks;  // Note [Free sets]
 };
 
-inline StatType Segment::stat_type() const {
-  return pool->kind == PoolKind::kSmall ? kStatSmall : kStatLarge;
-}
+inline StatType Segment::stat_type() const { return pool->stat; }
 
 }  // namespace pyalloc
