@@ -203,6 +203,34 @@ def test_current_pool_routes_allocations_to_their_own_segments(allocator: Alloca
     assert by_addr[inside]["address"] != by_addr[outside]["address"]
 
 
+def test_pool_figures_in_stats_and_snapshot_follow_each_pool(allocator: Allocator) -> None:
+    outside = allocator.malloc(64 * KiB)
+    with pyalloc.pool("weights"):
+        w1 = allocator.malloc(3 * MiB)
+        w2 = allocator.malloc(1 * MiB)
+    allocator.free(w2)
+    s = allocator.stats()
+    assert s["pool.weights.allocations"] == 1
+    assert s["pool.weights.allocated_bytes"] == 3 * MiB
+    assert s["pool.weights.requested_bytes"] == 3 * MiB
+    assert s["pool.weights.active_bytes"] == 3 * MiB
+    assert s["pool.weights.reserved_bytes"] == s["pool.weights.allocated_bytes"] + s["pool.weights.cached_free_bytes"]
+    assert s["pool.weights.largest_free_bytes"] >= 1 * MiB
+    assert s["pool.small.allocated_bytes"] == 64 * KiB and s["pool.small.segments"] == 1
+    # The pools add up to the device's own counters.
+    pools = {name.split(".")[1] for name in s if name.startswith("pool.")}
+    for figure, total in (("reserved_bytes", "reserved_bytes.all.current"),
+                          ("allocated_bytes", "allocated_bytes.all.current"),
+                          ("segments", "segment.all.current")):
+        assert sum(s[f"pool.{p}.{figure}"] for p in pools) == s[total]
+    snap = {entry["pool"]: entry for entry in pyalloc.snapshot()["pools"] if entry["device"] == 0}
+    assert snap["weights"]["allocated_bytes"] == 3 * MiB and snap["weights"]["pool_id"] >= 1
+    assert snap["small"]["pool_id"] == 0
+    allocator.free(w1)
+    allocator.free(outside)
+    assert allocator.stats()["pool.weights.allocated_bytes"] == 0
+
+
 def test_pool_create_returns_the_same_id_for_the_same_name(allocator: Allocator) -> None:
     assert pyalloc.create_pool("optimizer") == pyalloc.create_pool("optimizer")
     assert pyalloc.create_pool("optimizer") != pyalloc.create_pool("grads")

@@ -220,6 +220,9 @@ size_t pyalloc_snapshot_json(char* buf, size_t len) {
     w.key("device_traces").begin_array();
     for (auto& d : r->devices) d->write_trace_json(w);
     w.end_array();
+    w.key("pools").begin_array();  // pyalloc's own: per-pool figures
+    for (auto& d : r->devices) d->write_pools_json(w);
+    w.end_array();
     w.key("allocator_settings").raw(pyalloc::config_json());
     w.key("pyalloc_version").value(PYALLOC_VERSION);
     if (!r->error.empty()) w.key("error").value(r->error);

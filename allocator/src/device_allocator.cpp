@@ -489,7 +489,65 @@ DeviceAllocator::Usage DeviceAllocator::usage() {
 
 std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) {
   Lock lock(mutex_);
-  return stats_.to_json(num_invalid_device, num_invalid_record_stream);
+  JsonWriter w;
+  w.begin_object();
+  stats_.write_fields(w, num_invalid_device, num_invalid_record_stream);
+  for (const PoolUsage& u : pool_usage_locked()) {
+    const std::string prefix = "pool." + u.pool->name + ".";
+    for (const auto& field : u.fields()) w.key((prefix + field.first).c_str()).value(field.second);
+  }
+  w.end_object();
+  return w.str();
+}
+
+// Per-pool figures come from a walk of the segments, not from counters: the
+// fast path pays nothing for them.
+std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() const {
+  std::vector<PoolUsage> usage;
+  auto entry_for = [&usage](const Pool* pool) -> PoolUsage& {
+    for (PoolUsage& u : usage) {
+      if (u.pool == pool) return u;
+    }
+    usage.push_back(PoolUsage{pool});
+    return usage.back();
+  };
+  entry_for(&small_pool_);
+  entry_for(&large_pool_);
+  for (const auto& pool : user_pools_) {
+    if (pool) entry_for(pool.get());
+  }
+  for (const auto& seg_entry : segments_) {
+    const Segment* seg = seg_entry.second;
+    PoolUsage& u = entry_for(seg->pool);
+    u.segments += 1;
+    u.reserved_bytes += static_cast<int64_t>(seg->size);
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      const int64_t size = static_cast<int64_t>(b->size);
+      if (b->state == BlockState::kFree) {
+        u.cached_free_bytes += size;
+        if (size > u.largest_free_bytes) u.largest_free_bytes = size;
+        continue;
+      }
+      u.active_bytes += size;
+      if (b->state == BlockState::kAllocated) {
+        u.allocations += 1;
+        u.allocated_bytes += size;
+        u.requested_bytes += static_cast<int64_t>(b->requested);
+      }
+    }
+  }
+  return usage;
+}
+
+std::vector<std::pair<const char*, int64_t>> DeviceAllocator::PoolUsage::fields() const {
+  return {{"segments", segments},
+          {"reserved_bytes", reserved_bytes},
+          {"allocations", allocations},
+          {"allocated_bytes", allocated_bytes},
+          {"requested_bytes", requested_bytes},
+          {"active_bytes", active_bytes},
+          {"cached_free_bytes", cached_free_bytes},
+          {"largest_free_bytes", largest_free_bytes}};
 }
 
 void DeviceAllocator::reset_peaks() {

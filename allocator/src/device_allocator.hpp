@@ -111,7 +111,10 @@ class DeviceAllocator {
   };
   Usage usage();
 
+  // torch.cuda.memory_stats() keys, then pool.<name>.<figure> for each pool
+  // (PoolUsage::fields).
   std::string stats_json(int64_t num_invalid_device, int64_t num_invalid_record_stream);
+  void write_pools_json(JsonWriter& w);  // the snapshot's "pools" entries
   void reset_peaks();
   void reset_accumulated();
   void write_segments_json(JsonWriter& w);
@@ -133,6 +136,22 @@ class DeviceAllocator {
     std::vector<EventHandle> events;
     bool stuck;  // an event could not be recorded: never safe to reuse
   };
+
+  // What a pool holds, summed over its segments (stats and snapshots).
+  struct PoolUsage {
+    const Pool* pool;
+    int64_t segments = 0;
+    int64_t reserved_bytes = 0;
+    int64_t allocations = 0;
+    int64_t allocated_bytes = 0;
+    int64_t requested_bytes = 0;
+    int64_t active_bytes = 0;      // allocated + pending-free
+    int64_t cached_free_bytes = 0;
+    int64_t largest_free_bytes = 0;
+
+    std::vector<std::pair<const char*, int64_t>> fields() const;
+  };
+  std::vector<PoolUsage> pool_usage_locked() const;
 
   size_t round_size(size_t size) const;
   Pool& select_pool(size_t rounded, int pool_id);

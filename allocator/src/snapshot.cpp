@@ -60,4 +60,16 @@ void DeviceAllocator::write_segments_json(JsonWriter& w) {
   }
 }
 
+void DeviceAllocator::write_pools_json(JsonWriter& w) {
+  Lock lock(mutex_);
+  for (const PoolUsage& u : pool_usage_locked()) {
+    w.begin_object();
+    w.key("device").value(device_);
+    w.key("pool").value(u.pool->name);
+    w.key("pool_id").value(u.pool->id);
+    for (const auto& field : u.fields()) w.key(field.first).value(field.second);
+    w.end_object();
+  }
+}
+
 }  // namespace pyalloc

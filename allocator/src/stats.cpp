@@ -103,9 +103,7 @@ void DeviceStats::reset_accumulated() {
   num_invalid_free = num_invalid_double_free = num_invalid_size = 0;
 }
 
-std::string DeviceStats::to_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) const {
-  JsonWriter w;
-  w.begin_object();
+void DeviceStats::write_fields(JsonWriter& w, int64_t num_invalid_device, int64_t num_invalid_record_stream) const {
   write_view(w, "allocation", allocation.view());
   write_view(w, "segment", segment.view());
   write_view(w, "active", active());
@@ -144,8 +142,6 @@ std::string DeviceStats::to_json(int64_t num_invalid_device, int64_t num_invalid
   w.key("last_oom.cached_free_bytes").value(last_oom.cached_free_bytes);
   w.key("last_oom.largest_free_bytes").value(last_oom.largest_free_bytes);
   w.key("last_oom.limit_bytes").value(last_oom.limit_bytes);
-  w.end_object();
-  return w.str();
 }
 
 }  // namespace pyalloc

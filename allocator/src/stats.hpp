@@ -33,6 +33,8 @@
 
 namespace pyalloc {
 
+class JsonWriter;
+
 // The four figures PyTorch reports for one statistic and stat type.
 struct Stat {
   int64_t current = 0;
@@ -126,8 +128,9 @@ struct DeviceStats {
 
   void reset_peaks();
   void reset_accumulated();
-  // Flat JSON with torch.cuda.memory_stats() key names plus pyalloc's own.
-  std::string to_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) const;
+  // The members of a flat JSON object, with torch.cuda.memory_stats() key
+  // names plus pyalloc's own.
+  void write_fields(JsonWriter& w, int64_t num_invalid_device, int64_t num_invalid_record_stream) const;
 
  private:
   static StatView active_view(const Counter& held, const Counter& pending, const int64_t (&peak)[kNumStatTypes]);
