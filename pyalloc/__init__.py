@@ -55,6 +55,7 @@ __all__ = [
     "pool",
     "record_stream",
     "register_pressure_callback",
+    "relocate_training_state",
     "release_cached",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
@@ -74,4 +75,8 @@ def __getattr__(name: str) -> object:
         from .offload_manager import offload
 
         return offload
+    if name == "relocate_training_state":
+        from .training_state import relocate_training_state
+
+        return relocate_training_state
     raise AttributeError(f"module 'pyalloc' has no attribute {name!r}")

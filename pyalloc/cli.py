@@ -45,6 +45,31 @@ class UsageError(Exception):
 # ---- pyalloc run --------------------------------------------------------------
 
 
+_RUN_OFFLOAD_NOTES = """\
+offload (--offload[=BUDGET]):
+  Runs pyalloc's offload manager (pyalloc.offload) in the program with no code
+  change: saved activations beyond BUDGET are swapped to host memory or dropped
+  and recomputed in backward, with gradients bit for bit those of a run without.
+  BUDGET: bytes, or a size such as 512MiB or 2GB, or auto (the default: no
+  budget; evict only when pyalloc's allocator runs short, which needs CUDA).
+  Write --offload=BUDGET, or put -- before the command. It works on CPU too,
+  with a budget. Every Python process of CMD that imports torch gets a session.
+  Limits:
+  - main thread only: activations saved by other threads are not managed;
+  - a step ends when the outermost backward() or torch.autograd.grad() returns;
+    several per iteration (gradient accumulation, GANs) are fine, but a call
+    using a tensor with autograd history from before the last one is not
+    replayable: what it makes is swapped, never recomputed;
+  - what regions compiled with torch.compile save is swapped, never recomputed;
+    what is saved under torch.utils.checkpoint is left to the checkpoint;
+  - the program must not use pyalloc.offload() itself (it is an error);
+  - every torch call on the main thread goes through the session's recording
+    mode, which adds per-call overhead, also outside training.
+  --offload-stats PATH (or $PYALLOC_OFFLOAD_STATS) writes the session's stats
+  as JSON at exit; {pid} in PATH becomes the process id.
+"""
+
+
 def _register_run(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "run",
@@ -55,17 +80,36 @@ def _register_run(subparsers: Subparsers) -> None:
             "Example: pyalloc run --conf max_cached=4GiB -- torchrun --nproc-per-node 8 "
             "train.py"
         ),
+        epilog=_RUN_OFFLOAD_NOTES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--conf",
         metavar="CONF",
         help="PYALLOC_CONF settings (key=value,...), applied on top of $PYALLOC_CONF",
     )
+    parser.add_argument(
+        "--offload",
+        nargs="?",
+        const="auto",
+        metavar="BUDGET",
+        help="swap or recompute saved activations beyond BUDGET (see below)",
+    )
+    parser.add_argument(
+        "--offload-stats",
+        metavar="PATH",
+        help="with --offload: write the offload stats as JSON to PATH at exit",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD ARGS...")
     parser.set_defaults(handler=_run)
 
 
-def child_environment(base: dict[str, str], conf: str | None) -> dict[str, str]:
+def child_environment(
+    base: dict[str, str],
+    conf: str | None,
+    offload: str | None = None,
+    offload_stats: str | None = None,
+) -> dict[str, str]:
     """The environment of ``pyalloc run``'s child: bootstrap first on PYTHONPATH."""
     env = dict(base)
     env["PYALLOC_AUTOINSTALL"] = "1"
@@ -76,7 +120,23 @@ def child_environment(base: dict[str, str], conf: str | None) -> dict[str, str]:
         # Later keys win, so --conf overrides what PYALLOC_CONF already says.
         inherited = env.get("PYALLOC_CONF", "").strip().strip(",")
         env["PYALLOC_CONF"] = f"{inherited},{conf}" if inherited else conf
+    if offload is not None:
+        env["PYALLOC_OFFLOAD"] = offload  # read by the bootstrap: pyalloc/offload_process.py
+    if offload_stats is not None:
+        env["PYALLOC_OFFLOAD_STATS"] = offload_stats
     return env
+
+
+def _validate_offload(args: argparse.Namespace) -> None:
+    from .core import parse_budget
+
+    if args.offload is not None:
+        try:
+            parse_budget(args.offload)
+        except PyallocError as exc:
+            raise UsageError(f"--offload: {exc} (write --offload=BUDGET, or put -- before the command)") from None
+    if args.offload_stats is not None and args.offload is None:
+        raise UsageError("--offload-stats needs --offload")
 
 
 def _validate_conf(conf: str) -> None:
@@ -107,10 +167,13 @@ def _run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise UsageError("run: missing command (usage: pyalloc run [--conf CONF] [--] CMD ARGS...)")
+        raise UsageError(
+            "run: missing command (usage: pyalloc run [--conf CONF] [--offload[=BUDGET]] [--] CMD ARGS...)"
+        )
+    _validate_offload(args)
     if args.conf:
         _validate_conf(args.conf)
-    env = child_environment(dict(os.environ), args.conf)
+    env = child_environment(dict(os.environ), args.conf, args.offload, args.offload_stats)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import pickle
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,6 +29,19 @@ def parse_size(text: str) -> int:
     if value < 0 or value != int(value):
         raise PyallocError(f"bad size {text!r}: must be a whole, non-negative number of bytes")
     return int(value)
+
+
+def parse_budget(text: str) -> int | None:
+    """Parses an offload budget as ``pyalloc run --offload`` and ``$PYALLOC_OFFLOAD`` take it:
+    ``auto`` (None: no budget, only the allocator's pressure ladder evicts) or a size as
+    :func:`parse_size` reads it."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_size(text)
+    except PyallocError:
+        raise PyallocError(f"bad offload budget {text!r}: expected auto, a number of bytes, "
+                           "or a size such as 512MiB or 2GB") from None
 
 
 def configure(conf: str) -> None:
@@ -119,11 +133,27 @@ def check(device: int = 0) -> None:
 
 
 def memory_stats(device: int = 0) -> "OrderedDict[str, Any]":
-    """Stats in the flat format of ``torch.cuda.memory_stats()``, keys sorted."""
+    """Stats in the flat format of ``torch.cuda.memory_stats()``, keys sorted.
+
+    While an offload session exists in the process (``pyalloc.offload``, ``pyalloc run
+    --offload``), its counters are included as ``offload.*`` (process-wide, whatever the
+    device; see ``ActivationOffload.stats``).
+    """
     stats = read_json(lib().pyalloc_stats_json, device)
     if "error" in stats:
         raise PyallocError(stats["error"])
+    stats.update(offload_stats())
     return OrderedDict(sorted(stats.items()))
+
+
+def offload_stats() -> dict[str, float]:
+    """The counters of the offload session started last, as ``offload.*`` keys; empty if none.
+
+    Never imports torch: if the offload manager was never imported, no session exists.
+    """
+    manager = sys.modules.get("pyalloc.offload_manager")
+    stats = manager.latest_session_stats() if manager is not None else None
+    return {f"offload.{key}": value for key, value in (stats or {}).items()}
 
 
 def reset_peak_memory_stats(device: int = 0) -> None:

@@ -18,13 +18,31 @@ Note [Producers and replay]
     ``requires_grad`` flags and the RNG state restored, under a capturing hook, so the same
     kernels run on the same bytes and the results are equal bit for bit (dropout masks
     included). Calls that mutate an input (in-place ops, ``out=``, batch norm's running stats)
-    are never replayed: their outputs are swap-only.
+    are never replayed: their outputs are swap-only. Not recorded at all: calls made with grad
+    disabled (an optimizer step, evaluation), attribute reads and writes other than the view
+    properties (``p.grad``, ``x.dtype``, ``p.grad = None``), and the autograd entry points
+    (replaying ``backward`` would run it again). What such a call makes is a leaf, which a later
+    call keeps as it is.
 
 Note [Free neighbours]
     DTR's score is ``cost / (size * staleness)``; MegEngine replaces ``size`` with the size of
     the free block the eviction would open (the tensor plus free neighbours). The session has no
     cheap view of address adjacency on CPU, so it uses the tensor's own span. On CUDA the same
     term could be read from ``pyalloc.snapshot()``; not done yet.
+
+Note [Copies on CUDA]
+    Swap copies run on a side stream per device, so they overlap compute. A swap-out makes the
+    side stream wait for the compute stream (the tensor must be written before it is read),
+    copies into a pinned host buffer and records an event; the session keeps the device tensor
+    until that event completes (:class:`_Copy`), so its memory is not reused under the copy.
+    Completed copies are reaped on later packs and unpacks and at step ends; the allocator's
+    pressure callback waits for them, because it must return memory that is really free. A
+    swap-in allocates on the compute stream, makes the side stream wait for it (the block may
+    still be read by queued kernels), copies and records an event; the compute stream waits
+    for that event only when the tensor is handed to autograd (``_unpack``), so a prefetch
+    overlaps the backward nodes before it. Host buffers a copy reads or writes go back to the
+    pool only when the copy is done. A swap-in requested while the tensor's swap-out is still
+    in flight takes the device tensor back: no copy. On CPU every copy is synchronous.
 
 Limits: tensors smaller than ``min_evict_bytes``, parameters, leaves and non-strided tensors are
 never evicted. Evicting a tensor that something else still references frees no real memory; the
@@ -33,6 +51,7 @@ budget counts the bytes the session itself keeps resident.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -44,7 +63,6 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["ActivationOffload", "HostBufferPool", "OffloadError", "SavedActivation", "offload"]
 
@@ -60,6 +78,10 @@ FLOP_BYTES_PER_S = 2e10
 MAX_REPLAY_DEPTH = 4
 """How many producer calls back a recompute may reach for missing inputs before giving up."""
 
+PREFETCH_WINDOW = 64
+"""How many handles back (in pack order) a prefetch looks for swapped ones: backward will reach
+the ones further back later, and a longer scan would cost each unpack time linear in the step."""
+
 MAX_REPLAY_CHAIN = 400
 """Hard stop for a replay chain (the estimate above may be exceeded when ancestors are evicted later)."""
 
@@ -71,6 +93,26 @@ class OffloadError(RuntimeError):
 
 
 _active = threading.local()
+_latest: "weakref.ref[ActivationOffload] | None" = None  # the session last started, for memory_stats()
+
+
+def latest_session_stats() -> dict[str, float] | None:
+    """Stats of the session started last in this process, if it is still alive (for
+    ``pyalloc.memory_stats()``, which reports them as ``offload.*``)."""
+    session = _latest() if _latest is not None else None
+    return session.stats() if session is not None else None
+
+
+def _is_compiling() -> bool:
+    """True while torch.compile traces: the mode then stays out of the graph (dynamo would trace
+    the recording itself, and fails to guard on it); the compiled region's saved tensors are
+    packed at run time with no recorded producer, so they are swapped, never recomputed."""
+    return torch.compiler.is_compiling()
+
+
+def _autograd_entry_points() -> frozenset[Any]:
+    """Calls that run backward: never recorded (replaying one would run backward again)."""
+    return frozenset((torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad))
 
 
 _HIDDEN_EFFECTS = ("batch_norm", "instance_norm", "group_norm_running")
@@ -87,6 +129,114 @@ def _span(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Call arguments and tensor identity (the recording's hot path: plain dicts, no pytree registry)
+
+
+class _NotPlain(Exception):
+    """An argument container the plain flattener does not take apart (namedtuple, OrderedDict)."""
+
+
+def _flatten_plain(obj: Any, leaves: list[Any]) -> Any:
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return (kind, [_flatten_plain(x, leaves) for x in obj])
+    if kind is dict:
+        return (dict, [(k, _flatten_plain(v, leaves)) for k, v in obj.items()])
+    if isinstance(obj, (tuple, list, dict)) and kind is not torch.Size:
+        raise _NotPlain
+    leaves.append(obj)
+    return None
+
+
+def _flatten(obj: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten`` for call arguments and results: exact tuples, lists and dicts are taken
+    apart here (a few microseconds); other containers go to pytree. The same object always takes
+    the same path, so output indices agree between a call and its replay."""
+    leaves: list[Any] = []
+    try:
+        return leaves, ("plain", _flatten_plain(obj, leaves))
+    except _NotPlain:
+        leaves, spec = tree_flatten(obj)
+        return leaves, ("pytree", spec)
+
+
+def _unflatten_plain(spec: Any, leaves: Iterator[Any]) -> Any:
+    if spec is None:
+        return next(leaves)
+    kind, children = spec
+    if kind is dict:
+        return {k: _unflatten_plain(c, leaves) for k, c in children}
+    return kind(_unflatten_plain(c, leaves) for c in children)
+
+
+def _unflatten(leaves: list[Any], spec: tuple[str, Any]) -> Any:
+    how, inner = spec
+    if how == "plain":
+        return _unflatten_plain(inner, iter(leaves))
+    return tree_unflatten(leaves, inner)
+
+
+class _TensorMap:
+    """tensor -> value by identity, holding the tensor weakly: an entry goes when its tensor
+    dies. A dict keyed by ``id`` with a weakref callback; ``WeakIdKeyDictionary`` does the same
+    with a Python-level key object per lookup, which the recording can't afford."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, t: torch.Tensor) -> Any:
+        entry = self._entries.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return self.get(t) is not None
+
+    def __setitem__(self, t: torch.Tensor, value: Any) -> None:
+        key, entries = id(t), self._entries
+
+        def gone(ref: weakref.ref, key: int = key, entries: dict = entries) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(t, gone), value)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_VIEW_PROPERTIES = frozenset(("T", "mT", "H", "mH", "real", "imag"))
+_RECORD, _PASS, _NO_REPLAY = 0, 1, 2
+_call_kinds: dict[Any, int] = {}
+
+
+def _call_kind(func: Any) -> int:
+    """How the recording treats ``func`` (cached): attribute reads and writes (``x.grad``,
+    ``x.dtype``, ``p.grad = None``) pass through unrecorded, but for the properties that make
+    views (``x.T``); calls with hidden effects are recorded as never replayable."""
+    try:
+        kind = _call_kinds.get(func)
+    except TypeError:  # unhashable
+        kind = None
+    if kind is not None:
+        return kind
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        descriptor = getattr(func, "__self__", None)
+        prop = getattr(descriptor, "__name__", None) or getattr(getattr(descriptor, "fget", None), "__name__", "")
+        kind = _RECORD if name == "__get__" and prop in _VIEW_PROPERTIES else _PASS
+    elif _has_hidden_effects(name):
+        kind = _NO_REPLAY
+    else:
+        kind = _RECORD
+    with contextlib.suppress(TypeError):
+        _call_kinds[func] = kind
+    return kind
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +338,16 @@ class ProducerCall:
 # Saved activations
 
 
+@dataclass(eq=False)
+class _Copy:
+    """An asynchronous copy on a side stream, and what must outlive it; see Note [Copies on CUDA]."""
+
+    event: Any  # torch.cuda.Event recorded on the side stream after the copy
+    keep: torch.Tensor | None  # the device tensor the copy reads or writes; None once done
+    bufs: list[torch.Tensor]  # host buffers to return to the pool once done
+    nbytes: int
+
+
 RESIDENT, SWAPPED, DROPPED = "resident", "swapped", "dropped"
 
 
@@ -200,7 +360,8 @@ class SavedActivation:
     """
 
     __slots__ = ("session", "tensor", "state", "nbytes", "dtype", "device", "shape", "stride",
-                 "span", "evictable", "producer", "last_use", "seq", "host", "__weakref__")
+                 "span", "evictable", "producer", "last_use", "seq", "host", "pending", "ready",
+                 "pos", "__weakref__")
 
     def __init__(self, session: "ActivationOffload", t: torch.Tensor, seq: int) -> None:
         self.session = session
@@ -215,7 +376,10 @@ class SavedActivation:
         self.producer: tuple[ProducerCall, str, int, int] | None = None  # call, "out"/"pack", index, version
         self.last_use = seq
         self.seq = seq
+        self.pos = -1  # index in the session's pack order (ActivationOffload._order)
         self.host: torch.Tensor | None = None
+        self.pending: _Copy | None = None  # the swap-out copy, while it may be in flight (CUDA)
+        self.ready: Any = None  # event the compute stream waits on before use (CUDA swap-in)
         self.evictable = (
             t.layout == torch.strided
             and type(t) in (torch.Tensor, torch.nn.Parameter)
@@ -246,8 +410,10 @@ class _CallTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if _is_compiling():  # first: dynamo must not trace the session's state
+            return func(*args, **kwargs)
         s = self.session
-        if s._replaying or not s.recompute:
+        if s._replaying or s._inert or not s.recompute or func in s._passthrough:
             return func(*args, **kwargs)
         return s._record_call(func, args, kwargs)
 
@@ -274,42 +440,80 @@ class ActivationOffload:
         self.min_evict_bytes = min_evict_bytes
         self.prefetch = prefetch
         self.pressure_callback = pressure_callback
-        self.pool = HostBufferPool(pin=torch.cuda.is_available())
+        self._cuda = torch.cuda.is_available()
+        self.pool = HostBufferPool(pin=self._cuda)
         self._lock = threading.RLock()
         self._busy = threading.local()
         self._stack: contextlib.ExitStack | None = None
         self._replaying = False
         self._callback_handle: int | None = None
-        self._side_stream: Any = None
-        self._reset_step()
-        self._stats: dict[str, float] = {k: 0 for k in (
-            "num_packed", "num_swapped_out", "num_swapped_in", "num_dropped", "num_recomputed",
-            "num_replays", "num_prefetched", "swap_out_bytes", "swap_in_bytes", "dropped_bytes",
-            "swap_time_s", "recompute_time_s", "peak_resident_bytes", "peak_evictable_resident_bytes",
-            "pressure_calls", "pressure_freed_bytes")}
-
-    # -- per-step state --------------------------------------------------------------------
-
-    def _reset_step(self) -> None:
-        self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
-        self._by_tensor: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> weakref(handle)
-        self._producers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (call, index, version)
-        self._order: list[weakref.ref] = []  # handles in pack order, for prefetch
+        self._side_streams: dict[int, Any] = {}  # device index -> torch.cuda.Stream
+        self._inflight: collections.deque[_Copy] = collections.deque()  # in issue order
+        weakref.finalize(self, _wait_for_copies, self._inflight)
+        self._passthrough = _autograd_entry_points()
+        self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offload_process)
+        self._inert = False  # left behind in a forked child: packs and calls pass through
         self._clock = 0
         self._pack_seq = 0
-        self._current: list[tuple[ProducerCall, list[torch.Tensor]]] = []
-        self._last_rng: torch.Tensor | None = None
         self.resident_bytes = 0
         self.unevictable_bytes = 0
         self.swapped_bytes = 0
+        self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
+        self._new_step()
+        self._stats: dict[str, float] = {k: 0 for k in (
+            "saved_tensors_total", "swap_outs_total", "swap_ins_total", "drops_total", "recomputed_tensors_total",
+            "replays_total", "prefetches_total", "swap_out_bytes_total", "swap_in_bytes_total", "dropped_bytes_total",
+            "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
+            "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
+            "swap_outs_reverted_total")}
+
+    # -- per-step state --------------------------------------------------------------------
+
+    def _new_step(self) -> None:
+        """Starts a step's bookkeeping. Call records and the pack order are per step (a record
+        that outlived its step would chain every later step's inputs to it); handles that
+        outlive the step (a retained graph, a forward never backpropagated) carry over, still
+        counted and evictable. The clock and the byte counters run on."""
+        live = sorted(self._handles.values(), key=lambda h: h.seq)
+        self._handles = weakref.WeakValueDictionary((id(h), h) for h in live)
+        self._by_tensor = _TensorMap()  # tensor -> weakref(handle)
+        self._producers = _TensorMap()  # tensor -> (call, index, version)
+        self._order: list[weakref.ref] = []  # pack order, for prefetch
+        self._reorder(live)
+        self._current: list[tuple[ProducerCall, list[torch.Tensor]]] = []
+        self._last_rng: torch.Tensor | None = None
+        self._last_rng_bytes = b""
+
+    def _reorder(self, handles: list[SavedActivation]) -> None:
+        self._order = [weakref.ref(h) for h in handles]
+        for i, h in enumerate(handles):
+            h.pos = i
+        self._order_prune_at = max(1024, 2 * len(self._order))
+
+    def end_step(self) -> None:
+        """A step boundary: reaps finished copies and starts the next step's bookkeeping.
+
+        The ``with`` form does this on exit; the process-wide session of ``pyalloc run
+        --offload`` after each outermost ``backward()`` or ``autograd.grad()``.
+        """
+        with self._lock:
+            self._reap_copies(wait=False)
+            self._new_step()
+            self._stats["steps_total"] += 1
 
     # -- context manager / decorator -------------------------------------------------------
 
     def __enter__(self) -> "ActivationOffload":
-        if getattr(_active, "session", None) is not None:
+        global _latest
+        active = getattr(_active, "session", None)
+        if active is not None and active._process_wide:
+            raise OffloadError("`pyalloc run --offload` already runs an offload session in this "
+                               "thread: remove --offload, or the pyalloc.offload() in the program")
+        if active is not None:
             raise OffloadError("pyalloc.offload is already active in this thread: nested offload "
                                "sessions are not supported (use one session around the whole step)")
-        self._reset_step()
+        with self._lock:
+            self._new_step()
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
@@ -322,9 +526,15 @@ class ActivationOffload:
             raise
         self._stack = stack
         _active.session = self
+        _latest = weakref.ref(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._leave_thread()
+        self.end_step()
+
+    def _leave_thread(self) -> None:
+        """Takes the hooks and the mode off this thread's stacks; touches no device."""
         _active.session = None
         stack, self._stack = self._stack, None
         if stack is not None:
@@ -357,32 +567,50 @@ class ActivationOffload:
     # -- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Counters since the session was made (they accumulate over steps) plus current bytes."""
-        out = dict(self._stats)
-        out.update(budget=self.budget if self.budget is not None else -1,
-                   resident_bytes=self.resident_bytes, swapped_bytes=self.swapped_bytes,
+        """The session's counters: ``*_total`` accumulate over steps since the session was made,
+        ``*_peak`` are highs, the rest are current values.
+
+        ``swapped_out_bytes`` is what sits in host buffers now; ``swap_out_bytes_total`` and
+        ``swap_in_bytes_total`` are the copy traffic each way; ``recomputed_tensors_total``
+        counts dropped tensors regenerated (``replays_total`` the calls re-run for them, inputs
+        included); ``evictions_total`` = swap-outs + drops. ``swap_seconds_total`` and
+        ``recompute_seconds_total`` are host time spent in copies and replays (with CUDA's
+        asynchronous copies, the time spent issuing them). ``budget_bytes`` is -1 without a
+        budget.
+        """
+        st = self._stats
+        out = dict(st)
+        out.update(budget_bytes=self.budget if self.budget is not None else -1,
+                   resident_bytes=self.resident_bytes, swapped_out_bytes=self.swapped_bytes,
                    unevictable_bytes=self.unevictable_bytes,
-                   host_pool_reserved_bytes=self.pool.reserved_bytes, host_pool_reuses=self.pool.reuses)
-        return out
+                   evictions_total=st["swap_outs_total"] + st["drops_total"],
+                   copies_in_flight=len(self._inflight),
+                   host_pool_reserved_bytes=self.pool.reserved_bytes,
+                   host_pool_reuses_total=self.pool.reuses)
+        return dict(sorted(out.items()))
 
     def _note_peak(self) -> None:
         st = self._stats
-        st["peak_resident_bytes"] = max(st["peak_resident_bytes"], self.resident_bytes)
-        st["peak_evictable_resident_bytes"] = max(
-            st["peak_evictable_resident_bytes"], self.resident_bytes - self.unevictable_bytes)
+        st["resident_bytes_peak"] = max(st["resident_bytes_peak"], self.resident_bytes)
+        st["evictable_resident_bytes_peak"] = max(
+            st["evictable_resident_bytes_peak"], self.resident_bytes - self.unevictable_bytes)
 
     # -- call tracking ---------------------------------------------------------------------
 
     def _capture_rng(self) -> torch.Tensor:
         state = torch.get_rng_state()
-        last = self._last_rng
-        if last is not None and torch.equal(last, state):
-            return last  # share the snapshot: only random calls add memory
-        self._last_rng = state
+        raw = state.numpy().tobytes()  # a bytes compare is ~3x cheaper than torch.equal
+        if raw == self._last_rng_bytes and self._last_rng is not None:
+            return self._last_rng  # share the snapshot: only random calls add memory
+        self._last_rng, self._last_rng_bytes = state, raw
         return state
 
     def _record_call(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        leaves, spec = tree_flatten((args, kwargs))
+        kind = _call_kind(func)
+        if kind == _PASS or not torch.is_grad_enabled():
+            # Outputs made with grad off are leaves: a later call holds them as _Kept inputs.
+            return func(*args, **kwargs)
+        leaves, spec = _flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors and not getattr(func, "__name__", "").startswith(("rand", "normal", "bernoulli")):
             return func(*args, **kwargs)
@@ -406,7 +634,7 @@ class ActivationOffload:
                 replayable = False
             seen[id(x)] = refs[-1]
         cuda_rng = None
-        if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
+        if self._cuda and any(t.is_cuda for t in tensors):
             dev = next(t.device.index for t in tensors if t.is_cuda) or 0
             cuda_rng = (dev, torch.cuda.get_rng_state(dev))
         call = ProducerCall(func, spec, refs, self._capture_rng(), cuda_rng,
@@ -420,9 +648,9 @@ class ActivationOffload:
         finally:
             self._current.pop()
         call.cost_s = time.perf_counter() - t0
-        if any(t._version != v for t, v in zip(tensors, versions)) or _has_hidden_effects(call.name):
+        if kind == _NO_REPLAY or any(t._version != v for t, v in zip(tensors, versions)):
             call.replayable = False  # it mutated state: replaying would mutate it again
-        out_leaves, _ = tree_flatten(result)
+        out_leaves, _ = _flatten(result)
         input_ids = {id(t) for t in tensors}
         for i, o in enumerate(out_leaves):
             if isinstance(o, torch.Tensor) and id(o) not in input_ids:
@@ -441,12 +669,14 @@ class ActivationOffload:
     # -- pack / unpack ---------------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._replaying:
+        if self._replaying or self._inert:
             return t
         with self._lock:
+            if self._inflight:
+                self._reap_copies(wait=False)
             self._pack_seq += 1
             self._clock += 1
-            self._stats["num_packed"] += 1
+            self._stats["saved_tensors_total"] += 1
             ref = self._by_tensor.get(t) if isinstance(t, torch.Tensor) else None
             h = ref() if ref is not None else None
             if h is not None and h.dtype == t.dtype and h.shape == tuple(t.shape) and h.stride == tuple(t.stride()):
@@ -458,7 +688,10 @@ class ActivationOffload:
             self._attribute(h, t)
             self._handles[id(h)] = h
             self._by_tensor[t] = weakref.ref(h)  # weak: the handle holds the key tensor
+            h.pos = len(self._order)
             self._order.append(weakref.ref(h))
+            if len(self._order) > self._order_prune_at:  # a step with no boundary (no backward)
+                self._reorder([x for x in (r() for r in self._order) if x is not None])
             self.resident_bytes += h.nbytes
             if not h.evictable:
                 self.unevictable_bytes += h.nbytes
@@ -486,6 +719,8 @@ class ActivationOffload:
         if not isinstance(h, SavedActivation):
             return h
         with self._lock:
+            if self._inflight:
+                self._reap_copies(wait=False)
             self._clock += 1
             h.last_use = self._clock
             if h.state != RESIDENT:
@@ -493,8 +728,17 @@ class ActivationOffload:
                 self._enforce_budget(exclude=h)
             self._prefetch_before(h)
             self._note_peak()
-            assert h.tensor is not None
-            return h.tensor
+            return self._use(h)
+
+    @staticmethod
+    def _use(h: SavedActivation) -> torch.Tensor:
+        """``h``'s tensor, for use on the current stream (after its swap-in copy, on CUDA)."""
+        t = h.tensor
+        assert t is not None
+        if h.ready is not None:
+            torch.cuda.current_stream(t.device).wait_event(h.ready)
+            h.ready = None
+        return t
 
     def _forget(self, h: SavedActivation) -> None:
         with self._lock:
@@ -504,10 +748,9 @@ class ActivationOffload:
                     self.unevictable_bytes -= h.nbytes
             elif h.state == SWAPPED:
                 self.swapped_bytes -= h.nbytes
-            if h.host is not None:
-                self.pool.release(h.host)
-                h.host = None
+            self._release_host(h)
             h.tensor = None
+            h.ready = None
 
     # -- eviction --------------------------------------------------------------------------
 
@@ -577,16 +820,43 @@ class ActivationOffload:
     def _leave_resident(self, h: SavedActivation) -> None:
         self.resident_bytes -= h.nbytes
         h.tensor = None
+        h.ready = None  # a swap-in copy still in flight keeps its own reference (_Copy.keep)
 
     def _make_resident(self, h: SavedActivation, t: torch.Tensor) -> None:
         if h.state == SWAPPED:
             self.swapped_bytes -= h.nbytes
-            if h.host is not None:
-                self.pool.release(h.host)
-                h.host = None
+            self._release_host(h)
         h.tensor = t
         h.state = RESIDENT
         self.resident_bytes += h.nbytes
+
+    def _release_host(self, h: SavedActivation) -> None:
+        """Returns ``h``'s host buffer to the pool, or to its swap-out copy while that runs."""
+        if h.host is None:
+            return
+        if h.pending is not None and h.pending.keep is not None:
+            h.pending.bufs.append(h.host)
+        else:
+            self.pool.release(h.host)
+        h.host = None
+        h.pending = None
+
+    def _reap_copies(self, wait: bool) -> None:
+        """Releases what finished side-stream copies held; ``wait``: all of them, blocking.
+
+        Stops at the first unfinished copy: copies on one stream finish in issue order.
+        """
+        while self._inflight:
+            copy = self._inflight[0]
+            if wait:
+                copy.event.synchronize()
+            elif not copy.event.query():
+                return
+            self._inflight.popleft()
+            copy.keep = None
+            bufs, copy.bufs = copy.bufs, []
+            for buf in bufs:
+                self.pool.release(buf)
 
     def _swap_out(self, h: SavedActivation) -> None:
         t = h.tensor
@@ -595,13 +865,15 @@ class ActivationOffload:
         buf = self.pool.acquire(h.nbytes)
         flat = torch.as_strided(t, (h.span,), (1,), t.storage_offset())
         dst = buf[: h.nbytes].view(h.dtype)
-        if t.is_cuda:
-            stream = self._stream()
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(stream):
+        if t.is_cuda:  # asynchronous; see Note [Copies on CUDA]
+            side = self._stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(side):
                 dst.copy_(flat, non_blocking=True)
-                t.record_stream(stream)
-            stream.synchronize()  # TODO: an event per handle would let the copy overlap compute
+                event = torch.cuda.Event()
+                event.record(side)
+            h.pending = _Copy(event, t, [], h.nbytes)
+            self._inflight.append(h.pending)
         else:
             dst.copy_(flat)
         h.host = buf
@@ -609,39 +881,55 @@ class ActivationOffload:
         self._leave_resident(h)
         self.swapped_bytes += h.nbytes
         st = self._stats
-        st["num_swapped_out"] += 1
-        st["swap_out_bytes"] += h.nbytes
-        st["swap_time_s"] += time.perf_counter() - t0
+        st["swap_outs_total"] += 1
+        st["swap_out_bytes_total"] += h.nbytes
+        st["swap_seconds_total"] += time.perf_counter() - t0
 
     def _swap_in(self, h: SavedActivation) -> None:
         assert h.host is not None
+        pending = h.pending
+        if pending is not None and pending.keep is not None:
+            # The swap-out copy may still run: the device tensor is intact, take it back.
+            self._make_resident(h, pending.keep)
+            self._stats["swap_outs_reverted_total"] += 1
+            return
         t0 = time.perf_counter()
         src = h.host[: h.nbytes].view(h.dtype)
         flat = torch.empty(h.span, dtype=h.dtype, device=h.device)
-        if h.device.type == "cuda":
-            stream = self._stream()
-            with torch.cuda.stream(stream):
+        if h.device.type == "cuda":  # asynchronous; see Note [Copies on CUDA]
+            side = self._stream(h.device)
+            side.wait_stream(torch.cuda.current_stream(h.device))
+            with torch.cuda.stream(side):
                 flat.copy_(src, non_blocking=True)
-            torch.cuda.current_stream(h.device).wait_stream(stream)
+                event = torch.cuda.Event()
+                event.record(side)
+            self._inflight.append(_Copy(event, flat, [h.host], h.nbytes))
+            h.host = None  # back to the pool when the copy is done
+            h.pending = None
         else:
             flat.copy_(src)
+            event = None
         t = torch.as_strided(flat, h.shape, h.stride, 0)
         self._make_resident(h, t)
+        h.ready = event
         st = self._stats
-        st["num_swapped_in"] += 1
-        st["swap_in_bytes"] += h.nbytes
-        st["swap_time_s"] += time.perf_counter() - t0
+        st["swap_ins_total"] += 1
+        st["swap_in_bytes_total"] += h.nbytes
+        st["swap_seconds_total"] += time.perf_counter() - t0
 
     def _drop(self, h: SavedActivation) -> None:
         h.state = DROPPED
         self._leave_resident(h)
-        self._stats["num_dropped"] += 1
-        self._stats["dropped_bytes"] += h.nbytes
+        self._stats["drops_total"] += 1
+        self._stats["dropped_bytes_total"] += h.nbytes
 
-    def _stream(self) -> Any:
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()
-        return self._side_stream
+    def _stream(self, device: torch.device) -> Any:
+        """The side stream for swap copies on ``device``."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._side_streams.get(index)
+        if stream is None:
+            stream = self._side_streams[index] = torch.cuda.Stream(device=index)
+        return stream
 
     # -- materialize -----------------------------------------------------------------------
 
@@ -657,7 +945,7 @@ class ActivationOffload:
                 raise OffloadError(f"replaying {call.name} did not regenerate the dropped tensor "
                                    f"(shape {h.shape}, stride {h.stride})")
             self._make_resident(h, t.detach())
-            self._stats["num_recomputed"] += 1
+            self._stats["recomputed_tensors_total"] += 1
 
     def _resolve(self, ref: Any, depth: int) -> Any:
         if isinstance(ref, _Kept):
@@ -670,7 +958,7 @@ class ActivationOffload:
             if h is not None:
                 if h.state != RESIDENT:
                     self._materialize(h, depth + 1)
-                t = h.tensor
+                t = self._use(h)
             if t is None:
                 outputs, _ = self._replay(ref.call, depth + 1)
                 t = outputs[ref.index]
@@ -693,7 +981,7 @@ class ActivationOffload:
                 leaves.append(resolved[id(r)])
             else:
                 leaves.append(r)
-        args, kwargs = tree_unflatten(leaves, call.spec)
+        args, kwargs = _unflatten(leaves, call.spec)
         packs: list[torch.Tensor] = []
 
         def capture(t: torch.Tensor) -> torch.Tensor:
@@ -717,9 +1005,9 @@ class ActivationOffload:
             torch.set_rng_state(cpu_rng)
             if call.cuda_rng is not None and cuda_saved is not None:
                 torch.cuda.set_rng_state(cuda_saved, call.cuda_rng[0])
-        outputs, _ = tree_flatten(result)
-        self._stats["num_replays"] += 1
-        self._stats["recompute_time_s"] += time.perf_counter() - t0
+        outputs, _ = _flatten(result)
+        self._stats["replays_total"] += 1
+        self._stats["recompute_seconds_total"] += time.perf_counter() - t0
         return outputs, packs
 
     def _prefetch_before(self, h: SavedActivation) -> None:
@@ -728,14 +1016,12 @@ class ActivationOffload:
         On CUDA the copy would overlap compute on the side stream; on CPU this is bookkeeping
         plus an early copy, done only while it fits the budget.
         """
-        if self.prefetch <= 0:
-            return
-        try:
-            pos = next(i for i in range(len(self._order) - 1, -1, -1) if self._order[i]() is h)
-        except StopIteration:
+        pos = h.pos
+        if self.prefetch <= 0 or self.swapped_bytes == 0 or not 0 <= pos < len(self._order) \
+                or self._order[pos]() is not h:
             return
         fetched = 0
-        for i in range(pos - 1, -1, -1):
+        for i in range(pos - 1, max(-1, pos - 1 - PREFETCH_WINDOW), -1):
             if fetched >= self.prefetch:
                 break
             other = self._order[i]()
@@ -746,7 +1032,7 @@ class ActivationOffload:
                 break
             self._swap_in(other)
             other.last_use = self._clock
-            self._stats["num_prefetched"] += 1
+            self._stats["prefetches_total"] += 1
             fetched += 1
 
     # -- allocator pressure ----------------------------------------------------------------
@@ -763,18 +1049,29 @@ class ActivationOffload:
             return 0
         self._busy.on = True
         try:
-            self._stats["pressure_calls"] += 1
+            self._stats["pressure_calls_total"] += 1
             freed = 0
             while freed < bytes_needed:
                 n = self._evict_one(exclude=None)
                 if n == 0:
                     break
                 freed += n
-            self._stats["pressure_freed_bytes"] += freed
+            if self._inflight:  # the caller needs the memory now, not when the copies finish
+                self._reap_copies(wait=True)
+            self._stats["pressure_freed_bytes_total"] += freed
             return freed
         finally:
             self._busy.on = False
             self._lock.release()
+
+
+def _wait_for_copies(inflight: "collections.deque[_Copy]") -> None:
+    """At a session's collection: copies still in flight must finish before what they hold is
+    freed (a swap-in writes into device memory the allocator would hand out again)."""
+    for copy in inflight:
+        with contextlib.suppress(Exception):
+            copy.event.synchronize()
+    inflight.clear()
 
 
 def offload(budget: int | str | None = None, swap: bool = True, recompute: bool = True,

@@ -18,6 +18,9 @@ from pyalloc.offload_manager import ActivationOffload, OffloadError, offload
 # Models and helpers
 
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # bit-for-bit comparisons (conftest.py)
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 256), nn.GELU(),
@@ -139,20 +142,20 @@ def test_gradients_are_bitwise_equal_with_offload_under_budget(name, fraction, m
     _assert_bitwise_equal(grads, got_grads)
     _assert_bitwise_equal(state, got_state)  # batch norm running stats too: nothing ran twice
     st = session.stats()
-    assert st["num_packed"] > 0
+    assert st["saved_tensors_total"] > 0
     if fraction < 1.0:
-        moved = st["num_swapped_out"] + st["num_dropped"]
+        moved = st["swap_outs_total"] + st["drops_total"]
         assert moved > 0, st
         if mode == "swap":
-            assert st["num_swapped_out"] > 0 and st["num_dropped"] == 0
+            assert st["swap_outs_total"] > 0 and st["drops_total"] == 0
         if mode == "recompute":
-            assert st["num_dropped"] > 0 and st["num_recomputed"] > 0 and st["num_swapped_out"] == 0
+            assert st["drops_total"] > 0 and st["recomputed_tensors_total"] > 0 and st["swap_outs_total"] == 0
     if mode != "recompute":  # swap can always evict, so the budget holds exactly
-        assert st["peak_evictable_resident_bytes"] <= budget, st
+        assert st["evictable_resident_bytes_peak"] <= budget, st
     # with recompute only, some tensors have no replayable producer and stay: the budget holds
     # for the rest, which is what peak_evictable_resident_bytes can't separate; check it stays
     # below the baseline at least
-    assert st["peak_resident_bytes"] <= peak * 2
+    assert st["resident_bytes_peak"] <= peak * 2
 
 
 def test_swapped_bytes_return_with_their_strides() -> None:
@@ -173,7 +176,7 @@ def test_swapped_bytes_return_with_their_strides() -> None:
     expected = step()
     with offload(budget=0, recompute=False, min_evict_bytes=1, pressure_callback=False) as s:
         got = step()
-    assert s.stats()["num_swapped_in"] > 0
+    assert s.stats()["swap_ins_total"] > 0
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
 
@@ -185,7 +188,7 @@ def test_parameters_and_leaves_are_never_evicted() -> None:
     with offload(budget=0, min_evict_bytes=1, pressure_callback=False) as s:
         out = lin(x)  # saves x (a leaf) and the weight (a parameter): nothing evictable
         st = s.stats()
-        assert st["num_swapped_out"] == 0 and st["num_dropped"] == 0
+        assert st["swap_outs_total"] == 0 and st["drops_total"] == 0
         assert st["unevictable_bytes"] >= lin.weight.numel() * 4 + x.numel() * 4
         out.sum().backward()
 
@@ -205,7 +208,7 @@ def test_recompute_restores_the_dropout_mask() -> None:
     expected = step()
     with offload(budget=0, swap=False, min_evict_bytes=1, pressure_callback=False) as s:
         got = step()
-    assert s.stats()["num_recomputed"] > 0
+    assert s.stats()["recomputed_tensors_total"] > 0
     assert torch.equal(got, expected)
 
 
@@ -226,11 +229,11 @@ def test_decorator_form_applies_the_session_to_each_call(baselines) -> None:
 
     train_step()
     _assert_bitwise_equal(grads, _grads(model))
-    first = session.stats()["num_packed"]
+    first = session.stats()["saved_tensors_total"]
     assert first > 0
     model.zero_grad(set_to_none=True)
     train_step()
-    assert session.stats()["num_packed"] == 2 * first
+    assert session.stats()["saved_tensors_total"] == 2 * first
     _assert_bitwise_equal(grads, _grads(model))
 
 
@@ -254,9 +257,9 @@ def test_an_exception_inside_the_context_leaves_no_hooks_installed() -> None:
 
     assert not any(isinstance(m, type(session)) or "CallTracker" in type(m).__name__
                    for m in _get_current_function_mode_stack())
-    packed = session.stats()["num_packed"]
+    packed = session.stats()["saved_tensors_total"]
     torch.randn(8, 8, requires_grad=True).exp().sum().backward()
-    assert session.stats()["num_packed"] == packed
+    assert session.stats()["saved_tensors_total"] == packed
     with offload(pressure_callback=False):  # and the thread is free for a new session
         pass
 
@@ -273,7 +276,7 @@ def test_pressure_callback_evicts_until_the_request_is_met() -> None:
         assert freed > 0 and st["resident_bytes"] == before - freed
         assert st["resident_bytes"] == st["unevictable_bytes"]
         loss.backward()
-    assert s.stats()["pressure_freed_bytes"] == freed
+    assert s.stats()["pressure_freed_bytes_total"] == freed
 
 
 def test_allocator_pressure_reaches_the_session(allocator) -> None:
@@ -288,8 +291,8 @@ def test_allocator_pressure_reaches_the_session(allocator) -> None:
         loss = model(x).square().mean()
         with pytest.raises(pyalloc.PyallocError):
             allocator.malloc(64 << 20)  # cannot be met by our frees (host tensors): still asked
-        assert s.stats()["pressure_calls"] >= 1
-        assert s.stats()["pressure_freed_bytes"] > 0
+        assert s.stats()["pressure_calls_total"] >= 1
+        assert s.stats()["pressure_freed_bytes_total"] > 0
         loss.backward()
 
 

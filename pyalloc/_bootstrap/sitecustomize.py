@@ -17,6 +17,11 @@ PyTorch's own allocator. Any other failure to install (library missing,
 configuration refused) prints one line and exits with status 1: the user asked
 for pyalloc, and running silently without it would mislead.
 
+``pyalloc run --offload[=BUDGET]`` also sets ``PYALLOC_OFFLOAD``: then, after
+the install (or the warning: offload works on CPU too), the same hook starts
+the process-wide offload session on the main thread
+(``pyalloc/offload_process.py``, Note [Process-wide session]).
+
 Then it chains to the ``sitecustomize`` this one shadows, if any, so a site's
 or a virtual environment's own customization still runs.
 """
@@ -32,6 +37,7 @@ from types import ModuleType
 from typing import Any, Sequence
 
 AUTOINSTALL_ENV = "PYALLOC_AUTOINSTALL"
+OFFLOAD_ENV = "PYALLOC_OFFLOAD"  # pyalloc.offload_process.OFFLOAD_ENV
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The folder holding the pyalloc package that this file belongs to.
@@ -73,10 +79,21 @@ def _install_into_torch() -> None:
                 f"pyalloc: warning: CUDA is not available ({reason}); "
                 f"the program runs with PyTorch's own allocator\n"
             )
-            return
-        pyalloc.install()
+        else:
+            pyalloc.install()
     except Exception as exc:  # PyallocError, or a broken installation
         sys.stderr.write(f"pyalloc: error: cannot install pyalloc: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    if os.environ.get(OFFLOAD_ENV, "").strip():
+        _start_offload()
+
+
+def _start_offload() -> None:
+    try:
+        importlib.import_module("pyalloc.offload_process").start_from_environment()
+    except Exception as exc:  # a bad $PYALLOC_OFFLOAD (pyalloc run validates --offload)
+        sys.stderr.write(f"pyalloc: error: cannot start the offload session: {exc}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
 

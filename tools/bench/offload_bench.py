@@ -109,7 +109,7 @@ def run_cpu(steps: int, batch: int) -> list[dict[str, float | str]]:
         probe = offload(budget=None, pressure_callback=False)
         with probe:
             _step(model, x)
-        peak = int(probe.stats()["peak_resident_bytes"])
+        peak = int(probe.stats()["resident_bytes_peak"])
         rows.append({"model": name, "budget": "none", "budget_bytes": peak, "peak_saved_bytes": peak,
                      "bytes_evicted": 0, "swaps": 0, "recomputes": 0, "step_s": base_t, "time_ratio": 1.0})
         for frac in (0.5, 0.25):
@@ -123,9 +123,9 @@ def run_cpu(steps: int, batch: int) -> list[dict[str, float | str]]:
             st = session.stats()
             n = steps + 1
             rows.append({"model": name, "budget": f"{int(frac * 100)}%", "budget_bytes": int(peak * frac),
-                         "peak_saved_bytes": int(st["peak_resident_bytes"]),
-                         "bytes_evicted": int((st["swap_out_bytes"] + st["dropped_bytes"]) / n),
-                         "swaps": st["num_swapped_out"] / n, "recomputes": st["num_recomputed"] / n,
+                         "peak_saved_bytes": int(st["resident_bytes_peak"]),
+                         "bytes_evicted": int((st["swap_out_bytes_total"] + st["dropped_bytes_total"]) / n),
+                         "swaps": st["swap_outs_total"] / n, "recomputes": st["recomputed_tensors_total"] / n,
                          "step_s": t, "time_ratio": t / base_t})
     return rows
 
