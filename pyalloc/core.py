@@ -99,6 +99,16 @@ def record_stream(ptr: int, stream: int) -> None:
     _raise_if_error()
 
 
+def free_neighbours(ptr: int) -> tuple[int, int]:
+    """Bytes of the free blocks just below and above the live allocation at ``ptr`` (0 where the
+    neighbour is not free): the contiguous space freeing it would open. Raises for a pointer
+    pyalloc did not allocate."""
+    below, above = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    check_status(lib().pyalloc_free_neighbours(ptr, ctypes.byref(below), ctypes.byref(above)),
+                 "pyalloc_free_neighbours")
+    return below.value, above.value
+
+
 def _raise_if_error() -> None:
     # The void entry points report only through last_error, which the caller
     # cleared just before the call.

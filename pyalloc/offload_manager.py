@@ -26,9 +26,11 @@ Note [Producers and replay]
 
 Note [Free neighbours]
     DTR's score is ``cost / (size * staleness)``; MegEngine replaces ``size`` with the size of
-    the free block the eviction would open (the tensor plus free neighbours). The session has no
-    cheap view of address adjacency on CPU, so it uses the tensor's own span. On CUDA the same
-    term could be read from ``pyalloc.snapshot()``; not done yet.
+    the free block the eviction would open: the tensor plus its free address neighbours, so that
+    evictions favour opening contiguous space. When pyalloc is the CUDA allocator the session
+    asks it (``pyalloc.free_neighbours``: the free blocks just below and above the tensor's
+    allocation, one C call under the device lock). Elsewhere (CPU tensors, PyTorch's own
+    allocator) there is no view of address adjacency, and the term is the tensor's own span.
 
 Note [Copies on CUDA]
     Swap copies run on a side stream per device, so they overlap compute. A swap-out makes the
@@ -122,6 +124,16 @@ def _has_hidden_effects(name: str) -> bool:
     """Calls that update state without bumping a version counter (batch norm's running stats),
     or in-place methods (``add_``): never replayed."""
     return any(k in name for k in _HIDDEN_EFFECTS) or (name.endswith("_") and not name.endswith("__"))
+
+
+def _neighbour_query(cuda: bool) -> "Callable[[int], tuple[int, int]] | None":
+    """pyalloc.free_neighbours if pyalloc is installed as the CUDA allocator, else None."""
+    if not cuda:
+        return None
+    from . import torch_compat
+    from .core import free_neighbours
+
+    return free_neighbours if torch_compat.is_installed() else None
 
 
 def _span(t: torch.Tensor) -> int:
@@ -441,6 +453,8 @@ class ActivationOffload:
         self.prefetch = prefetch
         self.pressure_callback = pressure_callback
         self._cuda = torch.cuda.is_available()
+        # pyalloc.free_neighbours when pyalloc is the CUDA allocator (Note [Free neighbours]).
+        self._free_neighbours: Callable[[int], tuple[int, int]] | None = _neighbour_query(self._cuda)
         self.pool = HostBufferPool(pin=self._cuda)
         self._lock = threading.RLock()
         self._busy = threading.local()
@@ -784,13 +798,24 @@ class ActivationOffload:
         return cost
 
     def _score(self, h: SavedActivation) -> tuple[float, str]:
-        """DTR's h = cost / (size x staleness), and the cheaper way to evict (see Note [Free neighbours])."""
+        """DTR's h = cost / (size x staleness), with MegEngine's free-neighbour term in the size,
+        and the cheaper way to evict (see Note [Free neighbours])."""
         rc = self._recompute_cost(h)
         sc = self._swap_cost(h) if self.swap else float("inf")
         how = "drop" if rc <= sc else "swap"
         cost = min(rc, sc)
         staleness = self._clock - h.last_use + 1
-        return cost / (h.nbytes * staleness), how
+        return cost / ((h.nbytes + self._free_neighbour_bytes(h)) * staleness), how
+
+    def _free_neighbour_bytes(self, h: SavedActivation) -> int:
+        t = h.tensor
+        if self._free_neighbours is None or t is None or t.device.type != "cuda":
+            return 0
+        try:
+            below, above = self._free_neighbours(t.untyped_storage().data_ptr())
+        except Exception:  # not one of pyalloc's allocations (made before install, or foreign)
+            return 0
+        return below + above
 
     def _enforce_budget(self, exclude: SavedActivation | None) -> None:
         if self.budget is None:

@@ -177,6 +177,21 @@ def test_empty_cache_synchronizes_pending_frees(allocator: Allocator) -> None:
     assert s["active_bytes.all.current"] == 0
 
 
+def test_free_neighbours_report_the_space_a_free_would_open(allocator: Allocator) -> None:
+    a = allocator.malloc(64 * KiB)
+    b = allocator.malloc(100_000)  # rounds to 100,352 B
+    c = allocator.malloc(64 * KiB)
+    assert pyalloc.free_neighbours(b) == (0, 0)
+    allocator.free(a)
+    below, above = pyalloc.free_neighbours(b)
+    assert (below, above) == (64 * KiB, 0)
+    seg = next(s for s in segments() if any(blk["address"] == c for blk in s["blocks"]))
+    tail = seg["total_size"] - (2 * 64 * KiB + 100_352)
+    assert pyalloc.free_neighbours(c) == (0, tail)
+    with pytest.raises(pyalloc.PyallocError, match="not a live allocation"):
+        pyalloc.free_neighbours(a)  # freed: no longer live
+
+
 def test_record_stream_on_the_allocation_stream_frees_at_once(allocator: Allocator) -> None:
     pyalloc.configure(fresh_conf(allocator.backend, "event_delay=1000"))
     a = allocator.malloc(64 * KiB, stream=1)

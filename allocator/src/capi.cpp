@@ -155,6 +155,24 @@ void pyalloc_record_stream(void* ptr, void* stream) {
   });
 }
 
+int pyalloc_free_neighbours(void* ptr, size_t* free_below, size_t* free_above) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (free_below == nullptr || free_above == nullptr) {
+      set_error("pyalloc_free_neighbours: free_below and free_above must not be NULL");
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    *free_below = *free_above = 0;
+    for (auto& d : pyalloc::current_runtime()->devices) {
+      if (d->free_neighbours(reinterpret_cast<uintptr_t>(ptr), free_below, free_above)) {
+        return static_cast<int>(PYALLOC_OK);
+      }
+    }
+    set_error("pyalloc_free_neighbours: " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
+              " is not a live allocation of pyalloc");
+    return static_cast<int>(PYALLOC_EINVAL);
+  });
+}
+
 void pyalloc_empty_cache(void) {
   guarded<int>(0, [] {
     for (auto& d : pyalloc::current_runtime()->devices) d->empty_cache();

@@ -141,6 +141,17 @@ bool DeviceAllocator::record_stream(uintptr_t addr, StreamId stream) {
   return true;
 }
 
+bool DeviceAllocator::free_neighbours(uintptr_t addr, size_t* below, size_t* above) {
+  Lock lock(mutex_);
+  auto* entry = live_.find(addr);
+  if (entry == nullptr) return false;
+  const Block* block = entry->value;
+  // Free neighbours are already coalesced (I2): one block on each side at most.
+  *below = block->prev != nullptr && block->prev->is_free() ? block->prev->size : 0;
+  *above = block->next != nullptr && block->next->is_free() ? block->next->size : 0;
+  return true;
+}
+
 void DeviceAllocator::count_invalid_size() {
   Lock lock(mutex_);
   ++stats_.num_invalid_size;

@@ -83,6 +83,9 @@ class DeviceAllocator {
   FreeResult free(uintptr_t addr, size_t size);
   // False when `addr` is not a live allocation of this device.
   bool record_stream(uintptr_t addr, StreamId stream);
+  // False when `addr` is not a live allocation of this device; else the
+  // sizes of its free address neighbours (0 where not free).
+  bool free_neighbours(uintptr_t addr, size_t* below, size_t* above);
   // Counts a request refused before reaching the allocator (absurd size).
   void count_invalid_size();
 

@@ -129,3 +129,27 @@ def test_run_offload_on_cuda_matches_a_run_without(gpu_python: Callable[..., Any
     stats = results["stats"]
     assert stats["steps_total"] == 3
     assert stats["evictions_total"] > 0
+
+
+_NEIGHBOUR_SCRIPT = """
+import torch
+import pyalloc
+from pyalloc.offload_manager import ActivationOffload
+
+a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+b = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+c = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+before = pyalloc.free_neighbours(b.untyped_storage().data_ptr())
+del a
+after = pyalloc.free_neighbours(b.untyped_storage().data_ptr())
+session = ActivationOffload(budget=1 << 30)
+emit({"before": list(before), "after": list(after), "query": session._free_neighbours is not None})
+"""
+
+
+def test_the_dtr_score_sees_free_neighbours_under_pyalloc(gpu_python: Callable[..., Any]) -> None:
+    # Three 1 MiB tensors side by side in one large-pool segment; freeing the first opens 1 MiB
+    # below the second (MegEngine's free-neighbour term, Note [Free neighbours]).
+    r = gpu_python(_NEIGHBOUR_SCRIPT, "pyalloc")
+    assert r["query"]
+    assert r["before"][0] == 0 and r["after"][0] >= 1 << 20

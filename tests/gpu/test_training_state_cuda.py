@@ -32,8 +32,8 @@ emit({"bytes": moved.bytes, "pool_allocated": stats["pool.params.allocated_bytes
 """
 
 
-def test_training_state_lands_in_its_pool(run_gpu_python: Callable[[str, str], Any]) -> None:
-    result = run_gpu_python(_SCRIPT, "pyalloc")
+def test_training_state_lands_in_its_pool(gpu_python: Callable[..., Any]) -> None:
+    result = gpu_python(_SCRIPT, "pyalloc")
     # Parameters, gradients, exp_avg and exp_avg_sq of AdamW: four copies of the weights
     # (the step counters are CPU tensors), each rounded up to 512 B at most.
     assert result["pool_allocated"] >= result["bytes"] - 8 * 4 * 8

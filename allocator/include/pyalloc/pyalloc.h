@@ -61,6 +61,11 @@ PYALLOC_API void pyalloc_free(void* ptr, size_t size, int device, void* stream);
 /* Marks `ptr` as used on `stream`: its memory is not reused until work queued
  * on `stream` at the time of the free has completed. */
 PYALLOC_API void pyalloc_record_stream(void* ptr, void* stream);
+/* The bytes of the free blocks just below and just above the live allocation
+ * at `ptr` (0 where the neighbour is allocated, pending or absent): how much
+ * contiguous space freeing it would open, MegEngine's free-neighbour term.
+ * PYALLOC_OK, or PYALLOC_EINVAL when `ptr` is not a live allocation. */
+PYALLOC_API int pyalloc_free_neighbours(void* ptr, size_t* free_below, size_t* free_above);
 /* Releases every cached, fully free segment of every device to the backend. */
 PYALLOC_API void pyalloc_empty_cache(void);
 /* Caps reserved memory of `device` at fraction * device capacity. */
