@@ -891,12 +891,7 @@ class ActivationOffload:
         flat = torch.as_strided(t, (h.span,), (1,), t.storage_offset())
         dst = buf[: h.nbytes].view(h.dtype)
         if t.is_cuda:  # asynchronous; see Note [Copies on CUDA]
-            side = self._stream(t.device)
-            side.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(side):
-                dst.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(side)
+            event = self._copy_on_side_stream(dst, flat, t.device)
             h.pending = _Copy(event, t, [], h.nbytes)
             self._inflight.append(h.pending)
         else:
@@ -922,12 +917,7 @@ class ActivationOffload:
         src = h.host[: h.nbytes].view(h.dtype)
         flat = torch.empty(h.span, dtype=h.dtype, device=h.device)
         if h.device.type == "cuda":  # asynchronous; see Note [Copies on CUDA]
-            side = self._stream(h.device)
-            side.wait_stream(torch.cuda.current_stream(h.device))
-            with torch.cuda.stream(side):
-                flat.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(side)
+            event = self._copy_on_side_stream(flat, src, h.device)
             self._inflight.append(_Copy(event, flat, [h.host], h.nbytes))
             h.host = None  # back to the pool when the copy is done
             h.pending = None
@@ -947,6 +937,17 @@ class ActivationOffload:
         self._leave_resident(h)
         self._stats["drops_total"] += 1
         self._stats["dropped_bytes_total"] += h.nbytes
+
+    def _copy_on_side_stream(self, dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> Any:
+        """Copies ``src`` into ``dst`` on the device's side stream, after the work already queued
+        on the current stream; returns the event recorded after the copy."""
+        side = self._stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
 
     def _stream(self, device: torch.device) -> Any:
         """The side stream for swap copies on ``device``."""

@@ -116,12 +116,9 @@ PYALLOC_INLINE void* malloc_impl(size_t size, int device, StreamId stream) {
 PYALLOC_INLINE void free_impl(void* ptr, size_t size, int device) {
   if (ptr == nullptr) return;
   for (;;) {
-    Runtime* r = pyalloc::current_runtime();
-    if (PYALLOC_UNLIKELY(static_cast<unsigned>(device) >= r->devices.size())) {
-      device_error(r, device, "pyalloc_free");
-      return;
-    }
-    const FreeResult result = r->devices[static_cast<size_t>(device)]->free(reinterpret_cast<uintptr_t>(ptr), size);
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_free");
+    if (d == nullptr) return;
+    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size);
     if (PYALLOC_UNLIKELY(result == FreeResult::kRetired)) continue;
     return;
   }

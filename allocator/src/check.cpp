@@ -88,7 +88,7 @@ bool DeviceAllocator::check(std::string* error) {
     if (entry.first != seg->base) return fail(sname + " is filed under " + hex(entry.first));
     if (seg->head == nullptr || seg->head->prev != nullptr) return fail(sname + ": bad head block");
     if (seg->head->addr != seg->base) return fail("I1: " + sname + ": first block does not start at the base");
-    const StatType t = seg->stat_type();
+    const StatType t = seg->pool->stat;
     sums.add(sums.segments, t, 1);
     sums.add(sums.reserved, t, static_cast<int64_t>(seg->size));
 

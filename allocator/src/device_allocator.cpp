@@ -269,7 +269,7 @@ Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
   segment->head = block;
   segments_.emplace(addr, segment);
 
-  const StatType t = segment->stat_type();
+  const StatType t = segment->pool->stat;
   stats_.segment.increase(t, 1);
   stats_.reserved_bytes.increase(t, static_cast<int64_t>(size));
   ++stats_.num_device_alloc;
@@ -302,7 +302,7 @@ __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block)
   block->uses.clear();
   block->state = BlockState::kPendingFree;
   pending_.push_back(std::move(pending));
-  const StatType t = block->segment->stat_type();
+  const StatType t = block->pool->stat;
   stats_.pending.increase(t, 1);
   stats_.pending_bytes.increase(t, static_cast<int64_t>(block->size));
 }
@@ -327,7 +327,7 @@ size_t DeviceAllocator::reclaim_pending(bool synchronize) {
     Block* block = it->block;
     it = pending_.erase(it);
     reclaimed += block->size;
-    const StatType t = block->segment->stat_type();
+    const StatType t = block->pool->stat;
     stats_.pending.decrease(t, 1);
     stats_.pending_bytes.decrease(t, static_cast<int64_t>(block->size));
     finish_free(block);
@@ -361,7 +361,7 @@ size_t DeviceAllocator::release_free_segments(size_t bytes) {
 void DeviceAllocator::release_segment(Segment* segment) {
   Block* block = segment->head;
   erase_free(block);
-  const StatType t = segment->stat_type();
+  const StatType t = segment->pool->stat;
   stats_.segment.decrease(t, 1);
   stats_.reserved_bytes.decrease(t, static_cast<int64_t>(segment->size));
   ++stats_.num_device_free;
@@ -514,22 +514,20 @@ std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_
 // Per-pool figures come from a walk of the segments, not from counters: the
 // fast path pays nothing for them.
 std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() const {
-  std::vector<PoolUsage> usage;
-  auto entry_for = [&usage](const Pool* pool) -> PoolUsage& {
-    for (PoolUsage& u : usage) {
-      if (u.pool == pool) return u;
-    }
-    usage.push_back(PoolUsage{pool});
-    return usage.back();
+  // One slot per pool: small, large, then user pool id N at N + 1.
+  auto slot = [](const Pool* pool) -> size_t {
+    if (pool->kind == PoolKind::kUser) return 1 + static_cast<size_t>(pool->id);
+    return pool->kind == PoolKind::kSmall ? 0 : 1;
   };
-  entry_for(&small_pool_);
-  entry_for(&large_pool_);
+  std::vector<PoolUsage> usage(2 + user_pools_.size());
+  usage[0].pool = &small_pool_;
+  usage[1].pool = &large_pool_;
   for (const auto& pool : user_pools_) {
-    if (pool) entry_for(pool.get());
+    if (pool) usage[slot(pool.get())].pool = pool.get();
   }
   for (const auto& seg_entry : segments_) {
     const Segment* seg = seg_entry.second;
-    PoolUsage& u = entry_for(seg->pool);
+    PoolUsage& u = usage[slot(seg->pool)];
     u.segments += 1;
     u.reserved_bytes += static_cast<int64_t>(seg->size);
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
@@ -547,6 +545,9 @@ std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() con
       }
     }
   }
+  // Pool ids this device never used have no Pool here.
+  usage.erase(std::remove_if(usage.begin(), usage.end(), [](const PoolUsage& u) { return u.pool == nullptr; }),
+              usage.end());
   return usage;
 }
 

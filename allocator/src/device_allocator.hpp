@@ -142,7 +142,7 @@ class DeviceAllocator {
 
   // What a pool holds, summed over its segments (stats and snapshots).
   struct PoolUsage {
-    const Pool* pool;
+    const Pool* pool = nullptr;
     int64_t segments = 0;
     int64_t reserved_bytes = 0;
     int64_t allocations = 0;

@@ -95,7 +95,6 @@ struct Segment {
   uint64_t free_since = 0;  // tick at which it last became wholly free
 
   bool wholly_free() const { return head->is_free() && head->size == size; }
-  StatType stat_type() const;
 };
 
 struct Pool {
@@ -110,7 +109,5 @@ struct Pool {
   const std::string name;
   FreeSet free_blocks;  // Note [Free sets]
 };
-
-inline StatType Segment::stat_type() const { return pool->stat; }
 
 }  // namespace pyalloc
