@@ -7,8 +7,11 @@
 // slow path only pokes it (registry_poke), so the fast path never touches the
 // registry and no allocator lock is held while the record is written.
 //
-// The record is a 0600 file in /dev/shm named after our uid and pid. It is
-// unlinked at exit; a process killed with SIGKILL leaves it behind, and
+// The record is a 0600 file in /dev/shm named after our uid and pid. It
+// appears under that name only when complete: it is created as <name>.new
+// (a name readers ignore), and the first publish writes the counters, then
+// the magic, then renames it into place; so a reader that finds the record
+// can read it. It is unlinked at exit; a process killed with SIGKILL leaves it behind, and
 // gpumemd removes records whose process is gone. After fork() the child must
 // not write its parent's record: the atfork handler drops the mapping, and
 // the child publishes a record of its own the next time it configures or
@@ -104,10 +107,12 @@ class Publisher {
     std::lock_guard<std::mutex> lock(mutex_);
     if (record_ != nullptr && owner_pid_ == getpid()) return;
     if (!open_record()) return;
+    dirty_.store(true, std::memory_order_relaxed);  // publish at once: the record appears complete
     if (!thread_started_for_pid(getpid())) {
       std::thread([this] { run(); }).detach();
       thread_pid_ = getpid();
     }
+    wake_.notify_one();
   }
 
   void stop() {
@@ -156,18 +161,20 @@ class Publisher {
     char name[4096];
     std::snprintf(name, sizeof name, "%s/%s%u.%d", dir, PYALLOC_REGISTRY_PREFIX,
                   static_cast<unsigned>(getuid()), static_cast<int>(pid));
-    ::unlink(name);  // a stale record of an earlier process with our pid
-    const int fd = ::open(name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    const std::string unpublished = std::string(name) + ".new";
+    ::unlink(name);  // stale records of an earlier process with our pid
+    ::unlink(unpublished.c_str());
+    const int fd = ::open(unpublished.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return false;  // no /dev/shm: run without a record
     if (ftruncate(fd, sizeof(pyalloc_registry_record)) != 0) {
       ::close(fd);
-      ::unlink(name);
+      ::unlink(unpublished.c_str());
       return false;
     }
     void* p = mmap(nullptr, sizeof(pyalloc_registry_record), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ::close(fd);
     if (p == MAP_FAILED) {
-      ::unlink(name);
+      ::unlink(unpublished.c_str());
       return false;
     }
     auto* r = static_cast<pyalloc_registry_record*>(p);
@@ -178,10 +185,10 @@ class Publisher {
     r->uid = static_cast<uint32_t>(getuid());
     r->start_time_ticks = start_time_ticks();
     read_command(r->command, sizeof r->command);
-    // The magic goes last: a reader ignores the record until it is complete.
-    __atomic_store_n(&r->magic, PYALLOC_REGISTRY_MAGIC, __ATOMIC_RELEASE);
+    // No magic yet: publish() writes it, and renames the file into place.
     record_ = r;
-    path_ = name;
+    path_ = unpublished;
+    final_path_ = name;
     owner_pid_ = pid;
     static bool registered = false;
     if (!registered) {
@@ -249,6 +256,10 @@ class Publisher {
     r->flags = opt_in_.load(std::memory_order_relaxed) ? PYALLOC_REGISTRY_PRESSURE_OPT_IN : 0;
     std::memcpy(r->devices, devices, sizeof devices);
     __atomic_store_n(&r->seq, seq + 2, __ATOMIC_RELEASE);  // even: stable
+    if (path_ != final_path_) {  // the first publish: the record is complete
+      __atomic_store_n(&r->magic, PYALLOC_REGISTRY_MAGIC, __ATOMIC_RELEASE);
+      if (::rename(path_.c_str(), final_path_.c_str()) == 0) path_ = final_path_;
+    }
   }
 
   void serve_mailbox() {
@@ -284,13 +295,14 @@ class Publisher {
     dirty_.store(true, std::memory_order_relaxed);  // publish the new counters at once
   }
 
-  std::mutex mutex_;  // guards record_, path_, owner_pid_
+  std::mutex mutex_;  // guards record_, path_, final_path_, owner_pid_
   std::condition_variable wake_;
   std::atomic<bool> dirty_{false};
   std::atomic<bool> opt_in_{false};
   std::atomic<bool> enabled_{false};
   pyalloc_registry_record* record_ = nullptr;
-  std::string path_;
+  std::string path_;        // where the record is now: <name>.new until the first publish
+  std::string final_path_;  // <name>
   pid_t owner_pid_ = 0;
   pid_t thread_pid_ = 0;
   uint64_t last_allocations_[PYALLOC_REGISTRY_MAX_DEVICES] = {};

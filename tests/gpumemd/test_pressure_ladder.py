@@ -117,3 +117,23 @@ def test_gpumemd_trim_has_a_real_process_release_its_cache(tmp_path: Path) -> No
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_a_record_is_readable_as_soon_as_it_exists(tmp_path: Path) -> None:
+    # The library creates its record under another name and renames it into place after the
+    # first complete publish: a reader polling for the file never finds a half-written one.
+    reg = tmp_path / "registry"
+    reg.mkdir()
+    for _ in range(5):
+        child = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env={**env(), "PYALLOC_REGISTRY_DIR": str(reg)})
+        try:
+            record = reg / f"pyalloc.{os.getuid()}.{child.pid}"
+            end = time.monotonic() + 120.0
+            while not record.exists():  # poll without sleeping, to land in any window there is
+                assert time.monotonic() < end, "the record never appeared"
+            assert registry.read_record(record).backend == "host"  # raises RecordError if incomplete
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        finally:
+            child.kill()
+            child.wait()
