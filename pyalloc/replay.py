@@ -5,9 +5,13 @@ them to ``pyalloc_replay`` in the library, whose loop runs in C++: the
 ``ns_per_op`` it reports is the allocator's time, not Python's.
 
 Policies:
-  pyalloc   this allocator, through the same C ABI PyTorch calls
-  native    a MODEL of PyTorch's default CUDACachingAllocator policy
-            (allocator/src/native_model.hpp says what it models)
+  pyalloc        this allocator with its defaults, through the same C ABI
+                 PyTorch calls: large and user pools grow in virtual-memory
+                 arenas, with stitching under pressure (vmm=auto)
+  pyalloc-plain  this allocator with plain segments only (vmm=off): its
+                 policy before arenas, PyTorch's placement
+  native         a MODEL of PyTorch's default CUDACachingAllocator policy
+                 (allocator/src/native_model.hpp says what it models)
 """
 
 from __future__ import annotations
@@ -30,9 +34,13 @@ CAPACITY_STEP = 2 * MiB
 DEFAULT_CAPACITY = 80 << 30
 
 POLICIES = {
-    "pyalloc": "the pyalloc allocator",
+    "pyalloc": "the pyalloc allocator, its defaults (arenas and stitching, vmm=auto)",
+    "pyalloc-plain": "the pyalloc allocator with plain segments only (vmm=off)",
     "native": "a model of PyTorch's default caching allocator (a model, not PyTorch)",
 }
+# The PYALLOC_CONF keys each pyalloc policy adds (a --conf given by the user
+# comes after them, so it wins); "native" is not the allocator at all.
+POLICY_CONF = {"pyalloc": "", "pyalloc-plain": "vmm=off"}
 
 
 class ReplayResultC(ctypes.Structure):
@@ -125,7 +133,9 @@ def _pointer(arr: array, ctype: Any) -> Any:
 
 def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
     """A fresh single-device allocator of ``capacity`` bytes on ``backend``."""
-    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0"
+    # configure() applies keys on top of the current configuration: name every
+    # key a policy may set, so one replay's policy never leaks into the next.
+    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,vmm=auto"
     core.configure(settings + ("," + conf if conf else ""))
 
 
@@ -136,12 +146,13 @@ def replay(flat: FlatTrace, policy: str = "pyalloc", backend: str = "sim", capac
     if backend not in ("sim", "host"):
         raise PyallocError(f"replay backend must be sim or host, not {backend!r}")
     cap = capacity or flat.device_capacity or DEFAULT_CAPACITY
-    if policy == "pyalloc":
-        configure_for_replay(backend, cap, conf)
-    result, live, reserved = run_replay(flat, policy, cap, curve_points)
+    is_pyalloc = policy in POLICY_CONF
+    if is_pyalloc:
+        configure_for_replay(backend, cap, ",".join(c for c in (POLICY_CONF[policy], conf) if c))
+    result, live, reserved = run_replay(flat, "pyalloc" if is_pyalloc else policy, cap, curve_points)
     peak_live = int(result.peak_live_bytes)
     return ReplayResult(
-        trace=flat.name, policy=policy, backend=backend if policy == "pyalloc" else "model",
+        trace=flat.name, policy=policy, backend=backend if is_pyalloc else "model",
         capacity_bytes=cap, ops=int(result.ops), peak_live_bytes=peak_live,
         peak_reserved_bytes=int(result.peak_reserved_bytes),
         reserved_over_live=result.peak_reserved_bytes / peak_live if peak_live else 0.0,
@@ -248,6 +259,6 @@ def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument("--find-min-capacity", action="store_true",
                         help="also find the smallest capacity (2 MiB steps) with no failed allocation")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="pyalloc")
-    parser.add_argument("--conf", metavar="CONF", help="extra PYALLOC_CONF keys for the pyalloc policy")
+    parser.add_argument("--conf", metavar="CONF", help="extra PYALLOC_CONF keys for the pyalloc policies")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)

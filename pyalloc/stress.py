@@ -8,10 +8,12 @@ smallest capacity with no failed allocation (min capacity, 2 MiB steps, and
 its ratio to peak live), and the allocator's ns per operation.
 
 Policies:
-  pyalloc   this allocator, through the same C ABI PyTorch calls
-  native    a MODEL of PyTorch's default caching allocator, not PyTorch
-            itself (allocator/src/native_model.hpp says what it models);
-            labelled "native (model)" in the table and the plot
+  pyalloc        this allocator with its defaults, through the same C ABI
+                 PyTorch calls (virtual-memory arenas and stitching)
+  pyalloc-plain  this allocator with plain segments only (vmm=off)
+  native         a MODEL of PyTorch's default caching allocator, not PyTorch
+                 itself (allocator/src/native_model.hpp says what it models);
+                 labelled "native (model)" in the table and the plot
 
 Outputs: a table on stdout, a JSON report (every figure, per workload and
 policy, with the date, the pyalloc version and the machine) and a PNG of
@@ -381,6 +383,7 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
     nrows = math.ceil(n / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
     styles = {"pyalloc": {"color": "tab:blue", "linestyle": "-"},
+              "pyalloc-plain": {"color": "tab:purple", "linestyle": "-."},
               "native": {"color": "tab:orange", "linestyle": "--"}}
     for ax, run in zip(axes.flat, runs):
         w = run.workload
@@ -486,8 +489,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", metavar="NAME,...",
                         help="workloads to run (default: all recorded and generated: "
                              "see pyalloc/workloads/ and pyalloc.generators)")
-    parser.add_argument("--policies", metavar="NAME,...", default="pyalloc,native",
-                        help="policies to compare (default: pyalloc,native; native is a model of PyTorch's)")
+    parser.add_argument("--policies", metavar="NAME,...", default="pyalloc,pyalloc-plain,native",
+                        help="policies to compare (default: pyalloc,pyalloc-plain,native; pyalloc-plain is "
+                             "pyalloc without arenas, native a model of PyTorch's)")
     parser.add_argument("--no-min-capacity", action="store_true",
                         help="skip the search for the smallest capacity that works (a bisection of replays)")
     parser.add_argument("--json", metavar="PATH",

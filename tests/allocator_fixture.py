@@ -1,5 +1,11 @@
 """The `allocator` fixture: a fresh allocator on each CPU backend, checked after every test.
 
+Each backend runs twice: with plain segments only (``host``, ``sim``:
+``vmm=off``) and with the large and user pools in virtual-memory arenas
+(``host-arenas``, ``sim-arenas``: ``vmm=on``, the default on these backends).
+A test that pins plain-segment geometry (segment sizes, counts) asks for the
+plain variants only with ``@pytest.mark.parametrize("allocator", PLAIN, indirect=True)``.
+
 libpyalloc is process-global. Each test that uses ``allocator`` starts from a
 freshly built allocator (``pyalloc.configure`` with layout keys rebuilds it
 when nothing is live), and the fixture frees whatever the test left live,
@@ -16,6 +22,8 @@ import pytest
 import pyalloc
 
 CPU_BACKENDS = ["host", "sim"]
+PLAIN = CPU_BACKENDS
+VARIANTS = PLAIN + [f"{b}-arenas" for b in CPU_BACKENDS]
 
 
 @dataclass
@@ -23,7 +31,12 @@ class Allocator:
     """A test's handle on the allocator: remembers live blocks and checks after each call."""
 
     backend: str
+    vmm: str = "vmm=auto"  # the variant's arena setting, kept by conf()
     live: dict[int, tuple[int, int]] = field(default_factory=dict)  # ptr -> (size, device)
+
+    def conf(self, extra: str = "") -> str:
+        """A fresh configuration of this variant (backend and arenas), plus ``extra``."""
+        return fresh_conf(self.backend, self.vmm + ("," + extra if extra else ""))
 
     def configure(self, conf: str) -> None:
         pyalloc.configure(conf)
@@ -51,19 +64,20 @@ class Allocator:
 def fresh_conf(backend: str, extra: str = "") -> str:
     base = (
         f"backend={backend},devices=1,capacity=256MiB,memory_fraction=1,max_cached=unlimited,"
-        "small_segment=2MiB,large_segment=20MiB,round_power2=0,trace=0,event_delay=0,oom_report=0"
+        "small_segment=2MiB,large_segment=20MiB,round_power2=0,trace=0,event_delay=0,oom_report=0,vmm=auto"
     )
     return base + ("," + extra if extra else "")
 
 
-@pytest.fixture(params=CPU_BACKENDS)
+@pytest.fixture(params=VARIANTS)
 def allocator(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    backend = request.param
+    backend, _, arenas = request.param.partition("-")
+    vmm = "vmm=on" if arenas else "vmm=off"
     # Switching backend forces a rebuild, so every test starts with no segments.
     other = "sim" if backend == "host" else "host"
     pyalloc.configure(fresh_conf(other))
-    pyalloc.configure(fresh_conf(backend))
-    a = Allocator(backend)
+    pyalloc.configure(fresh_conf(backend, vmm))
+    a = Allocator(backend, vmm)
     yield a
     for device in range(pyalloc.device_count()):
         pyalloc.check(device)

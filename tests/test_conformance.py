@@ -1,8 +1,9 @@
 """The conformance suite: one set of behaviours, run against every CPU backend.
 
 Every allocation and free goes through the C ABI (via ctypes) and is followed
-by ``pyalloc_check``; the ``allocator`` fixture (conftest.py) parametrizes
-over the host and sim backends.
+by ``pyalloc_check``; the ``allocator`` fixture (allocator_fixture.py)
+parametrizes over the host and sim backends, each with plain segments and with
+virtual-memory arenas. Arena-specific behaviour is in test_arenas.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fresh_conf
+from allocator_fixture import PLAIN, Allocator
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -106,6 +107,7 @@ def test_equal_sizes_are_served_lowest_address_first(allocator: Allocator) -> No
     assert allocator.malloc(4 * KiB) == min(a, b)
 
 
+@pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_mid_size_requests_are_carved_from_a_large_segment(allocator: Allocator) -> None:
     allocator.malloc(3 * MiB)
     allocator.malloc(3 * MiB)
@@ -114,6 +116,7 @@ def test_mid_size_requests_are_carved_from_a_large_segment(allocator: Allocator)
     assert s["reserved_bytes.large_pool.current"] == 20 * MiB
 
 
+@pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_big_requests_get_their_own_segment_rounded_to_2_mib(allocator: Allocator) -> None:
     allocator.malloc(11 * MiB + 1)
     s = allocator.stats()
@@ -121,6 +124,7 @@ def test_big_requests_get_their_own_segment_rounded_to_2_mib(allocator: Allocato
     assert s["inactive_split.all.current"] == 0  # 1 MiB - 512 B remainder: not worth a split
 
 
+@pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_large_pool_keeps_small_remainders_inside_the_block(allocator: Allocator) -> None:
     allocator.malloc(19 * MiB + 512 * KiB)
     s = allocator.stats()
@@ -146,7 +150,7 @@ def test_a_freed_block_is_not_reused_on_another_stream(allocator: Allocator) -> 
 
 
 def test_record_stream_defers_reuse_until_the_event_completes(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend, "event_delay=3"))
+    pyalloc.configure(allocator.conf("event_delay=3"))
     a = allocator.malloc(64 * KiB, stream=1)
     pyalloc.record_stream(a, 2)
     allocator.free(a, stream=1)
@@ -165,7 +169,7 @@ def test_record_stream_defers_reuse_until_the_event_completes(allocator: Allocat
 
 
 def test_empty_cache_synchronizes_pending_frees(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend, "event_delay=1000"))
+    pyalloc.configure(allocator.conf("event_delay=1000"))
     a = allocator.malloc(64 * KiB, stream=1)
     pyalloc.record_stream(a, 2)
     allocator.free(a, stream=1)
@@ -193,7 +197,7 @@ def test_free_neighbours_report_the_space_a_free_would_open(allocator: Allocator
 
 
 def test_record_stream_on_the_allocation_stream_frees_at_once(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend, "event_delay=1000"))
+    pyalloc.configure(allocator.conf("event_delay=1000"))
     a = allocator.malloc(64 * KiB, stream=1)
     pyalloc.record_stream(a, 1)
     allocator.free(a, stream=1)
@@ -261,7 +265,7 @@ def test_setting_an_unknown_pool_is_refused(allocator: Allocator) -> None:
 
 
 def test_oom_at_capacity_then_recovery_after_a_free(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend).replace("capacity=256MiB", "capacity=64MiB"))
+    pyalloc.configure(allocator.conf().replace("capacity=256MiB", "capacity=64MiB"))
     held = [allocator.malloc(16 * MiB) for _ in range(4)]
     with pytest.raises(pyalloc.PyallocError, match="out of memory on device 0"):
         allocator.malloc(16 * MiB)
@@ -273,8 +277,9 @@ def test_oom_at_capacity_then_recovery_after_a_free(allocator: Allocator) -> Non
     assert allocator.malloc(16 * MiB) == held[0]
 
 
+@pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_oom_report_names_the_largest_free_block_and_live_blocks(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend).replace("capacity=256MiB", "capacity=40MiB"))
+    pyalloc.configure(allocator.conf().replace("capacity=256MiB", "capacity=40MiB"))
     # Two 20 MiB large segments of 3 MiB blocks; freeing every other block of
     # the first leaves 3 MiB holes that no 4 MiB request can use.
     first = [allocator.malloc(3 * MiB) for _ in range(6)]
@@ -293,7 +298,7 @@ def test_oom_report_names_the_largest_free_block_and_live_blocks(allocator: Allo
 
 
 def test_cached_segments_are_released_to_serve_a_request(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend).replace("capacity=256MiB", "capacity=32MiB"))
+    pyalloc.configure(allocator.conf().replace("capacity=256MiB", "capacity=32MiB"))
     small = [allocator.malloc(1 * MiB) for _ in range(30)]  # 15 small segments: 30 MiB
     for p in small:
         allocator.free(p)
@@ -306,15 +311,16 @@ def test_cached_segments_are_released_to_serve_a_request(allocator: Allocator) -
 
 
 def test_memory_fraction_caps_reserved_memory(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend).replace("capacity=256MiB", "capacity=100MiB"))
+    pyalloc.configure(allocator.conf().replace("capacity=256MiB", "capacity=100MiB"))
     pyalloc.set_memory_fraction(0.5, 0)
     allocator.malloc(40 * MiB)
     with pytest.raises(pyalloc.PyallocError, match="memory_fraction limit 50.00 MiB"):
         allocator.malloc(12 * MiB)
 
 
+@pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_max_cached_releases_the_oldest_free_segments_first(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend, "max_cached=24MiB"))
+    pyalloc.configure(allocator.conf("max_cached=24MiB"))
     first = allocator.malloc(12 * MiB)
     second = allocator.malloc(12 * MiB)
     third = allocator.malloc(12 * MiB)
@@ -326,6 +332,7 @@ def test_max_cached_releases_the_oldest_free_segments_first(allocator: Allocator
     assert allocator.stats()["reserved_bytes.all.current"] == 24 * MiB
 
 
+@pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_release_cached_frees_at_least_the_bytes_asked(allocator: Allocator) -> None:
     ptrs = [allocator.malloc(12 * MiB) for _ in range(3)]
     for p in ptrs:
@@ -336,7 +343,7 @@ def test_release_cached_frees_at_least_the_bytes_asked(allocator: Allocator) -> 
 
 
 def test_pressure_callback_frees_memory_and_the_request_succeeds(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend).replace("capacity=256MiB", "capacity=32MiB"))
+    pyalloc.configure(allocator.conf().replace("capacity=256MiB", "capacity=32MiB"))
     victim = allocator.malloc(24 * MiB)
     calls: list[tuple[int, int, int]] = []
 
@@ -362,7 +369,7 @@ def test_pressure_callback_frees_memory_and_the_request_succeeds(allocator: Allo
 
 
 def test_an_allocation_inside_a_pressure_callback_does_not_reenter_it(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend).replace("capacity=256MiB", "capacity=32MiB"))
+    pyalloc.configure(allocator.conf().replace("capacity=256MiB", "capacity=32MiB"))
     allocator.malloc(24 * MiB)
     depth: list[int] = []
 
@@ -520,7 +527,7 @@ def test_sizes_accept_binary_and_decimal_units(allocator: Allocator) -> None:
 
 
 def test_multiple_devices_have_separate_allocators(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend, "devices=2"))
+    pyalloc.configure(allocator.conf("devices=2"))
     allocator.malloc(4 * KiB, device=0)
     allocator.malloc(3 * MiB, device=1)
     assert allocator.stats(0)["allocated_bytes.all.current"] == 4 * KiB
@@ -548,7 +555,7 @@ def test_peaks_follow_the_high_water_mark_and_reset(allocator: Allocator) -> Non
 def test_active_figures_are_exact_across_pending_frees_and_resets(allocator: Allocator) -> None:
     # active = allocated + pending-free (Note [Counters]): check every field of
     # it by hand through a pending free, both resets and its completion.
-    pyalloc.configure(fresh_conf(allocator.backend, "event_delay=1000"))
+    pyalloc.configure(allocator.conf("event_delay=1000"))
     a = allocator.malloc(64 * KiB, stream=1)
     b = allocator.malloc(32 * KiB, stream=1)
     pyalloc.record_stream(a, 2)
@@ -585,6 +592,7 @@ def test_stats_use_pytorch_key_names(allocator: Allocator) -> None:
         assert key in s
 
 
+@pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_device_alloc_and_free_counts_follow_segments(allocator: Allocator) -> None:
     p = allocator.malloc(12 * MiB)
     allocator.free(p)
@@ -615,7 +623,7 @@ def test_trace_ring_keeps_only_the_newest_events(allocator: Allocator) -> None:
 
 
 def test_snapshot_blocks_carry_their_states(allocator: Allocator) -> None:
-    pyalloc.configure(fresh_conf(allocator.backend, "event_delay=1000"))
+    pyalloc.configure(allocator.conf("event_delay=1000"))
     a = allocator.malloc(4 * KiB, stream=1)
     b = allocator.malloc(4 * KiB, stream=1)
     pyalloc.record_stream(b, 2)

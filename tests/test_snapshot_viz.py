@@ -22,9 +22,11 @@ import pyalloc
 
 MiB = 1 << 20
 
+# Plain segments: the geometry below (a 30 MiB segment, a shared 20 MiB one)
+# is the plain policy's. Arena snapshots are checked at the end of the file.
 HOST_CONF = (
     "backend=host,devices=1,capacity=256MiB,trace=1000,event_delay=1000,memory_fraction=1,"
-    "max_cached=unlimited,round_power2=0,oom_report=0"
+    "max_cached=unlimited,round_power2=0,oom_report=0,vmm=off"
 )
 
 # The requests below, in bytes.
@@ -172,3 +174,55 @@ def test_trace_of_an_oom_is_readable(tmp_path: Path) -> None:
     assert [e["action"] for e in events] == ["oom"]
     out = assert_clean_run(memory_viz("trace", str(path)))
     assert f"raise OutOfMemoryError # {_bytes(1 << 30)} requested" in out
+
+
+# ---- arenas: segments are the mapped runs, marked expandable ----------------------------
+
+
+@pytest.fixture
+def arena_snapshot(tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Arena allocations with a hole between two mapped runs, dumped to a pickle."""
+    pyalloc.configure(HOST_CONF.replace("vmm=off", "vmm=on"))
+    first = pyalloc.malloc(BIG)
+    middle = pyalloc.malloc(MID_FREED)
+    last = pyalloc.malloc(MID_LIVE)
+    pyalloc.free(middle, MID_FREED)
+    pyalloc.release_cached(0, 0)  # unmaps the middle's whole granule: a hole between two runs
+    path = tmp_path / "arena.pickle"
+    try:
+        pyalloc.dump_snapshot(path)
+        with open(path, "rb") as f:
+            yield path, pickle.load(f)
+    finally:
+        pyalloc.free(first, BIG)
+        pyalloc.free(last, MID_LIVE)
+        pyalloc.empty_cache()
+        pyalloc.check(0)
+        pyalloc.configure("trace=0,event_delay=0,vmm=auto")
+
+
+def test_arena_snapshot_has_one_expandable_segment_per_mapped_run(
+    arena_snapshot: tuple[Path, dict[str, Any]],
+) -> None:
+    _, snap = arena_snapshot
+    runs = [s for s in snap["segments"] if s["is_expandable"]]
+    assert len(runs) == 2
+    for seg in runs:
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+        assert seg["blocks"][0]["address"] == seg["address"]
+    assert sum(s["total_size"] for s in snap["segments"]) == pyalloc.memory_stats(0)["reserved_bytes.all.current"]
+
+
+def test_memory_viz_reads_an_arena_snapshot(arena_snapshot: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    path, snap = arena_snapshot
+    out = assert_clean_run(memory_viz("stats", str(path)))
+    reserved = pyalloc.memory_stats(0)["reserved_bytes.all.current"]
+    assert f"segments: {len(snap['segments'])}\n" in out
+    assert f"total_reserved: {_bytes(reserved)}\n" in out
+    assert f"total_allocated: {_bytes(BIG + MID_LIVE)}\n" in out
+    events = snap["device_traces"][0]
+    actions = [e["action"] for e in events]
+    assert actions.count("segment_map") > 0 and actions.count("segment_unmap") == 1
+    out = assert_clean_run(memory_viz("trace", str(path)))
+    assert f"{len(events)} entries" in out
+    assert_clean_run(memory_viz("segment_plot", str(path), "-o", str(tmp_path / "s.html")))

@@ -58,12 +58,12 @@ def run_stress(binary: Path, *args: str, timeout: float = 120) -> subprocess.Com
     )
 
 
-@pytest.mark.parametrize("seed", [1, 20240611])
-def test_stress_keeps_every_block_intact_across_threads(stress_binary: Path, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "vmm"), [(1, "all"), (20240611, "off"), (7, "on")])
+def test_stress_keeps_every_block_intact_across_threads(stress_binary: Path, seed: int, vmm: str) -> None:
     threads, rounds, ops = 8, 4, 1500
     result = run_stress(
         stress_binary, "--threads", str(threads), "--rounds", str(rounds),
-        "--ops", str(ops), "--seed", str(seed),
+        "--ops", str(ops), "--seed", str(seed), "--vmm", vmm,
     )  # fmt: skip
     assert result.returncode == 0, f"stress failed (seed {seed}):\n{result.stdout}{result.stderr}"
     counts = parse_summary(result.stdout)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import pyalloc
 from pyalloc import generators, stress
 from pyalloc.generators import KiB, MiB, TraceBuilder
 from pyalloc.replay import configure_for_replay, find_min_capacity, flatten, replay
@@ -237,6 +238,26 @@ def test_find_min_capacity_of_pyalloc_is_a_capacity_that_works_and_the_next_step
     assert replay(flat, "pyalloc", "sim", minimum - 2 * MiB).ooms > 0
 
 
+def test_a_policy_does_not_leak_its_configuration_into_the_next_replay() -> None:
+    flat = flatten(generators.generate("interleaved_lifetimes", quick=True), "interleaved_lifetimes")
+    first = replay(flat, "pyalloc", "sim")
+    replay(flat, "pyalloc-plain", "sim")
+    assert pyalloc.config()["vmm"] == "off"
+    again = replay(flat, "pyalloc", "sim")
+    assert pyalloc.config()["vmm"] == "auto"
+    assert again.peak_reserved_bytes == first.peak_reserved_bytes
+
+
+def test_stitching_needs_less_memory_than_plain_segments_on_interleaved_lifetimes() -> None:
+    """The adversarial pattern plain segments strand memory on (figures are deterministic)."""
+    flat = flatten(generators.generate("interleaved_lifetimes", quick=True), "interleaved_lifetimes")
+    arenas = find_min_capacity(flat, "pyalloc")
+    plain = find_min_capacity(flat, "pyalloc-plain")
+    native = find_min_capacity(flat, "native")
+    assert plain == native  # the previous policy is PyTorch's placement
+    assert arenas < plain
+
+
 # ---- host and sim agree -------------------------------------------------------------------
 
 
@@ -293,7 +314,7 @@ def test_stress_prints_the_table_and_writes_a_json_report_and_a_png(tmp_path: Pa
     assert report["policies"]["native"]["label"] == "native (model)"
     for name, workload in report["workloads"].items():
         live = workload["peak_live_bytes"]
-        assert set(workload["policies"]) == {"pyalloc", "native"}
+        assert set(workload["policies"]) == {"pyalloc", "pyalloc-plain", "native"}
         for policy, figures in workload["policies"].items():
             assert figures["peak_reserved_bytes"] >= live > 0, (name, policy)
             assert figures["min_capacity_bytes"] >= live, (name, policy)
@@ -339,7 +360,7 @@ def test_register_cli_adds_the_stress_command() -> None:
     args = parser.parse_args(["stress", "--workloads", "mlp", "--quick", "--no-min-capacity"])
     assert args.handler is stress.run
     assert args.workloads == "mlp" and args.quick and args.no_min_capacity
-    assert args.policies == "pyalloc,native" and args.out == "stress-report"
+    assert args.policies == "pyalloc,pyalloc-plain,native" and args.out == "stress-report"
 
 
 def test_table_labels_the_native_policy_as_a_model() -> None:

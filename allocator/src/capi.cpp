@@ -97,9 +97,10 @@ __attribute__((noinline, cold)) void* malloc_refused(Runtime* r, size_t size, in
   return nullptr;
 }
 
-// The fast path: one load of the runtime, two range checks, the device's
-// malloc. A reconfiguration between the load and the device's lock retires
-// that device (status PYALLOC_EBUSY): start again from the new runtime.
+// The general path (Note [Fast path]): the runtime (built on first use), two
+// range checks, the device's malloc. A reconfiguration between the load and
+// the device's lock retires that device (status PYALLOC_EBUSY): start again
+// from the new runtime.
 PYALLOC_INLINE void* malloc_impl(size_t size, int device, StreamId stream) {
   for (;;) {
     Runtime* r = pyalloc::current_runtime();
@@ -124,17 +125,61 @@ PYALLOC_INLINE void free_impl(void* ptr, size_t size, int device) {
   }
 }
 
+// The current runtime when the fast path may serve a call on `device`: it
+// exists and `device` is in range. Otherwise nullptr, and the general path
+// sorts it out.
+PYALLOC_INLINE Runtime* fast_runtime(int device) {
+  Runtime* r = pyalloc::g_current_runtime.load(std::memory_order_acquire);
+  return r != nullptr && static_cast<unsigned>(device) < r->num_devices ? r : nullptr;
+}
+
+__attribute__((noinline)) void* malloc_general(size_t size, int device, StreamId stream) {
+  return guarded<void*>(nullptr, [&] { return malloc_impl(size, device, stream); });
+}
+
+__attribute__((noinline)) void free_general(void* ptr, size_t size, int device) {
+  guarded<int>(0, [&] { return free_impl(ptr, size, device), 0; });
+}
+
+// The fast path gave up with the device's lock held.
+__attribute__((noinline)) void* unlock_then_malloc(DeviceAllocator* d, size_t size, StreamId stream) {
+  d->unlock();
+  return malloc_general(size, d->device(), stream);
+}
+
+__attribute__((noinline)) void unlock_then_free(DeviceAllocator* d, void* ptr, size_t size) {
+  d->unlock();
+  free_general(ptr, size, d->device());
+}
+
 }  // namespace
 
 extern "C" {
 
+// Note [Fast path] (device_allocator_inl.hpp): a cache hit in the default
+// pool makes no call; anything else, errors included, ends in one tail call
+// to the general path.
 void* pyalloc_malloc(size_t size, int device, void* stream) {
-  return guarded<void*>(nullptr, [&] { return malloc_impl(size, device, reinterpret_cast<StreamId>(stream)); });
+  const StreamId s = reinterpret_cast<StreamId>(stream);
+  Runtime* r = fast_runtime(device);
+  if (PYALLOC_LIKELY(r != nullptr && size - 1 < pyalloc::kMaxRequest &&
+                     g_threads_in_user_pools.load(std::memory_order_relaxed) == 0)) {
+    DeviceAllocator* d = r->devices[static_cast<unsigned>(device)].get();
+    if (PYALLOC_LIKELY(d->try_lock())) return d->malloc_cached(size, s, [=] { return unlock_then_malloc(d, size, s); });
+  }
+  return malloc_general(size, device, s);
 }
 
 void pyalloc_free(void* ptr, size_t size, int device, void* /*stream*/) {
   // The block remembers its stream; PyTorch passes the allocation stream.
-  guarded<int>(0, [&] { return free_impl(ptr, size, device), 0; });
+  Runtime* r = fast_runtime(device);
+  if (PYALLOC_LIKELY(r != nullptr && ptr != nullptr)) {
+    DeviceAllocator* d = r->devices[static_cast<unsigned>(device)].get();
+    if (PYALLOC_LIKELY(d->try_lock())) {
+      return d->free_cached(reinterpret_cast<uintptr_t>(ptr), size, [=] { unlock_then_free(d, ptr, size); });
+    }
+  }
+  free_general(ptr, size, device);
 }
 
 void pyalloc_record_stream(void* ptr, void* stream) {

@@ -2,7 +2,7 @@
 //
 // Recomputes everything from the segments' block lists and compares it with
 // the free sets, the live map, the pending list and every counter (types.hpp
-// I1..I8). Reports the first violation; never modifies state.
+// I1..I9). Reports the first violation; never modifies state.
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -61,6 +61,51 @@ bool compare(const char* name, const StatView& counters, const int64_t (&walked)
 
 }  // namespace
 
+// I9 for one arena: holes granule-aligned and apart, and a granule mapped
+// exactly when a non-hole block overlaps it.
+bool DeviceAllocator::check_arena(const Segment* arena, std::string* problem) const {
+  const size_t g = granule_;
+  if (g == 0 || arena->size % g != 0 || arena->phys.size() != arena->size / g) {
+    *problem = "reservation is not a whole number of granules";
+    return false;
+  }
+  std::vector<bool> needed(arena->phys.size(), false);
+  size_t backed_blocks = 0;
+  const Block* prev = nullptr;
+  for (const Block* b = arena->head; b != nullptr; prev = b, b = b->next) {
+    const size_t lo = b->addr - arena->base;
+    const size_t hi = lo + b->size;
+    if (b->state == BlockState::kHole) {
+      if (lo % g != 0 || hi % g != 0) {
+        *problem = "hole " + hex(b->addr) + " does not start and end on granule boundaries";
+        return false;
+      }
+      if (prev != nullptr && prev->state == BlockState::kHole) {
+        *problem = "two adjacent holes at " + hex(b->addr);
+        return false;
+      }
+      continue;
+    }
+    backed_blocks += b->size;
+    for (size_t i = lo / g; i < (hi + g - 1) / g; ++i) needed[i] = true;
+  }
+  size_t mapped = 0;
+  for (size_t i = 0; i < needed.size(); ++i) {
+    const bool is_mapped = arena->phys[i].value != 0;
+    if (is_mapped != needed[i]) {
+      *problem = "granule " + std::to_string(i) + (is_mapped ? " is mapped under a hole" : " is not mapped under a block");
+      return false;
+    }
+    if (is_mapped) mapped += g;
+  }
+  if (mapped != arena->mapped || backed_blocks != arena->mapped) {
+    *problem = "mapped bytes " + std::to_string(arena->mapped) + " but granules give " + std::to_string(mapped) +
+               " and non-hole blocks " + std::to_string(backed_blocks);
+    return false;
+  }
+  return true;
+}
+
 bool DeviceAllocator::check(std::string* error) {
   Lock lock(mutex_);
   const std::string where = "device " + std::to_string(device_) + ": ";
@@ -90,7 +135,11 @@ bool DeviceAllocator::check(std::string* error) {
     if (seg->head->addr != seg->base) return fail("I1: " + sname + ": first block does not start at the base");
     const StatType t = seg->pool->stat;
     sums.add(sums.segments, t, 1);
-    sums.add(sums.reserved, t, static_cast<int64_t>(seg->size));
+    sums.add(sums.reserved, t, static_cast<int64_t>(seg->reserved_bytes()));
+    if (seg->arena) {
+      std::string problem;
+      if (!check_arena(seg, &problem)) return fail("I9: " + sname + ": " + problem);
+    }
 
     size_t tiled = 0;
     const Block* prev = nullptr;
@@ -135,6 +184,10 @@ bool DeviceAllocator::check(std::string* error) {
           sums.add(sums.active, t, 1);
           sums.add(sums.active_bytes, t, static_cast<int64_t>(b->size));
           break;
+        case BlockState::kHole:
+          if (in_free_set || in_live || in_pending) return fail("I9: " + bname + " is a hole but listed free, live or pending");
+          if (b->requested != 0) return fail(bname + ": hole keeps a requested size");
+          break;
         case BlockState::kPendingFree:
           if (!in_pending) return fail("I5: " + bname + " is pending but not in the pending list");
           if (in_free_set || in_live) return fail("I3/I4: " + bname + " is pending but listed free or live");
@@ -172,6 +225,14 @@ bool DeviceAllocator::check(std::string* error) {
   if (sums.cached_free != static_cast<int64_t>(cached_free_bytes_)) {
     return fail("I6: cached free counter is " + std::to_string(cached_free_bytes_) + " but the walk sums " +
                 std::to_string(sums.cached_free));
+  }
+  for (const Pool* pool : pools) {
+    for (const Segment* a : pool->arenas) {
+      auto it = segments_.find(a->base);
+      if (it == segments_.end() || it->second != a || a->pool != pool || !a->arena) {
+        return fail("I9: pool " + pool->name + " lists an arena that is not one of its segments");
+      }
+    }
   }
   if (sums.reserved[kStatAll] != sums.allocated[kStatAll] + sums.pending_bytes + sums.cached_free) {
     return fail("I6: reserved != allocated + pending_free + cached_free");

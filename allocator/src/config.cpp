@@ -136,6 +136,16 @@ const std::vector<KeySpec>& key_specs() {
          c->daemon_socket = v;
          return true;
        }},
+      {"vmm", "auto, on, all or off (auto: on for the host and sim backends, off for cuda)",
+       [](const std::string& v, Config* c) {
+         const std::string t = lower(v);
+         bool on = false;
+         if (t == "auto") c->vmm = VmmMode::kAuto;
+         else if (t == "all") c->vmm = VmmMode::kAll;
+         else if (parse_bool(t, &on)) c->vmm = on ? VmmMode::kOn : VmmMode::kOff;
+         else return false;
+         return true;
+       }},
   };
   return *specs;
 }
@@ -216,10 +226,15 @@ bool parse_config(const std::string& text, const Config& base, Config* out, std:
   return true;
 }
 
+VmmMode Config::vmm_mode() const {
+  if (vmm == VmmMode::kAuto) return backend == BackendKind::kCuda ? VmmMode::kOff : VmmMode::kOn;
+  return vmm;
+}
+
 bool Config::layout_differs(const Config& n) const {
   return backend != n.backend || devices != n.devices || capacity != n.capacity ||
          small_segment != n.small_segment || large_segment != n.large_segment ||
-         event_delay != n.event_delay;
+         event_delay != n.event_delay || vmm_mode() != n.vmm_mode();
 }
 
 std::string Config::to_json() const {
@@ -240,6 +255,8 @@ std::string Config::to_json() const {
   w.key("registry").value(registry);
   w.key("pressure_opt_in").value(pressure_opt_in);
   w.key("daemon_socket").value(daemon_socket);
+  static const char* const vmm_names[] = {"auto", "on", "all", "off"};
+  w.key("vmm").value(vmm_names[static_cast<int>(vmm)]);
   w.end_object();
   return w.str();
 }

@@ -14,6 +14,12 @@ namespace pyalloc {
 
 enum class BackendKind { kCuda, kHost, kSim };
 
+// Virtual-memory arenas (Note [Arenas]): off; on (the large and user pools
+// grow in arenas, the small pool in plain segments); all (the small pool
+// too); auto (on for the host and sim backends, off on cuda until measured
+// on a GPU).
+enum class VmmMode { kAuto, kOn, kAll, kOff };
+
 const char* backend_name(BackendKind kind);
 
 struct Config {
@@ -31,6 +37,10 @@ struct Config {
   bool registry = true;             // publish a record for gpumemd (/dev/shm)
   bool pressure_opt_in = false;     // trim when gpumemd relays another process's pressure
   std::string daemon_socket = "auto";  // gpumemd's socket for ladder step 4; "off" disables
+  VmmMode vmm = VmmMode::kAuto;     // virtual-memory arenas and stitching
+
+  // The mode in effect (kAuto resolved): kOn, kAll or kOff.
+  VmmMode vmm_mode() const;
 
   // True when switching from `*this` to `next` requires rebuilding the
   // allocator (possible only while nothing is allocated).

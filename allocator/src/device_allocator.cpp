@@ -4,16 +4,18 @@
 // A request that finds no cached block goes to malloc_slow(), which climbs
 // until one step yields a block:
 //   0. reclaim pending frees whose events completed, and grow: a new segment
-//      from the backend, within memory_fraction's limit;
-//   1. synchronize pending frees, release every wholly free segment of this
-//      device, and grow again (counted in num_alloc_retries);
-//   2. defragment: stitch free physical chunks into one virtual range. The
-//      seam is defragment(); virtual-memory segments come with the
-//      defragmentation work, until then it finds nothing;
+//      from the backend, or with arenas new granules mapped where the
+//      request fits best (Note [Arenas] in arena.cpp), within
+//      memory_fraction's limit;
+//   1. synchronize pending frees, release every wholly free plain segment of
+//      this device, and grow again (counted in num_alloc_retries);
+//   2. stitch (arenas only): unmap granules lying wholly inside free blocks
+//      anywhere on the device, after their streams are synchronized, and map
+//      them where the request needs them (counted in num_stitches);
 //   3. call the registered pressure callbacks (the offload manager swaps or
-//      drops tensors), WITHOUT the device lock, then retry steps 0-1;
+//      drops tensors), WITHOUT the device lock, then retry steps 0-2;
 //   4. ask gpumemd to have other processes trim (PressureHooks::ask_daemon,
-//      also without the lock), then retry;
+//      also without the lock), then retry steps 0-2;
 //   5. fail: count the OOM, record it in the trace and stats, and return
 //      nullptr with a report naming reserved, allocated, the largest free
 //      block, fragmentation and the biggest live blocks.
@@ -65,8 +67,11 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* back
       hooks_(hooks),
       small_segment_(config.small_segment),
       large_segment_(config.large_segment),
+      vmm_(config.vmm_mode()),
       small_pool_(PoolKind::kSmall, 0, "small"),
       large_pool_(PoolKind::kLarge, 0, "large") {
+  small_pool_.in_arenas = vmm_ == VmmMode::kAll;
+  large_pool_.in_arenas = vmm_ != VmmMode::kOff;
   apply_settings(config);
 }
 
@@ -104,7 +109,10 @@ void DeviceAllocator::set_memory_fraction(double fraction) {
 Pool& DeviceAllocator::user_pool(int pool_id) {
   const size_t index = static_cast<size_t>(pool_id - 1);
   if (index >= user_pools_.size()) user_pools_.resize(index + 1);
-  if (!user_pools_[index]) user_pools_[index] = std::make_unique<Pool>(PoolKind::kUser, pool_id, pool_name(pool_id));
+  if (!user_pools_[index]) {
+    user_pools_[index] = std::make_unique<Pool>(PoolKind::kUser, pool_id, pool_name(pool_id));
+    user_pools_[index]->in_arenas = vmm_ != VmmMode::kOff;
+  }
   return *user_pools_[index];
 }
 
@@ -184,9 +192,7 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Pool& pool, s
     ++stats_.num_alloc_retries;
     block = release_and_retry(pool, rounded, stream);
   }
-  if (block == nullptr && defragment(rounded, stream)) {  // step 2
-    block = find_or_grow(pool, rounded, stream);
-  }
+  if (block == nullptr) block = stitch(pool, rounded, stream);  // step 2
   size_t callback_freed = 0;
   size_t daemon_freed = 0;
   if (block == nullptr && hooks_ != nullptr) {  // step 3
@@ -241,10 +247,35 @@ Block* DeviceAllocator::release_and_retry(Pool& pool, size_t rounded, StreamId s
 // leave room to grow, before the cache has to go.
 Block* DeviceAllocator::retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream) {
   if (Block* b = find_or_grow(pool, rounded, stream)) return b;
-  return release_and_retry(pool, rounded, stream);
+  if (Block* b = release_and_retry(pool, rounded, stream)) return b;
+  return stitch(pool, rounded, stream);
+}
+
+// A segment of `size` bytes at `base`, tiled by one block in `head_state`
+// (free for a plain segment, a hole for an arena), filed and counted.
+Segment* DeviceAllocator::add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size,
+                                      BlockState head_state) {
+  Segment* segment = new Segment;
+  segment->base = base;
+  segment->size = size;
+  segment->pool = &pool;
+  segment->stream = stream;
+  segment->id = next_segment_id_++;
+  Block* block = new_block();
+  block->addr = base;
+  block->size = size;
+  block->segment = segment;
+  block->pool = &pool;
+  block->stream = stream;
+  block->state = head_state;
+  segment->head = block;
+  segments_.emplace(base, segment);
+  stats_.segment.increase(pool.stat, 1);
+  return segment;
 }
 
 Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
+  if (pool.in_arenas) return grow_arena(pool, rounded, stream, /*stitch=*/false);
   const size_t size = segment_size_for(pool, rounded);
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
   if (size > reserved_limit() || reserved > reserved_limit() - size) return nullptr;
@@ -254,35 +285,14 @@ Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
     last_backend_error_ = s.message;
     return nullptr;
   }
-  Segment* segment = new Segment;
-  segment->base = addr;
-  segment->size = size;
-  segment->pool = &pool;
-  segment->stream = stream;
-  segment->id = next_segment_id_++;
-  Block* block = new_block();
-  block->addr = addr;
-  block->size = size;
-  block->segment = segment;
-  block->pool = &pool;
-  block->stream = stream;
-  segment->head = block;
-  segments_.emplace(addr, segment);
-
-  const StatType t = segment->pool->stat;
-  stats_.segment.increase(t, 1);
-  stats_.reserved_bytes.increase(t, static_cast<int64_t>(size));
+  Segment* segment = add_segment(pool, stream, addr, size, BlockState::kFree);
+  Block* block = segment->head;
+  stats_.reserved_bytes.increase(pool.stat, static_cast<int64_t>(size));
   ++stats_.num_device_alloc;
   trace_.record(TraceAction::kSegmentAlloc, addr, size, stream);
   insert_free(block);
   registry_poke();
   return block;
-}
-
-bool DeviceAllocator::defragment(size_t /*rounded*/, StreamId /*stream*/) {
-  // Step 2 of the ladder. Stitching needs virtual-memory segments, which
-  // plain segment_alloc() does not make; with none there is nothing to stitch.
-  return false;
 }
 
 __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block) {
@@ -344,7 +354,7 @@ void DeviceAllocator::synchronize_pending() {
 size_t DeviceAllocator::release_free_segments(size_t bytes) {
   std::vector<Segment*> candidates;
   for (auto& entry : segments_) {
-    if (entry.second->wholly_free()) candidates.push_back(entry.second);
+    if (!entry.second->arena && entry.second->wholly_free()) candidates.push_back(entry.second);
   }
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
     return a->free_since != b->free_since ? a->free_since < b->free_since : a->id < b->id;
@@ -373,21 +383,29 @@ void DeviceAllocator::release_segment(Segment* segment) {
   delete segment;
 }
 
+size_t DeviceAllocator::release_cached_memory(size_t bytes) {
+  size_t released = release_free_segments(bytes);
+  if (bytes == 0 || released < bytes) released += release_arena_memory(bytes == 0 ? 0 : bytes - released);
+  return released;
+}
+
 __attribute__((noinline, cold)) void DeviceAllocator::enforce_max_cached() {
-  // Releasing, oldest first, at least the excess brings the cache back under the cap.
-  if (cached_free_bytes_ > max_cached_) release_free_segments(cached_free_bytes_ - max_cached_);
+  // Releasing, oldest first, at least the excess brings the cache back under
+  // the cap, as far as the cache is releasable (a free block that shares a
+  // granule or segment with a live one stays).
+  if (cached_free_bytes_ > max_cached_) release_cached_memory(cached_free_bytes_ - max_cached_);
 }
 
 size_t DeviceAllocator::empty_cache() {
   Lock lock(mutex_);
   synchronize_pending();
-  return release_free_segments(0);
+  return release_cached_memory(0);
 }
 
 size_t DeviceAllocator::release_cached(size_t bytes) {
   Lock lock(mutex_);
   reclaim_pending(false);
-  return release_free_segments(bytes);
+  return release_cached_memory(bytes);
 }
 
 // ---- bad calls and reports ------------------------------------------------------------
@@ -407,7 +425,7 @@ __attribute__((noinline, cold)) FreeResult DeviceAllocator::classify_bad_free(ui
     const Segment* segment = std::prev(it)->second;
     if (addr < segment->base + segment->size) {
       for (const Block* b = segment->head; b != nullptr; b = b->next) {
-        if (b->addr == addr && b->state != BlockState::kAllocated) {
+        if (b->addr == addr && (b->state == BlockState::kFree || b->state == BlockState::kPendingFree)) {
           ++stats_.num_invalid_double_free;
           set_last_error("pyalloc_free: double free of " + where + " (the block is already free)");
           return FreeResult::kDoubleFree;
@@ -529,9 +547,10 @@ std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() con
     const Segment* seg = seg_entry.second;
     PoolUsage& u = usage[slot(seg->pool)];
     u.segments += 1;
-    u.reserved_bytes += static_cast<int64_t>(seg->size);
+    u.reserved_bytes += static_cast<int64_t>(seg->reserved_bytes());
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
       const int64_t size = static_cast<int64_t>(b->size);
+      if (b->state == BlockState::kHole) continue;
       if (b->state == BlockState::kFree) {
         u.cached_free_bytes += size;
         if (size > u.largest_free_bytes) u.largest_free_bytes = size;
@@ -588,7 +607,7 @@ bool DeviceAllocator::retire_if_idle(int64_t* live_bytes) {
       return false;
     }
   }
-  release_free_segments(0);
+  release_cached_memory(0);
   retired_ = true;
   return true;
 }

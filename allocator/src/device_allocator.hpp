@@ -8,6 +8,10 @@
 //     below large_segment/2 from `large_segment` (20 MiB) segments, above
 //     that from a segment of their own rounded up to 2 MiB. A thread's current
 //     user pool overrides both.
+//   - With `vmm` on, the large and user pools (and with vmm=all the small
+//     pool) grow in virtual-memory arenas instead: granules mapped where the
+//     request fits best, and stitched from free slivers under pressure
+//     (Note [Arenas] in arena.cpp).
 //   - A free block is found by best fit on the request's stream, lowest
 //     address first among equal sizes. It is split when the remainder is
 //     worth keeping: any remainder in the small and user pools, more than
@@ -73,7 +77,7 @@ class DeviceAllocator {
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
-  // malloc and free are defined in device_allocator_inl.hpp (the fast path).
+  // malloc and free (the general path) are defined in device_allocator_inl.hpp.
   // Returns the block's address, or nullptr with *status (PYALLOC_ENOMEM, or
   // PYALLOC_EBUSY when this allocator was retired by a reconfiguration); an
   // OOM report goes to the thread's last error. `size` must be in
@@ -81,6 +85,17 @@ class DeviceAllocator {
   void* malloc(size_t size, StreamId stream, int pool_id, int* status);
   // A bad call is counted and described in the thread's last error.
   FreeResult free(uintptr_t addr, size_t size);
+  // The fast path (Note [Fast path] in device_allocator_inl.hpp). After
+  // try_lock(), malloc_cached() (default pool) and free_cached() serve the
+  // request from the cache and release the lock; a request that needs the
+  // general path gets `otherwise()`, called with nothing changed and the lock
+  // still held (it unlocks and goes to malloc() / free()).
+  bool try_lock() { return mutex_.try_lock(); }
+  void unlock() { mutex_.unlock(); }
+  template <typename Otherwise>
+  void* malloc_cached(size_t size, StreamId stream, Otherwise otherwise);
+  template <typename Otherwise>
+  void free_cached(uintptr_t addr, size_t size, Otherwise otherwise);
   // False when `addr` is not a live allocation of this device.
   bool record_stream(uintptr_t addr, StreamId stream);
   // False when `addr` is not a live allocation of this device; else the
@@ -97,7 +112,7 @@ class DeviceAllocator {
   void apply_settings(const Config& config);  // runtime-adjustable keys only
   void set_memory_fraction(double fraction);
 
-  // Full invariant walk (types.hpp I1..I8). False with *error on violation.
+  // Full invariant walk (types.hpp I1..I9). False with *error on violation.
   bool check(std::string* error);
 
   // A consistent view of the device's memory, for replays and reports.
@@ -162,13 +177,52 @@ class DeviceAllocator {
   size_t segment_size_for(const Pool& pool, size_t rounded) const;
   bool should_split(const Pool& pool, size_t remaining) const;
 
-  // Fast-path pieces.
+  // Fast-path pieces (device_allocator_inl.hpp).
   Block* new_block();
   void delete_block(Block* block);
+  void recycle_block(Block* block);  // delete_block() given spare_room(1)
+  bool spare_room(size_t n) const;
+  void make_spare_room(size_t n);
   void* take(Pool& pool, Block* block, size_t size, size_t rounded);
+  void* hand_out(Pool& pool, Block* block, Block* rest, size_t size, size_t rounded);
+  void count_freed(const Block* block);
   void finish_free(Block* block);
+  bool has_free_neighbour(const Block* block) const;
+  void give_back(Block* block);
+  void cache_block(Block* block);
+  void* split_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
+  void merge_and_unlock(Block* block);
   void insert_free(Block* block);
+  void reinsert_free(Block* block);
   void erase_free(Block* block);
+  void count_cached(StatType t, const Block* block);
+  void uncount_cached(StatType t, const Block* block);
+
+  // Arenas and stitching (Note [Arenas] in arena.cpp).
+  struct Window {
+    Block* first = nullptr;  // the block holding `lo`
+    uintptr_t lo = 0;        // where the window starts
+    size_t granules = 0;     // granules it needs mapped
+  };
+  bool check_arena(const Segment* arena, std::string* problem) const;  // I9
+  size_t granule();
+  Segment* arena_for(Pool& pool, StreamId stream);  // created on first use
+  Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
+  Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
+  Window best_window(Segment* arena, size_t rounded);
+  Block* fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles);
+  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep);
+  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* keep);
+  bool free_interior(const Block* block, uintptr_t* lo, uintptr_t* hi) const;
+  bool synchronize_stream(const Segment* arena);
+  size_t release_arena_memory(size_t bytes);
+  void release_arena(Segment* arena);
+  template <typename F>
+  void for_each_arena(F fn);
+  Block* split_block(Block* block, size_t offset);
+  void absorb_next(Block* block);
+  Block* insert_coalesced(Block* block);
+  void merge_holes(Block* hole);
 
   // Slow path (Note [Pressure ladder] in device_allocator.cpp).
   // Called with the lock held; returns with it held (steps 3 and 4 drop it meanwhile).
@@ -177,11 +231,12 @@ class DeviceAllocator {
   Block* release_and_retry(Pool& pool, size_t rounded, StreamId stream);  // step 1
   Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);
   Block* grow(Pool& pool, size_t rounded, StreamId stream);
-  bool defragment(size_t rounded, StreamId stream);
+  Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   void make_pending(Block* block);
   size_t reclaim_pending(bool synchronize);
   void synchronize_pending();
-  size_t release_free_segments(size_t bytes);
+  size_t release_free_segments(size_t bytes);  // plain segments only
+  size_t release_cached_memory(size_t bytes);  // plain segments, then arena granules
   void release_segment(Segment* segment);
   void enforce_max_cached();
   FreeResult classify_bad_free(uintptr_t addr);
@@ -192,14 +247,17 @@ class DeviceAllocator {
   size_t largest_free_block() const;
   size_t device_total();  // the backend's total bytes, asked once (slow path only)
 
+  // First, so that the fast path reaches the lock at the allocator's own address.
+  DeviceMutex mutex_;
+  bool retired_ = false;
+
   const int device_;
   Backend* const backend_;
   PressureHooks* const hooks_;
   const size_t small_segment_;
   const size_t large_segment_;
-
-  DeviceMutex mutex_;
-  bool retired_ = false;
+  const VmmMode vmm_;    // which pools grow in arenas (Note [Arenas])
+  size_t granule_ = 0;   // the backend's mapping granularity, asked on first use
 
   // Runtime-adjustable settings.
   double memory_fraction_;

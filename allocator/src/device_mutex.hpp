@@ -28,6 +28,7 @@ namespace pyalloc {
 class DeviceMutex {
  public:
   void lock() { mutex_.lock(); }
+  bool try_lock() { return mutex_.try_lock(); }
   void unlock() { mutex_.unlock(); }
 
  private:
@@ -42,6 +43,10 @@ class DeviceMutex {
     int expected = 0;
     if (__builtin_expect(state_.compare_exchange_strong(expected, 1, std::memory_order_acquire), 1)) return;
     lock_contended();
+  }
+  bool try_lock() {
+    int expected = 0;
+    return state_.compare_exchange_strong(expected, 1, std::memory_order_acquire);
   }
   void unlock() {
     if (__builtin_expect(state_.exchange(0, std::memory_order_release) != 1, 0)) wake_one();

@@ -3,14 +3,9 @@
 
 namespace pyalloc {
 
-Block* FreeSet::next_of(const Block* b) { return b->bin_next; }
+FreeSet::StreamBins FreeSet::no_bins_;
 
-FreeSet::StreamBins* FreeSet::find_other(StreamId stream) const {
-  for (const auto& bins : streams_) {
-    if (bins->stream == stream) return last_ = bins.get();
-  }
-  return nullptr;
-}
+Block* FreeSet::next_of(const Block* b) { return b->bin_next; }
 
 FreeSet::StreamBins* FreeSet::add_stream(StreamId stream) {
   streams_.push_back(std::make_unique<StreamBins>());
@@ -30,14 +25,15 @@ bool FreeSet::contains(const Block* block) const {
 bool FreeSet::validate(std::string* error) const {
   size_t counted = 0;
   for (const auto& bins : streams_) {
+    // Bits are cleared lazily (Note [Free sets]): a set bit may stand for an
+    // empty class, but every non-empty class must have its bit.
     uint64_t summary = 0;
     for (int w = 0; w < kWords; ++w) {
-      uint64_t word = 0;
       for (int c = w * 64; c < kClasses && c < (w + 1) * 64; ++c) {
-        if (bins->heads[c] != nullptr) word |= uint64_t{1} << (c & 63);
+        const bool bit = (bins->words[w] >> (c & 63)) & 1;
+        if (bins->heads[c] != nullptr && !bit) return *error = "free-set class bitmap misses a non-empty class", false;
       }
-      if (word != bins->words[w]) return *error = "free-set class bitmap differs from its lists", false;
-      if (word != 0) summary |= uint64_t{1} << w;
+      if (bins->words[w] != 0) summary |= uint64_t{1} << w;
     }
     if (summary != bins->summary) return *error = "free-set summary bitmap differs from its words", false;
     for (int c = 0; c < kClasses; ++c) {

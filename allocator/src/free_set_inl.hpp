@@ -2,6 +2,8 @@
 // fast path (included by the files that call them). See Note [Free sets].
 #pragma once
 
+#include <cassert>
+
 #include "free_set.hpp"
 #include "types.hpp"
 
@@ -13,13 +15,11 @@ inline bool FreeSet::before(const Block* a, const Block* b) {
 }
 
 inline FreeSet::StreamBins* FreeSet::find(StreamId stream) const {
-  if (__builtin_expect(last_ != nullptr && last_->stream == stream, 1)) return last_;
-  return find_other(stream);
-}
-
-inline FreeSet::StreamBins* FreeSet::find_or_add(StreamId stream) {
-  if (StreamBins* bins = find(stream)) return bins;
-  return add_stream(stream);
+  if (__builtin_expect(last_->stream == stream, 1)) return last_;
+  for (const auto& bins : streams_) {
+    if (bins->stream == stream) return last_ = bins.get();
+  }
+  return nullptr;
 }
 
 inline int FreeSet::first_class_at_or_above(const StreamBins& bins, int c) {
@@ -36,9 +36,20 @@ inline int FreeSet::first_class_at_or_above(const StreamBins& bins, int c) {
 }
 
 inline void FreeSet::insert(Block* block) {
-  StreamBins& bins = *find_or_add(block->stream);
-  const int c = size_class(block->size);
-  block->bin_class = c;
+  StreamBins* bins = find(block->stream);
+  if (__builtin_expect(bins == nullptr || bins == &no_bins_, 0)) bins = add_stream(block->stream);
+  block->bin_class = size_class(block->size);
+  link(*bins, block);
+}
+
+inline void FreeSet::reinsert(Block* block) {
+  StreamBins* bins = find(block->stream);
+  assert(bins != nullptr && bins != &no_bins_ && block->bin_class == size_class(block->size));
+  link(*bins, block);
+}
+
+inline void FreeSet::link(StreamBins& bins, Block* block) {
+  const size_t c = static_cast<unsigned>(block->bin_class);  // unsigned: plain shifts for the bitmaps
   Block* prev = nullptr;
   Block* cur = bins.heads[c];
   while (cur != nullptr && before(cur, block)) {
@@ -52,32 +63,28 @@ inline void FreeSet::insert(Block* block) {
     prev->bin_next = block;
   } else {
     bins.heads[c] = block;
-    bins.words[c >> 6] |= uint64_t{1} << (c & 63);
-    bins.summary |= uint64_t{1} << (c >> 6);
+    uint64_t& word = bins.words[c >> 6];
+    if (!((word >> (c & 63)) & 1)) {  // usually set already (Note [Free sets])
+      word |= uint64_t{1} << (c & 63);
+      bins.summary |= uint64_t{1} << (c >> 6);
+    }
   }
   ++count_;
 }
 
+// The block keeps bin_class (reinsert() puts it back) and stale list links.
 inline void FreeSet::erase(Block* block) {
-  StreamBins& bins = *find(block->stream);
   if (block->bin_next != nullptr) block->bin_next->bin_prev = block->bin_prev;
   if (block->bin_prev != nullptr) {
     block->bin_prev->bin_next = block->bin_next;
   } else {
-    const int c = block->bin_class;
-    bins.heads[c] = block->bin_next;
-    if (block->bin_next == nullptr) {
-      bins.words[c >> 6] &= ~(uint64_t{1} << (c & 63));
-      if (bins.words[c >> 6] == 0) bins.summary &= ~(uint64_t{1} << (c >> 6));
-    }
+    find(block->stream)->heads[block->bin_class] = block->bin_next;  // an emptied class keeps its bit
   }
-  block->bin_prev = block->bin_next = nullptr;
-  block->bin_class = -1;
   --count_;
 }
 
 inline Block* FreeSet::best_fit(StreamId stream, size_t size) const {
-  const StreamBins* bins = find(stream);
+  StreamBins* bins = find(stream);
   if (bins == nullptr) return nullptr;
   const int c = size_class(size);
   // Exact classes hold one size, so their head fits; a range class may
@@ -85,8 +92,19 @@ inline Block* FreeSet::best_fit(StreamId stream, size_t size) const {
   for (Block* b = bins->heads[c]; b != nullptr; b = b->bin_next) {
     if (b->size >= size) return b;
   }
-  const int above = first_class_at_or_above(*bins, c + 1);
-  return above < 0 ? nullptr : bins->heads[above];
+  return first_above(*bins, c);
+}
+
+inline Block* FreeSet::first_above(StreamBins& bins, int c) {
+  for (;;) {
+    c = first_class_at_or_above(bins, c + 1);
+    if (c < 0) return nullptr;
+    if (Block* head = bins.heads[c]) return head;
+    // A class emptied since its bit was set: clear the bit now.
+    uint64_t& word = bins.words[c >> 6];
+    word &= ~(uint64_t{1} << (c & 63));
+    if (word == 0) bins.summary &= ~(uint64_t{1} << (c >> 6));
+  }
 }
 
 }  // namespace pyalloc

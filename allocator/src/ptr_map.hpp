@@ -26,34 +26,46 @@ class PtrMap {
   PtrMap() { rehash(1024); }
 
   Entry* find(uintptr_t key) {
-    for (size_t i = slot(key);; i = (i + 1) & mask_) {
-      if (entries_[i].key == key) return &entries_[i];
-      if (entries_[i].key == 0) return nullptr;
+    Entry* e = home(key);
+    while (e->key != key) {
+      if (e->key == 0) return nullptr;
+      e = next(e);
     }
+    return e;
   }
 
   void insert(uintptr_t key, V value) {
-    if (__builtin_expect(size_ >= max_size_, 0)) rehash(2 * (mask_ + 1));
-    size_t i = slot(key);
-    while (entries_[i].key != 0) i = (i + 1) & mask_;
-    entries_[i] = Entry{key, value};
+    make_room();
+    place(key, value);
+  }
+
+  // Whether the next insert() must grow the table (a heap allocation).
+  bool full() const { return size_ >= max_size_; }
+  void make_room() {
+    if (__builtin_expect(full(), 0)) rehash(2 * (mask_ + 1));
+  }
+  // insert() when !full(): never allocates.
+  void place(uintptr_t key, V value) {
+    Entry* e = home(key);
+    while (e->key != 0) e = next(e);
+    *e = Entry{key, value};
     ++size_;
   }
 
   // Removes the entry find() returned.
   void erase(Entry* entry) {
-    size_t hole = static_cast<size_t>(entry - entries_.get());
     --size_;
+    Entry* hole = entry;
     // Shift later members of the probe run back so lookups never stop early.
-    for (size_t i = (hole + 1) & mask_; entries_[i].key != 0; i = (i + 1) & mask_) {
-      const size_t home = slot(entries_[i].key);
-      // Move entry i into the hole if its home is not in (hole, i].
-      if (((i - home) & mask_) >= ((i - hole) & mask_)) {
-        entries_[hole] = entries_[i];
-        hole = i;
+    for (Entry* e = next(hole); e->key != 0; e = next(e)) {
+      // Move e into the hole if its home is not in (hole, e], cyclically.
+      const size_t at = index(e);
+      if (((at - slot(e->key)) & mask_) >= ((at - index(hole)) & mask_)) {
+        *hole = *e;
+        hole = e;
       }
     }
-    entries_[hole].key = 0;
+    hole->key = 0;
   }
 
   size_t size() const { return size_; }
@@ -70,21 +82,30 @@ class PtrMap {
     // Addresses are multiples of 512: drop those bits, then mix.
     return static_cast<size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_);
   }
+  Entry* home(uintptr_t key) const { return entries_.get() + slot(key); }
+  Entry* next(Entry* e) const {
+    ++e;
+    if (__builtin_expect(e == end_, 0)) e = entries_.get();  // wraps around
+    return e;
+  }
+  size_t index(const Entry* e) const { return static_cast<size_t>(e - entries_.get()); }
 
   void rehash(size_t capacity) {
     std::unique_ptr<Entry[]> old(new Entry[capacity]());
     old.swap(entries_);
     const size_t old_capacity = old == nullptr ? 0 : mask_ + 1;
+    end_ = entries_.get() + capacity;
     mask_ = capacity - 1;
     shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(capacity));
     max_size_ = capacity / 2;  // at most half full
     size_ = 0;
     for (size_t i = 0; i < old_capacity; ++i) {
-      if (old[i].key != 0) insert(old[i].key, old[i].value);
+      if (old[i].key != 0) place(old[i].key, old[i].value);
     }
   }
 
   std::unique_ptr<Entry[]> entries_;
+  Entry* end_ = nullptr;  // entries_ + capacity
   size_t mask_ = 0;
   unsigned shift_ = 0;
   size_t size_ = 0;

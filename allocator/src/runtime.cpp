@@ -88,6 +88,7 @@ Runtime* build_runtime(const Config& config) {
     return r;
   }
   for (int i = 0; i < n; ++i) r->devices.push_back(std::make_unique<DeviceAllocator>(i, config, backend.get(), r));
+  r->num_devices = static_cast<unsigned>(n);
   r->backend = std::move(backend);
   return r;
 }

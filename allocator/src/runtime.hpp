@@ -31,10 +31,14 @@ class Runtime final : public PressureHooks {
   Config config;                     // guarded by the process's configure mutex
   std::unique_ptr<Backend> backend;  // null when it failed to start
   std::string error;                 // why the backend failed; empty if it runs
+  // Filled before the runtime is published; neither changes after.
   std::vector<std::unique_ptr<DeviceAllocator>> devices;
+  unsigned num_devices = 0;  // devices.size(), for the fast path's range check: one compare
 };
 
-extern std::atomic<Runtime*> g_current_runtime;  // null until first use
+// Hidden on the declaration too, so that other files read it directly
+// rather than through the GOT: every malloc and free starts here.
+extern std::atomic<Runtime*> g_current_runtime __attribute__((visibility("hidden")));  // null until first use
 Runtime* first_runtime();  // builds it from PYALLOC_CONF (once, under a lock)
 
 // The current Runtime; built from PYALLOC_CONF on first use. Never null.

@@ -14,49 +14,64 @@ const char* block_state_name(BlockState s) {
     case BlockState::kAllocated: return "active_allocated";
     case BlockState::kPendingFree: return "active_pending_free";
     case BlockState::kFree: return "inactive";
+    case BlockState::kHole: return "unmapped";  // never written: holes split an arena into segments
   }
   return "?";
 }
 
 }  // namespace
 
+// One snapshot segment per plain segment, and per mapped run of an arena
+// (blocks between holes), marked is_expandable as PyTorch marks its own
+// virtual-memory segments: PyTorch's tools expect every block of a segment
+// to be backed.
 void DeviceAllocator::write_segments_json(JsonWriter& w) {
   Lock lock(mutex_);
   for (const auto& entry : segments_) {
     const Segment* seg = entry.second;
-    uint64_t allocated = 0, active = 0, requested = 0;
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      if (b->state == BlockState::kAllocated) allocated += b->size;
-      if (b->state != BlockState::kFree) {
-        active += b->size;
-        requested += b->requested;
+    const Block* b = seg->head;
+    while (b != nullptr) {
+      if (b->state == BlockState::kHole) {
+        b = b->next;
+        continue;
       }
-    }
-    w.begin_object();
-    w.key("device").value(device_);
-    w.key("address").value(static_cast<uint64_t>(seg->base));
-    w.key("total_size").value(static_cast<uint64_t>(seg->size));
-    w.key("allocated_size").value(allocated);
-    w.key("active_size").value(active);
-    w.key("requested_size").value(requested);
-    w.key("stream").value(static_cast<uint64_t>(seg->stream));
-    w.key("segment_type").value(seg->pool->kind == PoolKind::kSmall ? "small" : "large");
-    w.key("segment_pool_id").begin_array().value(0).value(seg->pool->id).end_array();
-    w.key("pool").value(seg->pool->name);
-    w.key("is_expandable").value(false);
-    w.key("frames").begin_array().end_array();
-    w.key("blocks").begin_array();
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      const Block* first = b;
+      const Block* end = b;
+      uint64_t total = 0, allocated = 0, active = 0, requested = 0;
+      for (; end != nullptr && end->state != BlockState::kHole; end = end->next) {
+        total += end->size;
+        if (end->state == BlockState::kAllocated) allocated += end->size;
+        if (end->state != BlockState::kFree) {
+          active += end->size;
+          requested += end->requested;
+        }
+      }
       w.begin_object();
-      w.key("address").value(static_cast<uint64_t>(b->addr));
-      w.key("size").value(static_cast<uint64_t>(b->size));
-      w.key("requested_size").value(static_cast<uint64_t>(b->requested));
-      w.key("state").value(block_state_name(b->state));
+      w.key("device").value(device_);
+      w.key("address").value(static_cast<uint64_t>(first->addr));
+      w.key("total_size").value(total);
+      w.key("allocated_size").value(allocated);
+      w.key("active_size").value(active);
+      w.key("requested_size").value(requested);
+      w.key("stream").value(static_cast<uint64_t>(seg->stream));
+      w.key("segment_type").value(seg->pool->kind == PoolKind::kSmall ? "small" : "large");
+      w.key("segment_pool_id").begin_array().value(0).value(seg->pool->id).end_array();
+      w.key("pool").value(seg->pool->name);
+      w.key("is_expandable").value(seg->arena);
       w.key("frames").begin_array().end_array();
+      w.key("blocks").begin_array();
+      for (; b != end; b = b->next) {
+        w.begin_object();
+        w.key("address").value(static_cast<uint64_t>(b->addr));
+        w.key("size").value(static_cast<uint64_t>(b->size));
+        w.key("requested_size").value(static_cast<uint64_t>(b->requested));
+        w.key("state").value(block_state_name(b->state));
+        w.key("frames").begin_array().end_array();
+        w.end_object();
+      }
+      w.end_array();
       w.end_object();
     }
-    w.end_array();
-    w.end_object();
   }
 }
 

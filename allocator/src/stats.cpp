@@ -34,13 +34,13 @@ void for_each_counter(DeviceStats& s, Fn fn) {
 
 Stat Counter::get(StatType t) const {
   if (t != kStatAll) {
-    const Part& p = parts_[t - 1];
-    return Stat{p.current, p.peak, p.increased, p.increased - (p.current - p.current_at_reset)};
+    const Figures& f = by_type_[t];
+    return Stat{f.current, f.peak, f.decreased + (f.current - f.current_at_reset), f.decreased};
   }
   const Stat small = get(kStatSmall);
   const Stat large = get(kStatLarge);
-  return Stat{small.current + large.current, all_peak_, small.allocated + large.allocated,
-              small.freed + large.freed};
+  const int64_t all = small.current + large.current;
+  return Stat{all, by_type_[kStatAll].peak, small.allocated + large.allocated, small.freed + large.freed};
 }
 
 StatView Counter::view() const {
@@ -50,14 +50,14 @@ StatView Counter::view() const {
 }
 
 void Counter::reset_peak() {
-  for (Part& p : parts_) p.peak = p.current;
-  all_peak_ = current(kStatAll);
+  for (Figures& f : by_type_) f.peak = f.current;
+  by_type_[kStatAll].peak = current(kStatAll);
 }
 
 void Counter::reset_accumulated() {
-  for (Part& p : parts_) {
-    p.increased = 0;
-    p.current_at_reset = p.current;
+  for (Figures& f : by_type_) {
+    f.decreased = 0;
+    f.current_at_reset = f.current;
   }
 }
 
@@ -100,6 +100,7 @@ void DeviceStats::reset_accumulated() {
   num_device_alloc = num_device_free = 0;
   num_pressure_callbacks = pressure_callback_freed_bytes = 0;
   num_daemon_requests = daemon_freed_bytes = 0;
+  num_stitches = stitched_bytes = 0;
   num_invalid_free = num_invalid_double_free = num_invalid_size = 0;
 }
 
@@ -131,6 +132,8 @@ void DeviceStats::write_fields(JsonWriter& w, int64_t num_invalid_device, int64_
   w.key("pressure_callback_freed_bytes").value(pressure_callback_freed_bytes);
   w.key("num_daemon_requests").value(num_daemon_requests);
   w.key("daemon_freed_bytes").value(daemon_freed_bytes);
+  w.key("num_stitches").value(num_stitches);
+  w.key("stitched_bytes").value(stitched_bytes);
   w.key("num_invalid_free").value(num_invalid_free);
   w.key("num_invalid_double_free").value(num_invalid_double_free);
   w.key("num_invalid_size").value(num_invalid_size);

@@ -6,15 +6,21 @@
 // that still yields all four figures exactly (Note [Counters]).
 //
 // Note [Counters]
-// A Counter keeps, for the small and the large pool, `current`, `peak` and
-// `increased` (the sum of increases since the last reset_accumulated()).
-//   - "all" is derived: current and increased are sums of the two pools.
-//     Its peak is not (a sum of peaks is not a peak), so increase() also
-//     raises all_peak_ from the new sum.
-//   - freed is derived: every decrease lowers current, so
-//       freed = increased - (current - current_at_reset),
+// A Counter keeps, for the small and the large pool, `current`, the peak and
+// `decreased` (the sum of decreases since the last reset_accumulated()), in
+// a form where every update is one add to memory per figure:
+//   - The peak is kept as headroom = peak - current (>= 0). A change of n
+//     moves both by n, and only an increase that drives the headroom below
+//     zero has found a new peak (headroom back to 0: peak == current); that
+//     sign test is the only branch.
+//   - freed is `decreased`; allocated (the sum of increases) is derived:
+//       allocated = freed + (current - current_at_reset),
 //     where current_at_reset is current when accumulation last restarted.
-//     decrease() therefore writes one word.
+//   - "all" is derived: current, allocated and freed are sums of the two
+//     pools. Its peak is not (a sum of peaks is not a peak): it keeps a
+//     headroom of its own, peak(all) - current(all), which every change moves.
+// So increase() writes current and two headrooms; decrease() those and
+// `decreased`.
 // Active blocks are not counted separately (DeviceStats::active): a block is
 // active while allocated or pending-free, so active = allocation + pending,
 // and `pending` changes only on the record_stream path. See DeviceStats.
@@ -49,17 +55,21 @@ class Counter {
  public:
   // `t` is kStatSmall or kStatLarge: "all" follows by itself.
   void increase(StatType t, int64_t n) {
-    Part& p = parts_[t - 1];
-    p.current += n;
-    p.increased += n;
-    if (p.current > p.peak) p.peak = p.current;
-    const int64_t all = parts_[0].current + parts_[1].current;
-    if (all > all_peak_) all_peak_ = all;
+    Figures& f = by_type_[t];
+    const int64_t now = f.current + n;
+    f.current = now;
+    if (now > f.peak) f.peak = now;
+    const int64_t all = current(kStatAll);
+    if (all > by_type_[kStatAll].peak) by_type_[kStatAll].peak = all;
   }
-  void decrease(StatType t, int64_t n) { parts_[t - 1].current -= n; }
+  void decrease(StatType t, int64_t n) {
+    Figures& f = by_type_[t];
+    f.current -= n;
+    f.decreased += n;
+  }
 
   int64_t current(StatType t) const {
-    return t == kStatAll ? parts_[0].current + parts_[1].current : parts_[t - 1].current;
+    return t == kStatAll ? by_type_[kStatSmall].current + by_type_[kStatLarge].current : by_type_[t].current;
   }
   Stat get(StatType t) const;
   StatView view() const;
@@ -68,14 +78,16 @@ class Counter {
   void reset_accumulated();
 
  private:
-  struct Part {
+  struct Figures {
     int64_t current = 0;
     int64_t peak = 0;
-    int64_t increased = 0;
+    int64_t decreased = 0;  // since current_at_reset was taken
     int64_t current_at_reset = 0;
   };
-  Part parts_[2];  // small pool, large pool
-  int64_t all_peak_ = 0;
+  // Indexed by StatType, so that the fast path finds a pool's figures of
+  // every counter from one base address. by_type_[kStatAll] keeps only the
+  // peak: the other "all" figures are sums over the two pools.
+  Figures by_type_[kNumStatTypes];
 };
 
 // Facts about the most recent OOM, flattened into the stats as last_oom.*.
@@ -106,7 +118,7 @@ struct DeviceStats {
   // allocation, whose own peak covers it.
   StatView active() const { return active_view(allocation, pending, active_peak); }
   StatView active_bytes() const { return active_view(allocated_bytes, pending_bytes, active_bytes_peak); }
-  bool any_pending() const { return pending.current(kStatSmall) != 0 || pending.current(kStatLarge) != 0; }
+  bool any_pending() const { return (pending.current(kStatSmall) | pending.current(kStatLarge)) != 0; }
   void note_active_peaks();
 
   int64_t num_alloc_retries = 0;     // ladder step 1 ran (cache released and retried)
@@ -118,6 +130,8 @@ struct DeviceStats {
   int64_t pressure_callback_freed_bytes = 0;  // bytes step 3 reported freed
   int64_t num_daemon_requests = 0;            // ladder step 4: requests answered by gpumemd
   int64_t daemon_freed_bytes = 0;             // bytes gpumemd had other processes release
+  int64_t num_stitches = 0;     // ladder step 2: requests served by remapping free granules
+  int64_t stitched_bytes = 0;   // bytes of granules step 2 moved
 
   // Bad calls, counted and refused (state unchanged).
   int64_t num_invalid_free = 0;     // pointer not allocated here

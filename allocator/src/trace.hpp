@@ -42,6 +42,7 @@ class TraceRing {
  public:
   void resize(size_t capacity);  // drops recorded events
   size_t capacity() const { return capacity_; }
+  bool on() const { return capacity_ != 0; }
 
   void record(TraceAction action, uintptr_t addr, size_t size, StreamId stream) {
     if (__builtin_expect(capacity_ == 0, 1)) return;

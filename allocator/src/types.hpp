@@ -18,6 +18,10 @@
 //                a block, once freed, is pending until events recorded on
 //                those streams complete.
 //   cached free  bytes of free blocks: reserved but not handed out.
+//   arena        a segment made with the backend's virtual-memory calls: one
+//                large reservation per pool and stream, backed by physical
+//                granules mapped where blocks need them (Note [Arenas]).
+//   hole         a block of an arena with no physical memory behind it.
 //
 // Invariants (checked by DeviceAllocator::check, i.e. pyalloc_check)
 //   I1  the blocks of a segment tile it: first.addr == base,
@@ -32,6 +36,10 @@
 //   I7  every counter's current value equals what the walk sums, for all,
 //       small-pool and large-pool stat types
 //   I8  block sizes and addresses are multiples of kBlockAlign (512 B)
+//   I9  in an arena (Note [Arenas] in arena.cpp): a hole starts and ends on
+//       granule boundaries, no two holes are adjacent, and a granule is
+//       mapped  <=>  some non-hole block overlaps it; reserved counts mapped
+//       bytes, so reserved == sum of non-hole block sizes
 #pragma once
 
 #include <cstddef>
@@ -55,7 +63,9 @@ constexpr size_t kLargeRound = 2 * kMiB;     // big requests get segments rounde
 // from overflow in every rounding computation.
 constexpr size_t kMaxRequest = size_t{1} << 52;
 
-enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree };
+// kHole exists only in arenas: unmapped address space, never handed out as
+// it is, never in a free set.
+enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole };
 
 enum class PoolKind : uint8_t { kSmall, kLarge, kUser };
 
@@ -80,21 +90,28 @@ struct Block {
   std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
   Block* bin_prev = nullptr;   // neighbours in its free-set class list, while free
   Block* bin_next = nullptr;
-  int bin_class = -1;          // its free-set size class, while free
+  int bin_class = -1;          // FreeSet::size_class(size), set when it enters a free set and
+                               // kept while allocated (its size does not change then)
 
   bool is_free() const { return state == BlockState::kFree; }
 };
 
 struct Segment {
   uintptr_t base = 0;
-  size_t size = 0;
+  size_t size = 0;          // an arena's whole reservation
   Pool* pool = nullptr;
   StreamId stream = 0;
   Block* head = nullptr;    // lowest-addressed block
   uint64_t id = 0;          // creation order
   uint64_t free_since = 0;  // tick at which it last became wholly free
+  // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
+  // not mapped); `mapped` counts the bytes of backed granules.
+  bool arena = false;
+  size_t mapped = 0;
+  std::vector<PhysHandle> phys;
 
   bool wholly_free() const { return head->is_free() && head->size == size; }
+  size_t reserved_bytes() const { return arena ? mapped : size; }
 };
 
 struct Pool {
@@ -108,6 +125,8 @@ struct Pool {
   const int id;             // 0 small/large defaults; user pools from 1
   const std::string name;
   FreeSet free_blocks;  // Note [Free sets]
+  bool in_arenas = false;        // grows in arenas, not plain segments (Note [Arenas])
+  std::vector<Segment*> arenas;  // one per stream
 };
 
 }  // namespace pyalloc

@@ -31,7 +31,12 @@
 // live-allocation count with the stats; at the end everything is freed and
 // the stats must show nothing allocated or reserved.
 //
-// Usage: stress [--threads N] [--rounds N] [--ops N] [--seed N] [--capacity SIZE]
+// The allocator runs with `--vmm` (default all: every pool grows in
+// virtual-memory arenas, so stitching under pressure unmaps and remaps real
+// memfd granules while other threads verify their cookies; off: plain
+// segments).
+//
+// Usage: stress [--threads N] [--rounds N] [--ops N] [--seed N] [--capacity SIZE] [--vmm MODE]
 // Exit 0 with one summary line on success; on failure, what failed and exit 1.
 #include <pyalloc/pyalloc.h>
 
@@ -66,6 +71,7 @@ struct Options {
   long ops = 1000;           // operations per thread per round
   uint64_t seed = 42;
   std::string capacity = "160MiB";  // per device; small enough that device 0 OOMs under pressure
+  std::string vmm = "all";
 };
 
 // splitmix64: a good 64-bit mixer; also used to derive seeds and cookies.
@@ -445,7 +451,7 @@ uint64_t sum_invalid_counters(const std::string& json, int* nkeys) {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "stress: %s\nusage: stress [--threads N] [--rounds N] [--ops N] [--seed N] "
-               "[--capacity SIZE]\n",
+               "[--capacity SIZE] [--vmm auto|on|all|off]\n",
                why);
   std::exit(2);
 }
@@ -472,6 +478,7 @@ Options parse_args(int argc, char** argv) {
     else if (flag == "--ops") opt.ops = long(parse_number("--ops", value, 1));
     else if (flag == "--seed") opt.seed = parse_number("--seed", value, 0);
     else if (flag == "--capacity") opt.capacity = value;
+    else if (flag == "--vmm") opt.vmm = value;
     else usage(("unknown option " + flag).c_str());
   }
   if (opt.threads > 1024) usage("--threads must be at most 1024");
@@ -486,7 +493,7 @@ int main(int argc, char** argv) {
   // Every key the run depends on is set, so PYALLOC_CONF in the environment
   // cannot change what is tested.
   const std::string conf = "backend=host,devices=" + std::to_string(kDevices) + ",capacity=" + opt.capacity +
-                           ",event_delay=2,oom_report=0,memory_fraction=1,max_cached=unlimited,round_power2=0";
+                           ",event_delay=2,oom_report=0,memory_fraction=1,max_cached=unlimited,round_power2=0,vmm=" + opt.vmm;
   if (pyalloc_configure(conf.c_str()) != PYALLOC_OK) {
     std::fprintf(stderr, "stress: FAIL: pyalloc_configure(\"%s\"): %s\n", conf.c_str(), last_error());
     return 1;

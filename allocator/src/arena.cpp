@@ -1,0 +1,419 @@
+// arena.cpp: virtual-memory arenas, and stitching (ladder step 2).
+//
+// Note [Arenas]
+// With `vmm` on, a pool does not grow by whole segments. It owns one arena
+// per stream: a reservation of address space as large as the device, backed
+// by physical granules (2 MiB on CUDA, cuMemCreate; memfd chunks on host)
+// only where blocks need them. The blocks of an arena tile the reservation
+// like a segment's, with one more state: a hole is address space with no
+// granule behind it. Holes start and end on granule boundaries (relative to
+// the arena's base) and never touch each other (types.hpp I9).
+//
+// Growing (grow_arena) looks in the arena for the window of `rounded` bytes,
+// inside a run of free blocks and holes, that needs the fewest granules
+// mapped; ties go to the lowest address. Mapping those granules turns the
+// holes they cover into free memory, which coalesces with the free blocks
+// around it, so a request is served from one contiguous range even when the
+// free memory it uses came from different places. Physical memory is
+// fungible: only the granules under live blocks (and the partly used ones at
+// their ends) need to exist, whatever the addresses.
+//
+// Stitching (stitch, ladder step 2): when the device is full, granules wholly
+// inside free blocks anywhere on the device, in any arena, are unmapped (a
+// free block becomes free edges around a hole) and mapped again into the
+// window the request needs. That is GMLake's idea with the allocator's own
+// block structure: the request gets contiguous addresses over physical memory
+// that was scattered in free slivers.
+//
+// Stream order: a free block may still be read by work queued on its
+// stream before the free (the caching allocator's usual reuse rule), so an
+// arena's stream is synchronized (event recorded and waited for) before any
+// of its granules is unmapped. Pending-free blocks (record_stream) are not
+// free, so their granules never move.
+//
+// Accounting: reserved bytes are mapped bytes; an arena counts as one
+// segment from its creation until release_free_segments finds it all hole
+// and gives the reservation back.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
+#include "device_allocator.hpp"
+#include "device_allocator_inl.hpp"
+#include "registry.hpp"
+
+namespace pyalloc {
+
+namespace {
+
+uintptr_t end_of(const Block* b) { return b->addr + b->size; }
+
+bool usable(const Block* b) { return b->state == BlockState::kFree || b->state == BlockState::kHole; }
+
+}  // namespace
+
+size_t DeviceAllocator::granule() {
+  if (granule_ == 0) granule_ = backend_->granularity(device_);
+  return granule_;
+}
+
+Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
+  for (Segment* a : pool.arenas) {
+    if (a->stream == stream) return a;
+  }
+  const size_t g = granule();
+  if (g == 0 || g % kBlockAlign != 0) {
+    last_backend_error_ = "the backend has no usable virtual-memory granularity";
+    return nullptr;
+  }
+  // Twice the device, so that address space is rarely what runs out: live
+  // blocks would have to be spread thinly over all of it.
+  const size_t size = round_up_to(2 * device_total(), g);
+  uintptr_t va = 0;
+  Status s = backend_->reserve(device_, size, &va);
+  if (!s.ok) {
+    last_backend_error_ = s.message;
+    return nullptr;
+  }
+  Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
+  arena->arena = true;
+  arena->phys.resize(size / g);
+  pool.arenas.push_back(arena);
+  return arena;
+}
+
+// Splits `block` (free but out of its free set, or a hole) at `offset`
+// bytes; the returned second part has the same state.
+Block* DeviceAllocator::split_block(Block* block, size_t offset) {
+  Block* rest = new_block();
+  rest->addr = block->addr + offset;
+  rest->size = block->size - offset;
+  rest->segment = block->segment;
+  rest->pool = block->pool;
+  rest->stream = block->stream;
+  rest->state = block->state;
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next != nullptr) block->next->prev = rest;
+  block->next = rest;
+  block->size = offset;
+  return rest;
+}
+
+// Absorbs `next` (the block right after `block`) into `block`.
+void DeviceAllocator::absorb_next(Block* block) {
+  Block* next = block->next;
+  block->size += next->size;
+  block->next = next->next;
+  if (next->next != nullptr) next->next->prev = block;
+  delete_block(next);
+}
+
+// `block` (out of the free set) joins its free neighbours and goes into the
+// free set; returns the merged block.
+Block* DeviceAllocator::insert_coalesced(Block* block) {
+  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
+    erase_free(prev);
+    absorb_next(prev);
+    block = prev;
+  }
+  if (Block* next = block->next; next != nullptr && next->is_free()) {
+    erase_free(next);
+    absorb_next(block);
+  }
+  insert_free(block);
+  return block;
+}
+
+// Merges a hole with the holes beside it.
+void DeviceAllocator::merge_holes(Block* hole) {
+  if (hole->prev != nullptr && hole->prev->state == BlockState::kHole) {
+    hole = hole->prev;
+    absorb_next(hole);
+  }
+  if (hole->next != nullptr && hole->next->state == BlockState::kHole) absorb_next(hole);
+}
+
+// ---- choosing where to grow -------------------------------------------------------
+
+namespace {
+
+// Granules that [lo, hi) needs mapped: the holes it overlaps, widened to
+// granule boundaries (holes are granule-aligned, so the widened overlap
+// stays inside the hole).
+size_t granules_to_map(const Segment* arena, const Block* first, uintptr_t lo, uintptr_t hi, size_t g) {
+  size_t bytes = 0;
+  for (const Block* b = first; b != nullptr && b->addr < hi; b = b->next) {
+    if (b->state != BlockState::kHole) continue;
+    const uintptr_t a = std::max(lo, b->addr) - arena->base;
+    const uintptr_t z = std::min(hi, end_of(b)) - arena->base;
+    if (a < z) bytes += round_up_to(z, g) - a / g * g;
+  }
+  return bytes / g;
+}
+
+}  // namespace
+
+// The window of `rounded` bytes in a run of free blocks and holes that needs
+// the fewest granules mapped (then the lowest address). Candidates start at a
+// block's start or end at a block's end: the cost only changes there.
+DeviceAllocator::Window DeviceAllocator::best_window(Segment* arena, size_t rounded) {
+  const size_t g = granule_;
+  Window best;
+  auto consider = [&](Block* first, uintptr_t lo) {
+    const size_t cost = granules_to_map(arena, first, lo, lo + rounded, g);
+    if (best.first == nullptr || cost < best.granules || (cost == best.granules && lo < best.lo)) {
+      best = Window{first, lo, cost};
+    }
+  };
+  for (Block* b = arena->head; b != nullptr; b = b->next) {
+    if (!usable(b)) continue;
+    // Forward from b's start.
+    size_t span = 0;
+    for (const Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->next) span += c->size;
+    if (span >= rounded) consider(b, b->addr);
+    // Backward from b's end.
+    span = 0;
+    Block* first = b;
+    for (Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->prev) {
+      span += c->size;
+      first = c;
+    }
+    if (span >= rounded && b->prev != nullptr) consider(first, end_of(b) - rounded);
+  }
+  return best;
+}
+
+// ---- mapping and unmapping -------------------------------------------------------
+
+// Maps handles (taken from the back of `handles`) over the granule-aligned
+// range [lo, hi) of `hole`; what gets mapped becomes free and coalesces.
+// Returns the free block now holding [lo, hi), or nullptr when a map failed
+// (what was mapped before the failure is free; the rest stays a hole).
+Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles) {
+  Segment* arena = hole->segment;
+  const size_t g = granule_;
+  uintptr_t mapped_to = lo;
+  bool ok = true;
+  while (mapped_to < hi) {
+    const PhysHandle h = handles->back();
+    Status s = backend_->map(device_, mapped_to, h);
+    if (!s.ok) {
+      last_backend_error_ = s.message;
+      ok = false;
+      break;
+    }
+    handles->pop_back();
+    arena->phys[(mapped_to - arena->base) / g] = h;
+    arena->mapped += g;
+    stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(g));
+    trace_.record(TraceAction::kSegmentMap, mapped_to, g, arena->stream);
+    mapped_to += g;
+  }
+  if (mapped_to == lo) return nullptr;
+  // Carve [lo, mapped_to) out of the hole as a free block.
+  Block* middle = hole;
+  if (lo > hole->addr) middle = split_block(hole, lo - hole->addr);
+  if (end_of(middle) > mapped_to) split_block(middle, mapped_to - middle->addr);
+  middle->state = BlockState::kFree;
+  Block* merged = insert_coalesced(middle);
+  registry_poke();
+  return ok ? merged : nullptr;
+}
+
+// Unmaps the granule-aligned range [lo, hi) of the free block `block`
+// (which must be in its free set); the handles go to `keep`, or back to the
+// backend when `keep` is null. The arena's stream must be synchronized.
+void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep) {
+  Segment* arena = block->segment;
+  const size_t g = granule_;
+  erase_free(block);
+  Block* middle = block;
+  if (lo > block->addr) {
+    middle = split_block(block, lo - block->addr);
+    insert_free(block);
+  }
+  if (end_of(middle) > hi) insert_free(split_block(middle, hi - middle->addr));
+  for (uintptr_t va = lo; va < hi; va += g) {
+    PhysHandle& slot = arena->phys[(va - arena->base) / g];
+    backend_->unmap(device_, va, g);
+    trace_.record(TraceAction::kSegmentUnmap, va, g, arena->stream);
+    if (keep != nullptr) {
+      keep->push_back(slot);
+    } else {
+      backend_->phys_release(device_, slot);
+      ++stats_.num_device_free;
+    }
+    slot = PhysHandle{};
+    arena->mapped -= g;
+    stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(g));
+  }
+  middle->state = BlockState::kHole;
+  merge_holes(middle);
+  registry_poke();
+}
+
+// Waits for the work queued on the arena's stream, so its free blocks are
+// no longer in use. False when the backend cannot record an event.
+bool DeviceAllocator::synchronize_stream(const Segment* arena) {
+  EventHandle event = 0;
+  Status s = backend_->event_record(device_, arena->stream, &event);
+  if (!s.ok) {
+    last_backend_error_ = s.message;
+    return false;
+  }
+  backend_->event_synchronize(device_, event);
+  backend_->event_release(device_, event);
+  return true;
+}
+
+// The granule-aligned interior of a free block of an arena: [*lo, *hi).
+bool DeviceAllocator::free_interior(const Block* b, uintptr_t* lo, uintptr_t* hi) const {
+  const uintptr_t base = b->segment->base;
+  *lo = base + round_up_to(b->addr - base, granule_);
+  *hi = base + (end_of(b) - base) / granule_ * granule_;
+  return *lo < *hi;
+}
+
+template <typename F>
+void DeviceAllocator::for_each_arena(F fn) {
+  for (Segment* a : small_pool_.arenas) fn(a);
+  for (Segment* a : large_pool_.arenas) fn(a);
+  for (auto& pool : user_pools_) {
+    if (pool) {
+      for (Segment* a : pool->arenas) fn(a);
+    }
+  }
+}
+
+// Unmaps up to `wanted` granules wholly inside free blocks of any arena,
+// except blocks overlapping [skip_lo, skip_hi); the handles go to `keep`
+// (or back to the backend when null). Returns the granules unmapped.
+size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi,
+                                            std::vector<PhysHandle>* keep) {
+  size_t done = 0;
+  for_each_arena([&](Segment* arena) {
+    bool synchronized = false;
+    for (Block* b = arena->head; b != nullptr && done < wanted; b = b->next) {
+      uintptr_t lo, hi;
+      if (!b->is_free() || !free_interior(b, &lo, &hi)) continue;
+      if (b->addr < skip_hi && end_of(b) > skip_lo) continue;
+      if (!synchronized && !(synchronized = synchronize_stream(arena))) return;
+      const size_t n = std::min((hi - lo) / granule_, wanted - done);
+      hi = lo + n * granule_;
+      done += n;
+      Block* before = b->prev;
+      unmap_free_range(b, lo, hi, keep);
+      // b may be gone: go on from what now precedes the hole.
+      b = before != nullptr ? before : arena->head;
+    }
+  });
+  return done;
+}
+
+// ---- growing and stitching ---------------------------------------------------------
+
+// Ladder step 0 for a pool with arenas (stitch false), and step 2 (stitch
+// true: granules may be taken from free blocks elsewhere on the device).
+Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch) {
+  Segment* arena = arena_for(pool, stream);
+  if (arena == nullptr) return nullptr;
+  const size_t g = granule_;
+  const Window w = best_window(arena, rounded);
+  if (w.first == nullptr) return nullptr;  // the reservation itself is full
+  const uintptr_t lo = arena->base + (w.lo - arena->base) / g * g;
+  const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
+
+  // Gather every handle first, so a failure leaves the arena as it was.
+  std::vector<PhysHandle> handles;
+  handles.reserve(w.granules);
+  const size_t limit = reserved_limit();
+  while (handles.size() < w.granules) {
+    const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + handles.size() * g;
+    if (reserved > limit || limit - reserved < g) break;
+    PhysHandle h;
+    Status s = backend_->phys_create(device_, g, &h);
+    if (!s.ok) {
+      last_backend_error_ = s.message;
+      break;
+    }
+    ++stats_.num_device_alloc;
+    handles.push_back(h);
+  }
+  if (handles.size() < w.granules && stitch) {
+    const size_t before = handles.size();
+    unmap_free_granules(w.granules - before, lo, hi, &handles);
+    if (handles.size() > before) {
+      stats_.num_stitches += 1;
+      stats_.stitched_bytes += static_cast<int64_t>((handles.size() - before) * g);
+    }
+  }
+  if (handles.size() < w.granules) {
+    for (const PhysHandle& h : handles) {
+      backend_->phys_release(device_, h);
+      ++stats_.num_device_free;
+    }
+    return nullptr;
+  }
+
+  // Map the window's holes, lowest first. Stitching may have merged holes
+  // (w.first among them), so find the block holding `lo` afresh; fill_hole
+  // coalesces, which may delete the blocks after a hole: go on from the
+  // block it returns.
+  Block* b = arena->head;
+  while (end_of(b) <= lo) b = b->next;
+  uintptr_t cursor = lo;
+  while (b != nullptr && cursor < hi && !handles.empty()) {
+    if (end_of(b) <= cursor) {
+      b = b->next;
+    } else if (b->state != BlockState::kHole) {
+      cursor = end_of(b);
+    } else {
+      const uintptr_t z = std::min(hi, end_of(b));
+      b = fill_hole(b, std::max(cursor, b->addr), z, &handles);
+      if (b == nullptr) break;  // a map failed
+      cursor = z;
+    }
+  }
+  for (const PhysHandle& h : handles) {  // left over only when a map failed
+    backend_->phys_release(device_, h);
+    ++stats_.num_device_free;
+  }
+  return pool.free_blocks.best_fit(stream, rounded);
+}
+
+// Ladder step 2. A pool without arenas grows by plain segments from the
+// backend: the arenas' free granules go back to it first.
+Block* DeviceAllocator::stitch(Pool& pool, size_t rounded, StreamId stream) {
+  if (vmm_ == VmmMode::kOff) return nullptr;
+  if (pool.in_arenas) return grow_arena(pool, rounded, stream, /*stitch=*/true);
+  if (release_arena_memory(segment_size_for(pool, rounded)) == 0) return nullptr;
+  return grow(pool, rounded, stream);
+}
+
+// Gives back the granules wholly inside free blocks, and the reservations
+// of arenas left with nothing mapped, until `bytes` (0: all).
+size_t DeviceAllocator::release_arena_memory(size_t bytes) {
+  if (granule_ == 0) return 0;  // no arena was ever made
+  const size_t wanted = bytes == 0 ? SIZE_MAX : (bytes + granule_ - 1) / granule_;
+  const size_t released = unmap_free_granules(wanted, 0, 0, nullptr) * granule_;
+  std::vector<Segment*> empty;
+  for_each_arena([&](Segment* a) {
+    if (a->mapped == 0) empty.push_back(a);
+  });
+  for (Segment* a : empty) release_arena(a);
+  return released;
+}
+
+void DeviceAllocator::release_arena(Segment* arena) {
+  // Nothing mapped means one hole spans the reservation (I9).
+  Pool& pool = *arena->pool;
+  pool.arenas.erase(std::find(pool.arenas.begin(), pool.arenas.end(), arena));
+  segments_.erase(arena->base);
+  stats_.segment.decrease(pool.stat, 1);
+  backend_->release_reservation(device_, arena->base, arena->size);
+  delete_block(arena->head);
+  delete arena;
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,198 @@
+"""Virtual-memory arenas and stitching (Note [Arenas] in allocator/src/arena.cpp).
+
+Run on the host backend, whose granules are real memfd chunks mapped into a
+real reservation, so bytes written through one mapping are read back, and on
+the sim backend. Every call is followed by ``pyalloc_check``, which verifies
+I9 (holes granule-aligned and apart; a granule mapped exactly under the
+blocks that need it; reserved == mapped).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Iterator
+
+import pytest
+
+import pyalloc
+from allocator_fixture import Allocator, fresh_conf
+
+MiB = 1 << 20
+GRANULE = 2 * MiB
+
+
+@pytest.fixture(params=["host", "sim"])
+def arenas(request: pytest.FixtureRequest) -> Iterator[Allocator]:
+    backend = request.param
+    pyalloc.configure(fresh_conf("sim" if backend == "host" else "host"))
+    pyalloc.configure(fresh_conf(backend, "vmm=on"))
+    a = Allocator(backend)
+    yield a
+    a.free_all()
+    pyalloc.check(0)
+
+
+def fill(ptr: int, size: int, byte: int) -> None:
+    ctypes.memset(ptr, byte, size)
+
+
+def holds(ptr: int, size: int, byte: int) -> bool:
+    return ctypes.string_at(ptr, size) == bytes([byte]) * size
+
+
+def pending_bytes(a: Allocator) -> int:
+    s = a.stats()
+    return s["active_bytes.all.current"] - s["allocated_bytes.all.current"]
+
+
+def test_growth_maps_only_the_granules_a_request_needs(arenas: Allocator) -> None:
+    a = arenas.malloc(3 * MiB)
+    s = arenas.stats()
+    assert s["reserved_bytes.large_pool.current"] == 4 * MiB  # two granules, not a 20 MiB segment
+    b = arenas.malloc(3 * MiB)
+    assert b == a + 3 * MiB  # contiguous: the second granule's free MiB is used
+    s = arenas.stats()
+    assert s["reserved_bytes.large_pool.current"] == 6 * MiB
+    assert s["segment.large_pool.current"] == 1  # one arena
+    assert s["pool.large.segments"] == 1
+
+
+def test_free_memory_on_both_sides_of_a_hole_joins_into_one_block(arenas: Allocator) -> None:
+    a = arenas.malloc(3 * MiB)
+    b = arenas.malloc(4 * MiB)  # [3, 7) MiB: granule [4, 6) lies wholly inside
+    c = arenas.malloc(3 * MiB)
+    arenas.free(b)
+    released = pyalloc.release_cached(0, 0)
+    assert released == GRANULE  # only the whole granule inside b could go
+    assert arenas.stats()["reserved_bytes.large_pool.current"] == 8 * MiB
+    # 4 MiB fits again only across the hole: the allocator maps it back and the
+    # free 1 MiB on each side joins the new granule.
+    again = arenas.malloc(4 * MiB)
+    assert again == b
+    assert arenas.stats()["reserved_bytes.large_pool.current"] == 10 * MiB
+    del a, c
+
+
+def test_stitching_moves_free_granules_to_where_a_request_fits(arenas: Allocator) -> None:
+    """PyTorch's placement fails here (see the plain OOM-report test); stitching serves it."""
+    pyalloc.configure(fresh_conf(arenas.backend, "vmm=on").replace("capacity=256MiB", "capacity=40MiB"))
+    blocks = [arenas.malloc(3 * MiB) for _ in range(12)]  # 36 MiB of 3 MiB blocks: 18 granules
+    live = blocks[1::2]
+    if arenas.backend == "host":
+        for i, p in enumerate(live):
+            fill(p, 3 * MiB, 0x40 + i)
+    for p in blocks[::2]:
+        arenas.free(p)  # 3 MiB free slivers, no two together
+    s = arenas.stats()
+    assert s["reserved_bytes.all.current"] == 36 * MiB
+    assert s["num_stitches"] == 0
+
+    big = arenas.malloc(8 * MiB)  # 4 MiB of the device is left: needs granules from the slivers
+    s = arenas.stats()
+    assert big != 0
+    assert s["num_stitches"] == 1
+    assert s["stitched_bytes"] >= 4 * MiB
+    assert s["reserved_bytes.all.current"] <= 40 * MiB
+    assert s["num_ooms"] == 0
+    if arenas.backend == "host":
+        fill(big, 8 * MiB, 0x7E)  # every byte of the stitched range is backed and writable
+        assert holds(big, 8 * MiB, 0x7E)
+        for i, p in enumerate(live):  # the live blocks' bytes did not move
+            assert holds(p, 3 * MiB, 0x40 + i)
+
+
+def test_stitching_never_takes_a_granule_from_a_pending_block(arenas: Allocator) -> None:
+    pyalloc.configure(
+        fresh_conf(arenas.backend, "vmm=on,event_delay=1000").replace("capacity=256MiB", "capacity=24MiB")
+    )
+    pending = arenas.malloc(8 * MiB)
+    pyalloc.record_stream(pending, 7)
+    size, _ = arenas.live.pop(pending)
+    pyalloc.free(pending, size)  # waits on stream 7's event: not free yet
+    assert pending_bytes(arenas) == 8 * MiB
+    keeper = arenas.malloc(14 * MiB)
+    # Only 2 MiB of the device is left and the pending block's granules are not
+    # free: a 4 MiB request can only be served once the pending free completes
+    # (step 1 synchronizes pending frees, then the granules are free).
+    extra = arenas.malloc(4 * MiB)
+    s = arenas.stats()
+    assert pending_bytes(arenas) == 0
+    assert s["reserved_bytes.all.current"] <= 24 * MiB
+    del keeper, extra
+
+
+def test_empty_cache_gives_back_every_granule_and_reservation(arenas: Allocator) -> None:
+    ptrs = [arenas.malloc(s * MiB) for s in (3, 5, 7, 11)]
+    for p in ptrs:
+        arenas.free(p)
+    pyalloc.empty_cache()
+    s = arenas.stats()
+    assert s["reserved_bytes.all.current"] == 0
+    assert s["segment.all.current"] == 0
+    assert s["num_device_alloc"] == s["num_device_free"] > 0
+    p = arenas.malloc(3 * MiB)  # a new arena
+    assert arenas.stats()["reserved_bytes.large_pool.current"] == 4 * MiB
+    del p
+
+
+def test_max_cached_unmaps_free_granules(arenas: Allocator) -> None:
+    pyalloc.configure(fresh_conf(arenas.backend, "vmm=on,max_cached=4MiB"))
+    keep = arenas.malloc(2 * MiB)
+    big = arenas.malloc(16 * MiB)
+    arenas.free(big)
+    s = arenas.stats()
+    assert s["inactive_split_bytes.all.current"] <= 4 * MiB
+    assert s["reserved_bytes.all.current"] <= 2 * MiB + 4 * MiB
+    del keep
+
+
+def test_each_stream_gets_its_own_arena(arenas: Allocator) -> None:
+    a = arenas.malloc(3 * MiB, stream=0)
+    b = arenas.malloc(3 * MiB, stream=5)
+    s = arenas.stats()
+    assert s["segment.large_pool.current"] == 2
+    assert abs(a - b) >= 4 * MiB  # different reservations
+    arenas.free(a)
+    c = arenas.malloc(3 * MiB, stream=5)  # not the stream-0 block
+    assert c != a
+    arenas.free(b, stream=5)
+    arenas.free(c, stream=5)
+
+
+def test_a_free_of_an_address_inside_a_hole_is_refused(arenas: Allocator) -> None:
+    a = arenas.malloc(6 * MiB)
+    arenas.free(a)
+    pyalloc.release_cached(0, 0)
+    before = arenas.stats()
+    with pytest.raises(pyalloc.PyallocError, match="not the start of a live allocation|not allocated"):
+        pyalloc.free(a, 6 * MiB)
+    after = arenas.stats()
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+    assert after["num_invalid_free"] == before["num_invalid_free"] + 1
+
+
+def test_user_pools_grow_in_arenas_too(arenas: Allocator) -> None:
+    with pyalloc.pool("params"):
+        p = arenas.malloc(3 * MiB)
+    s = arenas.stats()
+    assert s["pool.params.reserved_bytes"] == 4 * MiB
+    assert s["pool.params.segments"] == 1
+    del p
+
+
+def test_vmm_all_puts_the_small_pool_in_an_arena(arenas: Allocator) -> None:
+    pyalloc.configure(fresh_conf(arenas.backend, "vmm=all"))
+    ptrs = [arenas.malloc(700 << 10) for _ in range(3)]  # 2.05 MiB: three straddle two granules
+    s = arenas.stats()
+    assert s["reserved_bytes.small_pool.current"] == 4 * MiB
+    assert s["segment.small_pool.current"] == 1
+    assert ptrs[1] == ptrs[0] + (700 << 10) and ptrs[2] == ptrs[1] + (700 << 10)
+
+
+def test_vmm_is_a_layout_key_with_a_clear_error_for_bad_values() -> None:
+    with pytest.raises(pyalloc.PyallocError, match="bad value 'maybe' for vmm: expected auto, on, all or off"):
+        pyalloc.configure("vmm=maybe")
+    pyalloc.configure(fresh_conf("sim", "vmm=off"))
+    assert pyalloc.config()["vmm"] == "off"
+    pyalloc.configure(fresh_conf("sim"))
+    assert pyalloc.config()["vmm"] == "auto"
