@@ -70,7 +70,7 @@ struct Options {
   int rounds = 10;
   long ops = 1000;           // operations per thread per round
   uint64_t seed = 42;
-  std::string capacity = "160MiB";  // per device; small enough that device 0 OOMs under pressure
+  std::string capacity = "96MiB";  // per device; small enough that device 0 runs short: stitching and OOMs
   std::string vmm = "all";
 };
 
@@ -538,6 +538,7 @@ int main(int argc, char** argv) {
   pyalloc_empty_cache();
 
   uint64_t ooms = 0;
+  uint64_t stitches = 0;
   uint64_t invalid = 0;
   for (int d = 0; d < kDevices; ++d) {
     check_or_fail(d, -1, "after the final empty_cache");
@@ -546,6 +547,7 @@ int main(int argc, char** argv) {
     const uint64_t allocations = stat_or_fail(json, "allocation.all.current");
     const uint64_t reserved = stat_or_fail(json, "reserved_bytes.all.current");
     ooms += stat_or_fail(json, "num_ooms");
+    stitches += stat_or_fail(json, "num_stitches");
     int invalid_keys = 0;
     invalid += sum_invalid_counters(json, &invalid_keys);
     if (invalid_keys == 0) fail("stats JSON has no num_invalid* counter: %s", json.c_str());
@@ -572,7 +574,7 @@ int main(int argc, char** argv) {
               " cross_thread_frees=%" PRIu64 " ooms=%" PRIu64 " record_streams=%" PRIu64
               " bad_calls=%" PRIu64 " checks=%" PRIu64 " empty_caches=%" PRIu64
               " pool_allocs=%" PRIu64 " cupy_allocs=%" PRIu64 " reconfigures=%" PRIu64
-              " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64
+              " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64
               " threads=%d rounds=%d seed=%" PRIu64 "\n",
               uint64_t(g_count.ops.load()), uint64_t(g_count.allocs.load()),
               uint64_t(g_count.frees.load()), uint64_t(g_count.cross_thread_frees.load()),
@@ -581,6 +583,6 @@ int main(int argc, char** argv) {
               uint64_t(g_count.empty_caches.load()), uint64_t(g_count.pool_allocs.load()),
               uint64_t(g_count.cupy_allocs.load()), uint64_t(g_count.reconfigures.load()),
               uint64_t(g_count.refused_reconfigures.load()), uint64_t(g_count.introspections.load()),
-              opt.threads, opt.rounds, opt.seed);
+              stitches, opt.threads, opt.rounds, opt.seed);
   return 0;
 }
