@@ -146,8 +146,8 @@ PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Ot
     live_.erase(entry);
     return merge_and_unlock(block);
   }
-  live_.erase(entry);
   count_freed(block);
+  live_.erase(entry);
   cache_block(block);
   mutex_.unlock();
 }

@@ -74,7 +74,13 @@ class FreeSet {
   // classes its search meets (Note [Free sets]).
   Block* best_fit(StreamId stream, size_t size) const;
 
-  size_t size() const { return count_; }
+  // The number of free blocks, by walking the lists (for check(): the fast
+  // path keeps no count).
+  size_t size() const {
+    size_t n = 0;
+    for_each([&n](const Block*) { ++n; });
+    return n;
+  }
   bool contains(const Block* block) const;
 
   template <typename F>
@@ -87,8 +93,7 @@ class FreeSet {
   }
 
   // The structure's own invariants: sorted classes, right classes and
-  // streams, a bit set for every non-empty class, the count. False with
-  // *error.
+  // streams, a bit set for every non-empty class. False with *error.
   bool validate(std::string* error) const;
 
  private:
@@ -114,7 +119,6 @@ class FreeSet {
   // Never null, so that the compare needs no test first.
   static StreamBins no_bins_;  // empty, and never written
   mutable StreamBins* last_ = &no_bins_;
-  size_t count_ = 0;
 };
 
 }  // namespace pyalloc

@@ -69,7 +69,6 @@ inline void FreeSet::link(StreamBins& bins, Block* block) {
       bins.summary |= uint64_t{1} << (c >> 6);
     }
   }
-  ++count_;
 }
 
 // The block keeps bin_class (reinsert() puts it back) and stale list links.
@@ -80,7 +79,6 @@ inline void FreeSet::erase(Block* block) {
   } else {
     find(block->stream)->heads[block->bin_class] = block->bin_next;  // an emptied class keeps its bit
   }
-  --count_;
 }
 
 inline Block* FreeSet::best_fit(StreamId stream, size_t size) const {

@@ -27,7 +27,7 @@ class PtrMap {
 
   Entry* find(uintptr_t key) {
     Entry* e = home(key);
-    while (e->key != key) {
+    while (__builtin_expect(e->key != key, 0)) {
       if (e->key == 0) return nullptr;
       e = next(e);
     }
@@ -47,7 +47,7 @@ class PtrMap {
   // insert() when !full(): never allocates.
   void place(uintptr_t key, V value) {
     Entry* e = home(key);
-    while (e->key != 0) e = next(e);
+    while (__builtin_expect(e->key != 0, 0)) e = next(e);
     *e = Entry{key, value};
     ++size_;
   }

@@ -6,21 +6,17 @@
 // that still yields all four figures exactly (Note [Counters]).
 //
 // Note [Counters]
-// A Counter keeps, for the small and the large pool, `current`, the peak and
-// `decreased` (the sum of decreases since the last reset_accumulated()), in
-// a form where every update is one add to memory per figure:
-//   - The peak is kept as headroom = peak - current (>= 0). A change of n
-//     moves both by n, and only an increase that drives the headroom below
-//     zero has found a new peak (headroom back to 0: peak == current); that
-//     sign test is the only branch.
+// A Counter keeps, for the small and the large pool, `current`, `peak` and
+// `decreased` (the sum of decreases since the last reset_accumulated()).
 //   - freed is `decreased`; allocated (the sum of increases) is derived:
 //       allocated = freed + (current - current_at_reset),
 //     where current_at_reset is current when accumulation last restarted.
+//     The sum is kept on the decrease side because increase() already has
+//     the peak checks to do: increase() stores one word unless it sets a
+//     peak, decrease() two.
 //   - "all" is derived: current, allocated and freed are sums of the two
-//     pools. Its peak is not (a sum of peaks is not a peak): it keeps a
-//     headroom of its own, peak(all) - current(all), which every change moves.
-// So increase() writes current and two headrooms; decrease() those and
-// `decreased`.
+//     pools. Its peak is not (a sum of peaks is not a peak), so increase()
+//     also raises the all-pool peak from the new sum.
 // Active blocks are not counted separately (DeviceStats::active): a block is
 // active while allocated or pending-free, so active = allocation + pending,
 // and `pending` changes only on the record_stream path. See DeviceStats.
