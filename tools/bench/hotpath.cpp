@@ -174,6 +174,10 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   const uint64_t n = std::strtoull(argv[2], nullptr, 10);
   if (pyalloc_configure(kConf) != PYALLOC_OK) fail(std::string("pyalloc_configure(\"") + kConf + "\")");
+  // Plain segments, so that `split` splits and merges: in an arena the 4 MiB
+  // block would be mapped to its exact size and every pair would be a hit.
+  // A library older than the vmm key refuses it and has plain segments anyway.
+  pyalloc_configure("vmm=off");
   uint64_t pairs = n;
   double ns = 0;
   if (mode == "hit") {
