@@ -86,47 +86,23 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
 // bytes; the returned second part has the same state.
 Block* DeviceAllocator::split_block(Block* block, size_t offset) {
   Block* rest = new_block();
-  rest->addr = block->addr + offset;
-  rest->size = block->size - offset;
-  rest->segment = block->segment;
-  rest->pool = block->pool;
-  rest->stream = block->stream;
+  split_into(block, rest, offset);
   rest->state = block->state;
-  rest->prev = block;
-  rest->next = block->next;
-  if (block->next != nullptr) block->next->prev = rest;
-  block->next = rest;
-  block->size = offset;
   return rest;
 }
 
-// Absorbs `next` (the block right after `block`) into `block`.
-void DeviceAllocator::absorb_next(Block* block) {
-  Block* next = block->next;
-  block->size += next->size;
-  block->next = next->next;
-  if (next->next != nullptr) next->next->prev = block;
-  delete_block(next);
-}
-
-// `block` (out of the free set) joins its free neighbours and goes into the
-// free set; returns the merged block.
+// `block` (free, out of the free set) joins its free neighbours and goes into
+// the free set; returns the merged block.
 Block* DeviceAllocator::insert_coalesced(Block* block) {
-  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
-    erase_free(prev);
-    absorb_next(prev);
-    block = prev;
-  }
-  if (Block* next = block->next; next != nullptr && next->is_free()) {
-    erase_free(next);
-    absorb_next(block);
-  }
+  make_spare_room(2);
+  block = coalesce(block);
   insert_free(block);
   return block;
 }
 
 // Merges a hole with the holes beside it.
 void DeviceAllocator::merge_holes(Block* hole) {
+  make_spare_room(2);
   if (hole->prev != nullptr && hole->prev->state == BlockState::kHole) {
     hole = hole->prev;
     absorb_next(hole);
@@ -162,8 +138,8 @@ DeviceAllocator::Window DeviceAllocator::best_window(Segment* arena, size_t roun
   Window best;
   auto consider = [&](Block* first, uintptr_t lo) {
     const size_t cost = granules_to_map(arena, first, lo, lo + rounded, g);
-    if (best.first == nullptr || cost < best.granules || (cost == best.granules && lo < best.lo)) {
-      best = Window{first, lo, cost};
+    if (!best.found || cost < best.granules || (cost == best.granules && lo < best.lo)) {
+      best = Window{true, lo, cost};
     }
   };
   for (Block* b = arena->head; b != nullptr; b = b->next) {
@@ -320,7 +296,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   if (arena == nullptr) return nullptr;
   const size_t g = granule_;
   const Window w = best_window(arena, rounded);
-  if (w.first == nullptr) return nullptr;  // the reservation itself is full
+  if (!w.found) return nullptr;  // the reservation itself is full
   const uintptr_t lo = arena->base + (w.lo - arena->base) / g * g;
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
 
@@ -357,7 +333,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   }
 
   // Map the window's holes, lowest first. Stitching may have merged holes
-  // (w.first among them), so find the block holding `lo` afresh; fill_hole
+  // in this arena, so find the block holding `lo` now; fill_hole
   // coalesces, which may delete the blocks after a hole: go on from the
   // block it returns.
   Block* b = arena->head;

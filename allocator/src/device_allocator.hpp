@@ -189,6 +189,9 @@ class DeviceAllocator {
   void finish_free(Block* block);
   bool has_free_neighbour(const Block* block) const;
   void give_back(Block* block);
+  Block* coalesce(Block* block);                            // merges free neighbours; spare_room(2)
+  void split_into(Block* block, Block* rest, size_t offset);  // `rest` becomes the part after `offset`
+  void absorb_next(Block* block);                           // spare_room(1)
   void cache_block(Block* block);
   void* split_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
   void merge_and_unlock(Block* block);
@@ -200,9 +203,9 @@ class DeviceAllocator {
 
   // Arenas and stitching (Note [Arenas] in arena.cpp).
   struct Window {
-    Block* first = nullptr;  // the block holding `lo`
-    uintptr_t lo = 0;        // where the window starts
-    size_t granules = 0;     // granules it needs mapped
+    bool found = false;
+    uintptr_t lo = 0;     // where the window starts
+    size_t granules = 0;  // granules it needs mapped
   };
   bool check_arena(const Segment* arena, std::string* problem) const;  // I9
   size_t granule();
@@ -220,7 +223,6 @@ class DeviceAllocator {
   template <typename F>
   void for_each_arena(F fn);
   Block* split_block(Block* block, size_t offset);
-  void absorb_next(Block* block);
   Block* insert_coalesced(Block* block);
   void merge_holes(Block* hole);
 

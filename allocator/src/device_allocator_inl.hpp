@@ -217,16 +217,7 @@ PYALLOC_INLINE void* DeviceAllocator::hand_out(Pool& pool, Block* block, Block* 
   uncount_cached(t, block);
   pool.free_blocks.erase(block);  // erase_free(), with the pool at hand
   if (rest != nullptr) {
-    rest->addr = addr + rounded;
-    rest->size = block->size - rounded;
-    rest->segment = block->segment;
-    rest->pool = &pool;
-    rest->stream = block->stream;
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next != nullptr) block->next->prev = rest;
-    block->next = rest;
-    block->size = rounded;
+    split_into(block, rest, rounded);
     block->bin_class = FreeSet::size_class(rounded);
     rest->bin_class = FreeSet::size_class(rest->size);
     reinsert_free(rest);
@@ -258,23 +249,48 @@ PYALLOC_INLINE bool DeviceAllocator::has_free_neighbour(const Block* block) cons
 // `block` (no longer allocated or pending) becomes free: it coalesces with
 // its free neighbours and joins the cache. Needs spare_room(2).
 PYALLOC_INLINE void DeviceAllocator::give_back(Block* block) {
+  block = coalesce(block);
+  block->bin_class = FreeSet::size_class(block->size);
+  cache_block(block);
+}
+
+// `block`, out of any free set, absorbs its free neighbours (which leave
+// their free sets); returns the merged block. Needs spare_room(2).
+PYALLOC_INLINE Block* DeviceAllocator::coalesce(Block* block) {
   if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
     erase_free(prev);
-    prev->size += block->size;
-    prev->next = block->next;
-    if (block->next != nullptr) block->next->prev = prev;
-    recycle_block(block);
+    absorb_next(prev);
     block = prev;
   }
   if (Block* next = block->next; next != nullptr && next->is_free()) {
     erase_free(next);
-    block->size += next->size;
-    block->next = next->next;
-    if (next->next != nullptr) next->next->prev = block;
-    recycle_block(next);
+    absorb_next(block);
   }
-  block->bin_class = FreeSet::size_class(block->size);
-  cache_block(block);
+  return block;
+}
+
+// Splits `block` at `offset` bytes: `rest` (a Block object not in use)
+// becomes the part after, in the same segment, pool and stream.
+PYALLOC_INLINE void DeviceAllocator::split_into(Block* block, Block* rest, size_t offset) {
+  rest->addr = block->addr + offset;
+  rest->size = block->size - offset;
+  rest->segment = block->segment;
+  rest->pool = block->pool;
+  rest->stream = block->stream;
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next != nullptr) block->next->prev = rest;
+  block->next = rest;
+  block->size = offset;
+}
+
+// `block` absorbs the block after it, whose object is recycled. Needs spare_room(1).
+PYALLOC_INLINE void DeviceAllocator::absorb_next(Block* block) {
+  Block* next = block->next;
+  block->size += next->size;
+  block->next = next->next;
+  if (next->next != nullptr) next->next->prev = block;
+  recycle_block(next);
 }
 
 // give_back() for a block with no free neighbour, whose bin_class is still
