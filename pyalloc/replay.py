@@ -10,6 +10,8 @@ Policies:
                  arenas, with stitching under pressure (vmm=auto)
   pyalloc-plain  this allocator with plain segments only (vmm=off): its
                  policy before arenas, PyTorch's placement
+  pyalloc-plan   the defaults plus iteration plans (plan=1): a repeated
+                 allocation sequence is learned and served from a plan
   native         a MODEL of PyTorch's default CUDACachingAllocator policy
                  (allocator/src/native_model.hpp says what it models)
 """
@@ -36,11 +38,12 @@ DEFAULT_CAPACITY = 80 << 30
 POLICIES = {
     "pyalloc": "the pyalloc allocator, its defaults (arenas and stitching, vmm=auto)",
     "pyalloc-plain": "the pyalloc allocator with plain segments only (vmm=off)",
+    "pyalloc-plan": "the pyalloc allocator with iteration plans (plan=1)",
     "native": "a model of PyTorch's default caching allocator (a model, not PyTorch)",
 }
 # The PYALLOC_CONF keys each pyalloc policy adds (a --conf given by the user
 # comes after them, so it wins); "native" is not the allocator at all.
-POLICY_CONF = {"pyalloc": "", "pyalloc-plain": "vmm=off"}
+POLICY_CONF = {"pyalloc": "", "pyalloc-plain": "vmm=off", "pyalloc-plan": "plan=1"}
 
 
 class ReplayResultC(ctypes.Structure):
@@ -135,7 +138,7 @@ def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
     """A fresh single-device allocator of ``capacity`` bytes on ``backend``."""
     # configure() applies keys on top of the current configuration: name every
     # key a policy may set, so one replay's policy never leaks into the next.
-    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,vmm=auto"
+    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,vmm=auto,plan=0"
     core.configure(settings + ("," + conf if conf else ""))
 
 

@@ -11,6 +11,7 @@ Policies:
   pyalloc        this allocator with its defaults, through the same C ABI
                  PyTorch calls (virtual-memory arenas and stitching)
   pyalloc-plain  this allocator with plain segments only (vmm=off)
+  pyalloc-plan   the defaults plus iteration plans (plan=1; not run unless named)
   native         a MODEL of PyTorch's default caching allocator, not PyTorch
                  itself (allocator/src/native_model.hpp says what it models);
                  labelled "native (model)" in the table and the plot
@@ -384,6 +385,7 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
     styles = {"pyalloc": {"color": "tab:blue", "linestyle": "-"},
               "pyalloc-plain": {"color": "tab:purple", "linestyle": "-."},
+              "pyalloc-plan": {"color": "tab:green", "linestyle": ":"},
               "native": {"color": "tab:orange", "linestyle": "--"}}
     for ax, run in zip(axes.flat, runs):
         w = run.workload

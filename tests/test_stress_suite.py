@@ -377,3 +377,17 @@ def test_load_workload_counts_iterations_of_generated_traces() -> None:
     workload = stress.load_workload("size_sweep", 3, True)
     assert workload.kind == "generated" and workload.iterations == 2
     assert "seed=3" in workload.source
+
+
+def test_the_plan_policy_serves_a_repeated_loop_from_a_plan() -> None:
+    """mlp_fixed repeats one iteration: pyalloc-plan learns it and places most requests by plan."""
+    w = stress.load_workload("mlp_fixed", seed=0, quick=False)
+    result = replay(w.flat, "pyalloc-plan", "sim")
+    s = pyalloc.memory_stats()
+    assert result.ooms == 0
+    assert s["num_plans"] >= 1 and s["plan_served"] > 0
+    assert s["plan_misses"] == 0  # the sequence repeats exactly
+    assert pyalloc.config()["plan"] is True
+    assert find_min_capacity(w.flat, "pyalloc-plan") <= find_min_capacity(w.flat, "native")
+    replay(w.flat, "pyalloc", "sim")
+    assert pyalloc.config()["plan"] is False  # the policy does not leak into the next replay

@@ -253,12 +253,8 @@ bool DeviceAllocator::free_interior(const Block* b, uintptr_t* lo, uintptr_t* hi
 
 template <typename F>
 void DeviceAllocator::for_each_arena(F fn) {
-  for (Segment* a : small_pool_.arenas) fn(a);
-  for (Segment* a : large_pool_.arenas) fn(a);
-  for (auto& pool : user_pools_) {
-    if (pool) {
-      for (Segment* a : pool->arenas) fn(a);
-    }
+  for (Pool* pool : pools()) {
+    for (Segment* a : pool->arenas) fn(a);
   }
 }
 

@@ -114,12 +114,8 @@ bool DeviceAllocator::check(std::string* error) {
     return false;
   };
 
-  std::vector<const Pool*> pools = {&small_pool_, &large_pool_};
-  for (const auto& p : user_pools_) {
-    if (p) pools.push_back(p.get());
-  }
   size_t free_set_entries = 0;
-  for (const Pool* pool : pools) free_set_entries += pool->free_blocks.size();
+  for (const Pool* pool : pools()) free_set_entries += pool->free_blocks.size();
 
   std::unordered_set<const Block*> pending_blocks;
   for (const PendingFree& p : pending_) pending_blocks.insert(p.block);
@@ -206,7 +202,7 @@ bool DeviceAllocator::check(std::string* error) {
     return fail("I3: free sets hold " + std::to_string(free_set_entries) + " blocks but the walk found " +
                 std::to_string(free_blocks_walked) + " free blocks");
   }
-  for (const Pool* pool : pools) {
+  for (const Pool* pool : pools()) {
     std::string problem;
     if (!pool->free_blocks.validate(&problem)) return fail("I3: pool " + pool->name + ": " + problem);
     pool->free_blocks.for_each([&](const Block* b) {
@@ -226,7 +222,7 @@ bool DeviceAllocator::check(std::string* error) {
     return fail("I6: cached free counter is " + std::to_string(cached_free_bytes_) + " but the walk sums " +
                 std::to_string(sums.cached_free));
   }
-  for (const Pool* pool : pools) {
+  for (const Pool* pool : pools()) {
     for (const Segment* a : pool->arenas) {
       auto it = segments_.find(a->base);
       if (it == segments_.end() || it->second != a || a->pool != pool || !a->arena) {
@@ -237,6 +233,7 @@ bool DeviceAllocator::check(std::string* error) {
   if (sums.reserved[kStatAll] != sums.allocated[kStatAll] + sums.pending_bytes + sums.cached_free) {
     return fail("I6: reserved != allocated + pending_free + cached_free");
   }
+  if (std::string problem; !check_plan(&problem)) return fail("I10: " + problem);
   return compare("segment", stats_.segment.view(), sums.segments, error) &&
          compare("reserved_bytes", stats_.reserved_bytes.view(), sums.reserved, error) &&
          compare("allocation", stats_.allocation.view(), sums.allocations, error) &&

@@ -146,6 +146,8 @@ const std::vector<KeySpec>& key_specs() {
          else return false;
          return true;
        }},
+      {"plan", "0 or 1",
+       [](const std::string& v, Config* c) { return parse_bool(v, &c->plan); }},
   };
   return *specs;
 }
@@ -234,7 +236,7 @@ VmmMode Config::vmm_mode() const {
 bool Config::layout_differs(const Config& n) const {
   return backend != n.backend || devices != n.devices || capacity != n.capacity ||
          small_segment != n.small_segment || large_segment != n.large_segment ||
-         event_delay != n.event_delay || vmm_mode() != n.vmm_mode();
+         event_delay != n.event_delay || vmm_mode() != n.vmm_mode() || plan != n.plan;
 }
 
 std::string Config::to_json() const {
@@ -257,6 +259,7 @@ std::string Config::to_json() const {
   w.key("daemon_socket").value(daemon_socket);
   static const char* const vmm_names[] = {"auto", "on", "all", "off"};
   w.key("vmm").value(vmm_names[static_cast<int>(vmm)]);
+  w.key("plan").value(plan);
   w.end_object();
   return w.str();
 }

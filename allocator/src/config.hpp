@@ -38,6 +38,7 @@ struct Config {
   bool pressure_opt_in = false;     // trim when gpumemd relays another process's pressure
   std::string daemon_socket = "auto";  // gpumemd's socket for ladder step 4; "off" disables
   VmmMode vmm = VmmMode::kAuto;     // virtual-memory arenas and stitching
+  bool plan = false;                // iteration plans (Note [Iteration plans]); off: see README
 
   // The mode in effect (kAuto resolved): kOn, kAll or kOff.
   VmmMode vmm_mode() const;

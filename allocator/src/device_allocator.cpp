@@ -68,11 +68,14 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* back
       small_segment_(config.small_segment),
       large_segment_(config.large_segment),
       vmm_(config.vmm_mode()),
+      planning_(config.plan),
       small_pool_(PoolKind::kSmall, 0, "small"),
-      large_pool_(PoolKind::kLarge, 0, "large") {
+      large_pool_(PoolKind::kLarge, 0, "large"),
+      plan_pool_(PoolKind::kPlan, 0, "plan") {
   small_pool_.in_arenas = vmm_ == VmmMode::kAll;
   large_pool_.in_arenas = vmm_ != VmmMode::kOff;
   apply_settings(config);
+  if (planning_) observe();
 }
 
 DeviceAllocator::~DeviceAllocator() {
@@ -187,6 +190,8 @@ class Unlocked {
 __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Pool& pool, size_t size, size_t rounded,
                                                                    StreamId stream, int* status) {
   reclaim_pending(false);
+  // A dormant planner watches again once the cache keeps missing.
+  if (planning_ && !(divert_ & kDivertPlanner) && planner_wait_ > 0 && --planner_wait_ == 0) observe();
   Block* block = find_or_grow(pool, rounded, stream);
   if (block == nullptr) {  // step 1: nothing changed since find_or_grow failed, so release first
     ++stats_.num_alloc_retries;
@@ -201,7 +206,7 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Pool& pool, s
       Unlocked unlocked(mutex_);
       callback_freed = hooks_->run_pressure_callbacks(device_, rounded);
     }
-    if (retired_) return *status = PYALLOC_EBUSY, nullptr;
+    if (divert_ & kDivertRetired) return *status = PYALLOC_EBUSY, nullptr;
     stats_.pressure_callback_freed_bytes += static_cast<int64_t>(callback_freed);
     block = retry_after_outside_help(pool, rounded, stream);
   }
@@ -211,13 +216,17 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Pool& pool, s
       Unlocked unlocked(mutex_);
       answer = hooks_->ask_daemon(device_, rounded);
     }
-    if (retired_) return *status = PYALLOC_EBUSY, nullptr;
+    if (divert_ & kDivertRetired) return *status = PYALLOC_EBUSY, nullptr;
     if (answer.answered) {
       ++stats_.num_daemon_requests;
       stats_.daemon_freed_bytes += static_cast<int64_t>(answer.freed_bytes);
     }
     daemon_freed = answer.freed_bytes;
     if (daemon_freed > 0) block = retry_after_outside_help(pool, rounded, stream);
+  }
+  if (block == nullptr && plan_region_ != nullptr) {  // a plan never costs an OOM the cache avoids
+    drop_plan();
+    block = retry_after_outside_help(pool, rounded, stream);
   }
   if (block == nullptr) {  // step 5
     ++stats_.num_ooms;
@@ -354,7 +363,8 @@ void DeviceAllocator::synchronize_pending() {
 size_t DeviceAllocator::release_free_segments(size_t bytes) {
   std::vector<Segment*> candidates;
   for (auto& entry : segments_) {
-    if (!entry.second->arena && entry.second->wholly_free()) candidates.push_back(entry.second);
+    const Segment* seg = entry.second;
+    if (!seg->arena && seg->wholly_free() && seg != plan_region_) candidates.push_back(entry.second);
   }
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
     return a->free_since != b->free_since ? a->free_since < b->free_since : a->id < b->id;
@@ -399,6 +409,11 @@ __attribute__((noinline, cold)) void DeviceAllocator::enforce_max_cached() {
 size_t DeviceAllocator::empty_cache() {
   Lock lock(mutex_);
   synchronize_pending();
+  // The plan's region goes too; observation starts over.
+  if (planning_) {
+    drop_plan();
+    observe();
+  }
   return release_cached_memory(0);
 }
 
@@ -441,14 +456,25 @@ __attribute__((noinline, cold)) FreeResult DeviceAllocator::classify_bad_free(ui
   return FreeResult::kUnknownPointer;
 }
 
+std::vector<Pool*> DeviceAllocator::pools() {
+  std::vector<Pool*> out = {&small_pool_, &large_pool_, &plan_pool_};
+  for (const auto& pool : user_pools_) {
+    if (pool) out.push_back(pool.get());
+  }
+  return out;
+}
+
+std::vector<const Pool*> DeviceAllocator::pools() const {
+  std::vector<const Pool*> out = {&small_pool_, &large_pool_, &plan_pool_};
+  for (const auto& pool : user_pools_) {
+    if (pool) out.push_back(pool.get());
+  }
+  return out;
+}
+
 size_t DeviceAllocator::largest_free_block() const {
   size_t largest = 0;
-  auto visit = [&](const Block* b) { largest = std::max(largest, b->size); };
-  small_pool_.free_blocks.for_each(visit);
-  large_pool_.free_blocks.for_each(visit);
-  for (const auto& pool : user_pools_) {
-    if (pool) pool->free_blocks.for_each(visit);
-  }
+  for (const Pool* pool : pools()) pool->free_blocks.for_each([&](const Block* b) { largest = std::max(largest, b->size); });
   return largest;
 }
 
@@ -532,17 +558,11 @@ std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_
 // Per-pool figures come from a walk of the segments, not from counters: the
 // fast path pays nothing for them.
 std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() const {
-  // One slot per pool: small, large, then user pool id N at N + 1.
-  auto slot = [](const Pool* pool) -> size_t {
-    if (pool->kind == PoolKind::kUser) return 1 + static_cast<size_t>(pool->id);
-    return pool->kind == PoolKind::kSmall ? 0 : 1;
-  };
-  std::vector<PoolUsage> usage(2 + user_pools_.size());
-  usage[0].pool = &small_pool_;
-  usage[1].pool = &large_pool_;
-  for (const auto& pool : user_pools_) {
-    if (pool) usage[slot(pool.get())].pool = pool.get();
-  }
+  // One slot per pool, in pools() order.
+  const std::vector<const Pool*> all = pools();
+  std::vector<PoolUsage> usage(all.size());
+  for (size_t i = 0; i < all.size(); ++i) usage[i].pool = all[i];
+  auto slot = [&](const Pool* pool) { return static_cast<size_t>(std::find(all.begin(), all.end(), pool) - all.begin()); };
   for (const auto& seg_entry : segments_) {
     const Segment* seg = seg_entry.second;
     PoolUsage& u = usage[slot(seg->pool)];
@@ -564,9 +584,6 @@ std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() con
       }
     }
   }
-  // Pool ids this device never used have no Pool here.
-  usage.erase(std::remove_if(usage.begin(), usage.end(), [](const PoolUsage& u) { return u.pool == nullptr; }),
-              usage.end());
   return usage;
 }
 
@@ -607,14 +624,15 @@ bool DeviceAllocator::retire_if_idle(int64_t* live_bytes) {
       return false;
     }
   }
+  drop_plan();
   release_cached_memory(0);
-  retired_ = true;
+  divert_ |= kDivertRetired;
   return true;
 }
 
 void DeviceAllocator::unretire() {
   Lock lock(mutex_);
-  retired_ = false;
+  divert_ &= ~kDivertRetired;
 }
 
 }  // namespace pyalloc

@@ -37,6 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "plan.hpp"
 #include "ptr_map.hpp"
 #include "backend.hpp"
 #include "config.hpp"
@@ -226,6 +227,20 @@ class DeviceAllocator {
   Block* insert_coalesced(Block* block);
   void merge_holes(Block* hole);
 
+  // Iteration plans (Note [Iteration plans] in plan.cpp).
+  void* malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void watch_free(Block* block);
+  void observe();  // (re)starts observation
+  bool note_plan_miss(size_t n);
+  bool start_plan_region();
+  Block* carve_planned(size_t offset, size_t rounded);
+  void drop_plan();
+  bool check_plan(std::string* problem) const;  // I10
+  std::vector<Pool*> pools();  // small, large, plan, then user pools
+  std::vector<const Pool*> pools() const;
+
   // Slow path (Note [Pressure ladder] in device_allocator.cpp).
   // Called with the lock held; returns with it held (steps 3 and 4 drop it meanwhile).
   void* malloc_slow(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
@@ -251,7 +266,11 @@ class DeviceAllocator {
 
   // First, so that the fast path reaches the lock at the allocator's own address.
   DeviceMutex mutex_;
-  bool retired_ = false;
+  // Nonzero sends every call to the general path: kDivertRetired (a
+  // reconfiguration retired this allocator), kDivertPlanner (the planner is
+  // observing, or a plan is in force).
+  enum : uint8_t { kDivertRetired = 1, kDivertPlanner = 2 };
+  uint8_t divert_ = 0;
 
   const int device_;
   Backend* const backend_;
@@ -259,6 +278,7 @@ class DeviceAllocator {
   const size_t small_segment_;
   const size_t large_segment_;
   const VmmMode vmm_;    // which pools grow in arenas (Note [Arenas])
+  const bool planning_;  // iteration plans (Note [Iteration plans])
   size_t granule_ = 0;   // the backend's mapping granularity, asked on first use
 
   // Runtime-adjustable settings.
@@ -271,6 +291,16 @@ class DeviceAllocator {
   Pool small_pool_;
   Pool large_pool_;
   std::vector<std::unique_ptr<Pool>> user_pools_;  // index = pool id - 1
+  Pool plan_pool_;
+
+  SequenceLearner learner_;
+  std::vector<PlanSlot> plan_;       // empty: observing (or dormant); else the plan in force
+  size_t plan_bytes_ = 0;            // the plan's size
+  size_t plan_pos_ = 0;              // the position the next request should match
+  Segment* plan_region_ = nullptr;   // null until the plan reaches its start position
+  size_t plan_misses_ = 0;           // in the current period
+  size_t plan_run_misses_ = 0;       // in a row
+  uint64_t planner_wait_ = 0;        // dormant: cache misses before observing again
 
   std::map<uintptr_t, Segment*> segments_;        // by base address
   PtrMap<Block*> live_;                            // allocated blocks by address

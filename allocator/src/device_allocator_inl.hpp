@@ -9,7 +9,8 @@
 // call makes them give up before anything has changed, and the entry point
 // takes the general path, malloc() / free() under guarded(), which does the
 // same operation the same way:
-//   - both: a contended lock, a retired allocator, a trace being recorded;
+//   - both: a contended lock, a retired allocator or a planner at work
+//     (divert_), a trace being recorded;
 //   - malloc: a thread in a user pool (capi.cpp), a pending free (active
 //     peaks), no fitting block (the slow path), a live map that must grow, a
 //     split with no spare Block object;
@@ -116,7 +117,7 @@ PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remai
 
 template <typename Otherwise>
 PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream, Otherwise otherwise) {
-  if (PYALLOC_UNLIKELY(retired_ || trace_.on() || stats_.any_pending() || live_.full())) return otherwise();
+  if (PYALLOC_UNLIKELY(divert_ || trace_.on() || stats_.any_pending() || live_.full())) return otherwise();
   const size_t rounded = round_size(size);
   Pool& pool = select_pool(rounded, 0);
   Block* block = pool.free_blocks.best_fit(stream, rounded);
@@ -132,7 +133,7 @@ PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream
 
 template <typename Otherwise>
 PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Otherwise otherwise) {
-  if (PYALLOC_UNLIKELY(retired_ || trace_.on())) return otherwise();
+  if (PYALLOC_UNLIKELY(divert_ || trace_.on())) return otherwise();
   auto* entry = live_.find(addr);
   if (PYALLOC_UNLIKELY(entry == nullptr)) return otherwise();
   Block* block = entry->value;
@@ -156,12 +157,23 @@ PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Ot
 
 PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status) {
   Lock lock(mutex_);
-  if (PYALLOC_UNLIKELY(retired_)) {
-    *status = PYALLOC_EBUSY;
-    return nullptr;
+  if (PYALLOC_UNLIKELY(divert_)) {
+    if (divert_ & kDivertRetired) {
+      *status = PYALLOC_EBUSY;
+      return nullptr;
+    }
+    const size_t rounded = round_size(size);
+    Pool& pool = select_pool(rounded, pool_id);
+    if (pool.kind != PoolKind::kUser) return malloc_watched(pool, size, rounded, stream, status);
+    return malloc_cache(pool, size, rounded, stream, status);
   }
   const size_t rounded = round_size(size);  // reads round_power2_: under the lock
-  Pool& pool = select_pool(rounded, pool_id);
+  return malloc_cache(select_pool(rounded, pool_id), size, rounded, stream, status);
+}
+
+// A request served by the cache: best fit, else the slow path.
+PYALLOC_INLINE void* DeviceAllocator::malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream,
+                                                   int* status) {
   Block* block = pool.free_blocks.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(block == nullptr)) return malloc_slow(pool, size, rounded, stream, status);
   return take(pool, block, size, rounded);
@@ -180,11 +192,12 @@ PYALLOC_INLINE void* DeviceAllocator::take(Pool& pool, Block* block, size_t size
 
 PYALLOC_INLINE FreeResult DeviceAllocator::free(uintptr_t addr, size_t size) {
   Lock lock(mutex_);
-  if (PYALLOC_UNLIKELY(retired_)) return FreeResult::kRetired;
+  if (PYALLOC_UNLIKELY(divert_ & kDivertRetired)) return FreeResult::kRetired;
   auto* entry = live_.find(addr);
   if (PYALLOC_UNLIKELY(entry == nullptr)) return classify_bad_free(addr);
   Block* block = entry->value;
   if (PYALLOC_UNLIKELY(size != kAnySize && size != block->requested)) return refuse_size_mismatch(block, size);
+  if (PYALLOC_UNLIKELY(divert_ & kDivertPlanner)) watch_free(block);
   count_freed(block);
   live_.erase(entry);
   trace_.record(TraceAction::kFreeRequested, addr, block->size, block->stream);

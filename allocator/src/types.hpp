@@ -8,8 +8,9 @@
 //                address order, linked by prev/next. A block is free,
 //                allocated, or pending-free.
 //   pool         a set of segments with one free set: the small pool
-//                (requests <= kSmallRequest), the large pool, and user pools
-//                (selected by the thread's current pool).
+//                (requests <= kSmallRequest), the large pool, user pools
+//                (selected by the thread's current pool), and the plan pool
+//                (an iteration plan's region, Note [Iteration plans]).
 //   free set     a pool's free blocks by stream and size class (Note [Free
 //                sets]): best fit, lowest address first among equal sizes.
 //   stream       the stream a segment was allocated for. A free block is
@@ -40,6 +41,9 @@
 //       granule boundaries, no two holes are adjacent, and a granule is
 //       mapped  <=>  some non-hole block overlaps it; reserved counts mapped
 //       bytes, so reserved == sum of non-hole block sizes
+//   I10 the plan region, while a plan holds one (Note [Iteration plans] in
+//       plan.cpp), is a plain segment of the plan pool, and every planned
+//       slot lies inside it
 #pragma once
 
 #include <cstddef>
@@ -67,7 +71,9 @@ constexpr size_t kMaxRequest = size_t{1} << 52;
 // it is, never in a free set.
 enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole };
 
-enum class PoolKind : uint8_t { kSmall, kLarge, kUser };
+// kPlan: the region of an iteration plan (Note [Iteration plans] in plan.cpp),
+// never chosen for a request by size.
+enum class PoolKind : uint8_t { kSmall, kLarge, kUser, kPlan };
 
 // Stat types, as in torch.cuda.memory_stats(): all / small_pool / large_pool.
 // A segment's blocks count as small_pool when its pool is the small pool;
@@ -92,6 +98,8 @@ struct Block {
   Block* bin_next = nullptr;
   int bin_class = -1;          // FreeSet::size_class(size), set when it enters a free set and
                                // kept while allocated (its size does not change then)
+  uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
+                               // (stale otherwise: SequenceLearner ignores old numbers)
 
   bool is_free() const { return state == BlockState::kFree; }
 };

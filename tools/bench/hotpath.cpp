@@ -178,6 +178,9 @@ int main(int argc, char** argv) {
   // block would be mapped to its exact size and every pair would be a hit.
   // A library older than the vmm key refuses it and has plain segments anyway.
   pyalloc_configure("vmm=off");
+  // The cache path, not an iteration plan: a repeated pair is a period the
+  // planner would learn (Note [Iteration plans]). Older libraries refuse the key.
+  pyalloc_configure("plan=0");
   uint64_t pairs = n;
   double ns = 0;
   if (mode == "hit") {
