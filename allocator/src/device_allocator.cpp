@@ -285,7 +285,13 @@ Segment* DeviceAllocator::add_segment(Pool& pool, StreamId stream, uintptr_t bas
 
 Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
   if (pool.in_arenas) return grow_arena(pool, rounded, stream, /*stitch=*/false);
-  const size_t size = segment_size_for(pool, rounded);
+  Segment* segment = alloc_segment(pool, segment_size_for(pool, rounded), stream);
+  return segment != nullptr ? segment->head : nullptr;
+}
+
+// A plain segment of `size` bytes from the backend, within memory_fraction's
+// limit: one free block, in the pool's free set.
+Segment* DeviceAllocator::alloc_segment(Pool& pool, size_t size, StreamId stream) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
   if (size > reserved_limit() || reserved > reserved_limit() - size) return nullptr;
   uintptr_t addr = 0;
@@ -295,13 +301,12 @@ Block* DeviceAllocator::grow(Pool& pool, size_t rounded, StreamId stream) {
     return nullptr;
   }
   Segment* segment = add_segment(pool, stream, addr, size, BlockState::kFree);
-  Block* block = segment->head;
   stats_.reserved_bytes.increase(pool.stat, static_cast<int64_t>(size));
   ++stats_.num_device_alloc;
   trace_.record(TraceAction::kSegmentAlloc, addr, size, stream);
-  insert_free(block);
+  insert_free(segment->head);
   registry_poke();
-  return block;
+  return segment;
 }
 
 __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block) {

@@ -248,6 +248,7 @@ class DeviceAllocator {
   Block* release_and_retry(Pool& pool, size_t rounded, StreamId stream);  // step 1
   Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);
   Block* grow(Pool& pool, size_t rounded, StreamId stream);
+  Segment* alloc_segment(Pool& pool, size_t size, StreamId stream);
   Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   void make_pending(Block* block);
   size_t reclaim_pending(bool synchronize);

@@ -340,26 +340,14 @@ bool DeviceAllocator::note_plan_miss(size_t n) {
 // The region: a plain segment of the plan pool, made at the quietest
 // position after the cache's wholly free memory is released.
 bool DeviceAllocator::start_plan_region() {
-  const size_t size = round_up_to(plan_bytes_, kLargeRound);
   release_cached_memory(0);
-  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
-  if (size > reserved_limit() || reserved > reserved_limit() - size) return false;
-  uintptr_t addr = 0;
-  Status s = backend_->segment_alloc(device_, size, &addr);
-  if (!s.ok) {
-    last_backend_error_ = s.message;
-    return false;
-  }
   StreamId stream = 0;
   for (const PlanSlot& slot : plan_) {
     if (slot.planned) stream = slot.stream;
   }
-  plan_region_ = add_segment(plan_pool_, stream, addr, size, BlockState::kFree);
-  stats_.reserved_bytes.increase(plan_pool_.stat, static_cast<int64_t>(size));
-  ++stats_.num_device_alloc;
+  plan_region_ = alloc_segment(plan_pool_, round_up_to(plan_bytes_, kLargeRound), stream);
+  if (plan_region_ == nullptr) return false;
   ++stats_.num_plans;
-  trace_.record(TraceAction::kSegmentAlloc, addr, size, stream);
-  insert_free(plan_region_->head);
   return true;
 }
 
