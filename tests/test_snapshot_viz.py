@@ -13,6 +13,7 @@ import pickle
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -69,6 +70,21 @@ def assert_clean_run(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout
 
 
+@contextmanager
+def dumped(path: Path, live: list[tuple[int, int]]) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The snapshot dumped to `path`, and loaded; afterwards the `live` (ptr, size)
+    blocks are freed, the cache emptied and the allocator checked."""
+    try:
+        pyalloc.dump_snapshot(path)
+        with open(path, "rb") as f:
+            yield path, pickle.load(f)
+    finally:
+        for ptr, size in live:
+            pyalloc.free(ptr, size)
+        pyalloc.empty_cache()
+        pyalloc.check(0)
+
+
 @pytest.fixture
 def snapshot_file(tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Allocations, frees and a record_stream on the host backend, dumped to a pickle."""
@@ -81,16 +97,11 @@ def snapshot_file(tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     pyalloc.record_stream(pending, SIDE_STREAM)
     pyalloc.free(pending, MID_PENDING)  # waits for the side stream's event
     live = pyalloc.malloc(MID_LIVE)
-    path = tmp_path / "snapshot.pickle"
     try:
-        pyalloc.dump_snapshot(path)
-        with open(path, "rb") as f:
-            yield path, pickle.load(f)
+        # empty_cache() completes the pending free.
+        with dumped(tmp_path / "snapshot.pickle", [(big, BIG), (small, SMALL), (live, MID_LIVE)]) as snap:
+            yield snap
     finally:
-        for ptr, size in ((big, BIG), (small, SMALL), (live, MID_LIVE)):
-            pyalloc.free(ptr, size)
-        pyalloc.empty_cache()  # completes the pending free
-        pyalloc.check(0)
         pyalloc.configure("trace=0,event_delay=0")
 
 
@@ -188,16 +199,10 @@ def arena_snapshot(tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     last = pyalloc.malloc(MID_LIVE)
     pyalloc.free(middle, MID_FREED)
     pyalloc.release_cached(0, 0)  # unmaps the middle's whole granule: a hole between two runs
-    path = tmp_path / "arena.pickle"
     try:
-        pyalloc.dump_snapshot(path)
-        with open(path, "rb") as f:
-            yield path, pickle.load(f)
+        with dumped(tmp_path / "arena.pickle", [(first, BIG), (last, MID_LIVE)]) as snap:
+            yield snap
     finally:
-        pyalloc.free(first, BIG)
-        pyalloc.free(last, MID_LIVE)
-        pyalloc.empty_cache()
-        pyalloc.check(0)
         pyalloc.configure("trace=0,event_delay=0,vmm=auto")
 
 

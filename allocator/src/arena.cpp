@@ -70,11 +70,7 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   // blocks would have to be spread thinly over all of it.
   const size_t size = round_up_to(2 * device_total(), g);
   uintptr_t va = 0;
-  Status s = backend_->reserve(device_, size, &va);
-  if (!s.ok) {
-    last_backend_error_ = s.message;
-    return nullptr;
-  }
+  if (!succeeded(backend_->reserve(device_, size, &va))) return nullptr;
   Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
   arena->arena = true;
   arena->phys.resize(size / g);
@@ -173,9 +169,7 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::
   bool ok = true;
   while (mapped_to < hi) {
     const PhysHandle h = handles->back();
-    Status s = backend_->map(device_, mapped_to, h);
-    if (!s.ok) {
-      last_backend_error_ = s.message;
+    if (!succeeded(backend_->map(device_, mapped_to, h))) {
       ok = false;
       break;
     }
@@ -233,11 +227,7 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi,
 // no longer in use. False when the backend cannot record an event.
 bool DeviceAllocator::synchronize_stream(const Segment* arena) {
   EventHandle event = 0;
-  Status s = backend_->event_record(device_, arena->stream, &event);
-  if (!s.ok) {
-    last_backend_error_ = s.message;
-    return false;
-  }
+  if (!succeeded(backend_->event_record(device_, arena->stream, &event))) return false;
   backend_->event_synchronize(device_, event);
   backend_->event_release(device_, event);
   return true;
@@ -304,11 +294,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
     const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + handles.size() * g;
     if (reserved > limit || limit - reserved < g) break;
     PhysHandle h;
-    Status s = backend_->phys_create(device_, g, &h);
-    if (!s.ok) {
-      last_backend_error_ = s.message;
-      break;
-    }
+    if (!succeeded(backend_->phys_create(device_, g, &h))) break;
     ++stats_.num_device_alloc;
     handles.push_back(h);
   }

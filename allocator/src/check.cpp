@@ -2,7 +2,7 @@
 //
 // Recomputes everything from the segments' block lists and compares it with
 // the free sets, the live map, the pending list and every counter (types.hpp
-// I1..I9). Reports the first violation; never modifies state.
+// I1..I10). Reports the first violation; never modifies state.
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>

@@ -260,6 +260,13 @@ Block* DeviceAllocator::retry_after_outside_help(Pool& pool, size_t rounded, Str
   return stitch(pool, rounded, stream);
 }
 
+// Whether a backend call succeeded; if not, its message is kept for the OOM
+// report.
+bool DeviceAllocator::succeeded(const Status& s) {
+  if (!s.ok) last_backend_error_ = s.message;
+  return s.ok;
+}
+
 // A segment of `size` bytes at `base`, tiled by one block in `head_state`
 // (free for a plain segment, a hole for an arena), filed and counted.
 Segment* DeviceAllocator::add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size,
@@ -295,11 +302,7 @@ Segment* DeviceAllocator::alloc_segment(Pool& pool, size_t size, StreamId stream
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
   if (size > reserved_limit() || reserved > reserved_limit() - size) return nullptr;
   uintptr_t addr = 0;
-  Status s = backend_->segment_alloc(device_, size, &addr);
-  if (!s.ok) {
-    last_backend_error_ = s.message;
-    return nullptr;
-  }
+  if (!succeeded(backend_->segment_alloc(device_, size, &addr))) return nullptr;
   Segment* segment = add_segment(pool, stream, addr, size, BlockState::kFree);
   stats_.reserved_bytes.increase(pool.stat, static_cast<int64_t>(size));
   ++stats_.num_device_alloc;
@@ -313,12 +316,10 @@ __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block)
   PendingFree pending{block, {}, false};
   for (StreamId s : block->uses) {
     EventHandle event = 0;
-    Status st = backend_->event_record(device_, s, &event);
-    if (!st.ok) {
+    if (!succeeded(backend_->event_record(device_, s, &event))) {
       // Without an event we can never know the stream is done with this
       // memory: keep it out of circulation rather than risk reuse.
       pending.stuck = true;
-      last_backend_error_ = st.message;
       continue;
     }
     pending.events.push_back(event);
@@ -414,11 +415,7 @@ __attribute__((noinline, cold)) void DeviceAllocator::enforce_max_cached() {
 size_t DeviceAllocator::empty_cache() {
   Lock lock(mutex_);
   synchronize_pending();
-  // The plan's region goes too; observation starts over.
-  if (planning_) {
-    drop_plan();
-    observe();
-  }
+  drop_plan();  // its region goes too; observation starts over
   return release_cached_memory(0);
 }
 
@@ -470,11 +467,8 @@ std::vector<Pool*> DeviceAllocator::pools() {
 }
 
 std::vector<const Pool*> DeviceAllocator::pools() const {
-  std::vector<const Pool*> out = {&small_pool_, &large_pool_, &plan_pool_};
-  for (const auto& pool : user_pools_) {
-    if (pool) out.push_back(pool.get());
-  }
-  return out;
+  const std::vector<Pool*> all = const_cast<DeviceAllocator*>(this)->pools();
+  return {all.begin(), all.end()};
 }
 
 size_t DeviceAllocator::largest_free_block() const {

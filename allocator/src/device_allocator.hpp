@@ -249,6 +249,7 @@ class DeviceAllocator {
   Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);
   Block* grow(Pool& pool, size_t rounded, StreamId stream);
   Segment* alloc_segment(Pool& pool, size_t size, StreamId stream);
+  bool succeeded(const Status& s);  // records a failed backend call's message
   Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   void make_pending(Block* block);
   size_t reclaim_pending(bool synchronize);

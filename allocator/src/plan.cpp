@@ -351,28 +351,27 @@ bool DeviceAllocator::start_plan_region() {
   return true;
 }
 
-// A free block of the region exactly at [base + offset, + rounded), in the
-// free set; nullptr when part of that range is not free.
+// A free block of the region starting at base + offset, at least `rounded`
+// bytes, in the free set (take() splits off the rest); nullptr when part of
+// that range is not free.
 Block* DeviceAllocator::carve_planned(size_t offset, size_t rounded) {
   const uintptr_t addr = plan_region_->base + offset;
   Block* b = plan_region_->head;
   while (b != nullptr && b->addr + b->size <= addr) b = b->next;
   if (b == nullptr || !b->is_free() || b->addr + b->size < addr + rounded) return nullptr;
-  erase_free(b);
-  if (addr > b->addr) {
+  if (addr > b->addr) {  // the free memory before the planned place stays free
+    erase_free(b);
     Block* front = b;
     b = split_block(front, addr - front->addr);
     insert_free(front);
+    insert_free(b);
   }
-  if (b->size > rounded) insert_free(split_block(b, rounded));
-  insert_free(b);
   return b;
 }
 
-// Ends the plan: its region is no longer pinned (released when wholly free,
-// like any segment), and observation starts again.
+// Ends the plan, if any: its region is no longer pinned (released when
+// wholly free, like any segment), and observation starts again.
 void DeviceAllocator::drop_plan() {
-  if (plan_.empty()) return;
   if (plan_region_ != nullptr) {
     ++stats_.num_plan_drops;
     Segment* region = plan_region_;
@@ -380,7 +379,7 @@ void DeviceAllocator::drop_plan() {
     if (region->wholly_free()) release_segment(region);
   }
   plan_.clear();
-  observe();
+  if (planning_) observe();
 }
 
 bool DeviceAllocator::check_plan(std::string* problem) const {
