@@ -39,11 +39,14 @@ POLICIES = {
     "pyalloc": "the pyalloc allocator, its defaults (arenas and stitching, vmm=auto)",
     "pyalloc-plain": "the pyalloc allocator with plain segments only (vmm=off)",
     "pyalloc-plan": "the pyalloc allocator with iteration plans (plan=1)",
+    "pyalloc-lifetime": "the pyalloc allocator with lifetime-aware placement (lifetime=1)",
+    "pyalloc-plain-lifetime": "lifetime-aware placement with plain segments only (vmm=off,lifetime=1)",
     "native": "a model of PyTorch's default caching allocator (a model, not PyTorch)",
 }
 # The PYALLOC_CONF keys each pyalloc policy adds (a --conf given by the user
 # comes after them, so it wins); "native" is not the allocator at all.
-POLICY_CONF = {"pyalloc": "", "pyalloc-plain": "vmm=off", "pyalloc-plan": "plan=1"}
+POLICY_CONF = {"pyalloc": "", "pyalloc-plain": "vmm=off", "pyalloc-plan": "plan=1", "pyalloc-lifetime": "lifetime=1",
+               "pyalloc-plain-lifetime": "vmm=off,lifetime=1"}
 
 
 class ReplayResultC(ctypes.Structure):
@@ -138,7 +141,7 @@ def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
     """A fresh single-device allocator of ``capacity`` bytes on ``backend``."""
     # configure() applies keys on top of the current configuration: name every
     # key a policy may set, so one replay's policy never leaks into the next.
-    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,vmm=auto,plan=0"
+    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,vmm=auto,plan=0,lifetime=0"
     core.configure(settings + ("," + conf if conf else ""))
 
 

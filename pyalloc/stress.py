@@ -386,6 +386,8 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
     styles = {"pyalloc": {"color": "tab:blue", "linestyle": "-"},
               "pyalloc-plain": {"color": "tab:purple", "linestyle": "-."},
               "pyalloc-plan": {"color": "tab:green", "linestyle": ":"},
+              "pyalloc-lifetime": {"color": "tab:red", "linestyle": ":"},
+              "pyalloc-plain-lifetime": {"color": "tab:brown", "linestyle": ":"},
               "native": {"color": "tab:orange", "linestyle": "--"}}
     for ax, run in zip(axes.flat, runs):
         w = run.workload

@@ -64,9 +64,19 @@ class Allocator:
 def fresh_conf(backend: str, extra: str = "") -> str:
     base = (
         f"backend={backend},devices=1,capacity=256MiB,memory_fraction=1,max_cached=unlimited,"
-        "small_segment=2MiB,large_segment=20MiB,round_power2=0,trace=0,event_delay=0,oom_report=0,vmm=auto,plan=0"
+        "small_segment=2MiB,large_segment=20MiB,round_power2=0,trace=0,event_delay=0,oom_report=0,vmm=auto,plan=0,lifetime=0"
     )
     return base + ("," + extra if extra else "")
+
+
+def fresh_allocator(variant: str, extra: str) -> Allocator:
+    """A freshly built allocator for a mechanism's tests: `variant` is host or sim
+    (arenas, vmm=on) or sim-plain (vmm=off), with the keys in `extra` on top."""
+    backend, _, plain = variant.partition("-")
+    vmm = "vmm=off" if plain else "vmm=on"
+    pyalloc.configure(fresh_conf("sim" if backend == "host" else "host"))  # forces a rebuild
+    pyalloc.configure(fresh_conf(backend, f"{vmm},{extra}"))
+    return Allocator(backend, vmm)
 
 
 @pytest.fixture(params=VARIANTS)

@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fresh_conf
+from allocator_fixture import Allocator, fresh_allocator
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -46,11 +46,7 @@ def peak_live(iteration: list[tuple[str, int, int]]) -> int:
 
 @pytest.fixture(params=["host", "sim", "sim-plain"])
 def planner(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    backend, _, plain = request.param.partition("-")
-    vmm = "vmm=off" if plain else "vmm=on"
-    pyalloc.configure(fresh_conf("sim" if backend == "host" else "host"))
-    pyalloc.configure(fresh_conf(backend, f"{vmm},plan=1"))
-    a = Allocator(backend, vmm)
+    a = fresh_allocator(request.param, "plan=1")
     yield a
     a.free_all()
     pyalloc.check(0)

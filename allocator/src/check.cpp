@@ -234,6 +234,7 @@ bool DeviceAllocator::check(std::string* error) {
     return fail("I6: reserved != allocated + pending_free + cached_free");
   }
   if (std::string problem; !check_plan(&problem)) return fail("I10: " + problem);
+  if (std::string problem; !check_lifetimes(&problem)) return fail("I11: " + problem);
   return compare("segment", stats_.segment.view(), sums.segments, error) &&
          compare("reserved_bytes", stats_.reserved_bytes.view(), sums.reserved, error) &&
          compare("allocation", stats_.allocation.view(), sums.allocations, error) &&

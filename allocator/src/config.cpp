@@ -148,6 +148,8 @@ const std::vector<KeySpec>& key_specs() {
        }},
       {"plan", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->plan); }},
+      {"lifetime", "0 or 1",
+       [](const std::string& v, Config* c) { return parse_bool(v, &c->lifetime); }},
   };
   return *specs;
 }
@@ -236,7 +238,8 @@ VmmMode Config::vmm_mode() const {
 bool Config::layout_differs(const Config& n) const {
   return backend != n.backend || devices != n.devices || capacity != n.capacity ||
          small_segment != n.small_segment || large_segment != n.large_segment ||
-         event_delay != n.event_delay || vmm_mode() != n.vmm_mode() || plan != n.plan;
+         event_delay != n.event_delay || vmm_mode() != n.vmm_mode() || plan != n.plan ||
+         lifetime != n.lifetime;
 }
 
 std::string Config::to_json() const {
@@ -260,6 +263,7 @@ std::string Config::to_json() const {
   static const char* const vmm_names[] = {"auto", "on", "all", "off"};
   w.key("vmm").value(vmm_names[static_cast<int>(vmm)]);
   w.key("plan").value(plan);
+  w.key("lifetime").value(lifetime);
   w.end_object();
   return w.str();
 }

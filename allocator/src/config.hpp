@@ -39,6 +39,7 @@ struct Config {
   std::string daemon_socket = "auto";  // gpumemd's socket for ladder step 4; "off" disables
   VmmMode vmm = VmmMode::kAuto;     // virtual-memory arenas and stitching
   bool plan = false;                // iteration plans (Note [Iteration plans]); off: see README
+  bool lifetime = false;            // lifetime-aware placement (Note [Lifetime-aware placement]); off: see README
 
   // The mode in effect (kAuto resolved): kOn, kAll or kOff.
   VmmMode vmm_mode() const;

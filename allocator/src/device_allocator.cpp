@@ -69,13 +69,17 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* back
       large_segment_(config.large_segment),
       vmm_(config.vmm_mode()),
       planning_(config.plan),
+      placing_lifetimes_(config.lifetime),
       small_pool_(PoolKind::kSmall, 0, "small"),
       large_pool_(PoolKind::kLarge, 0, "large"),
-      plan_pool_(PoolKind::kPlan, 0, "plan") {
+      plan_pool_(PoolKind::kPlan, 0, "plan"),
+      long_pool_(PoolKind::kLong, 0, "long") {
   small_pool_.in_arenas = vmm_ == VmmMode::kAll;
   large_pool_.in_arenas = vmm_ != VmmMode::kOff;
+  long_pool_.in_arenas = vmm_ != VmmMode::kOff;
   apply_settings(config);
   if (planning_) observe();
+  if (placing_lifetimes_) divert_ |= kDivertLifetime;
 }
 
 DeviceAllocator::~DeviceAllocator() {
@@ -459,7 +463,7 @@ __attribute__((noinline, cold)) FreeResult DeviceAllocator::classify_bad_free(ui
 }
 
 std::vector<Pool*> DeviceAllocator::pools() {
-  std::vector<Pool*> out = {&small_pool_, &large_pool_, &plan_pool_};
+  std::vector<Pool*> out = {&small_pool_, &large_pool_, &long_pool_, &plan_pool_};
   for (const auto& pool : user_pools_) {
     if (pool) out.push_back(pool.get());
   }

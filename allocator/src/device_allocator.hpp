@@ -7,7 +7,9 @@
 //     `small_segment` (2 MiB) segments; larger ones from the large pool:
 //     below large_segment/2 from `large_segment` (20 MiB) segments, above
 //     that from a segment of their own rounded up to 2 MiB. A thread's current
-//     user pool overrides both.
+//     user pool overrides both. With `lifetime` on, requests predicted to
+//     outlive the next 32 go to the long pool instead (Note [Lifetime-aware
+//     placement] in lifetime.cpp).
 //   - With `vmm` on, the large and user pools (and with vmm=all the small
 //     pool) grow in virtual-memory arenas instead: granules mapped where the
 //     request fits best, and stitched from free slivers under pressure
@@ -37,6 +39,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "lifetime.hpp"
 #include "plan.hpp"
 #include "ptr_map.hpp"
 #include "backend.hpp"
@@ -113,7 +116,7 @@ class DeviceAllocator {
   void apply_settings(const Config& config);  // runtime-adjustable keys only
   void set_memory_fraction(double fraction);
 
-  // Full invariant walk (types.hpp I1..I9). False with *error on violation.
+  // Full invariant walk (types.hpp I1..I11). False with *error on violation.
   bool check(std::string* error);
 
   // A consistent view of the device's memory, for replays and reports.
@@ -238,8 +241,12 @@ class DeviceAllocator {
   Block* carve_planned(size_t offset, size_t rounded);
   void drop_plan();
   bool check_plan(std::string* problem) const;  // I10
-  std::vector<Pool*> pools();  // small, large, plan, then user pools
+  std::vector<Pool*> pools();  // small, large, long, plan, then user pools
   std::vector<const Pool*> pools() const;
+
+  // Lifetime-aware placement (Note [Lifetime-aware placement] in lifetime.cpp).
+  void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  bool check_lifetimes(std::string* problem) const;  // I11
 
   // Slow path (Note [Pressure ladder] in device_allocator.cpp).
   // Called with the lock held; returns with it held (steps 3 and 4 drop it meanwhile).
@@ -270,8 +277,9 @@ class DeviceAllocator {
   DeviceMutex mutex_;
   // Nonzero sends every call to the general path: kDivertRetired (a
   // reconfiguration retired this allocator), kDivertPlanner (the planner is
-  // observing, or a plan is in force).
-  enum : uint8_t { kDivertRetired = 1, kDivertPlanner = 2 };
+  // observing, or a plan is in force), kDivertLifetime (lifetime-aware
+  // placement is on).
+  enum : uint8_t { kDivertRetired = 1, kDivertPlanner = 2, kDivertLifetime = 4 };
   uint8_t divert_ = 0;
 
   const int device_;
@@ -281,6 +289,7 @@ class DeviceAllocator {
   const size_t large_segment_;
   const VmmMode vmm_;    // which pools grow in arenas (Note [Arenas])
   const bool planning_;  // iteration plans (Note [Iteration plans])
+  const bool placing_lifetimes_;  // Note [Lifetime-aware placement]
   size_t granule_ = 0;   // the backend's mapping granularity, asked on first use
 
   // Runtime-adjustable settings.
@@ -294,6 +303,9 @@ class DeviceAllocator {
   Pool large_pool_;
   std::vector<std::unique_ptr<Pool>> user_pools_;  // index = pool id - 1
   Pool plan_pool_;
+  Pool long_pool_;  // predicted long-lived requests
+
+  LifetimeLearner lifetimes_;
 
   SequenceLearner learner_;
   std::vector<PlanSlot> plan_;       // empty: observing (or dormant); else the plan in force

@@ -9,8 +9,8 @@
 // call makes them give up before anything has changed, and the entry point
 // takes the general path, malloc() / free() under guarded(), which does the
 // same operation the same way:
-//   - both: a contended lock, a retired allocator or a planner at work
-//     (divert_), a trace being recorded;
+//   - both: a contended lock, a retired allocator, a planner at work or
+//     lifetime-aware placement (divert_), a trace being recorded;
 //   - malloc: a thread in a user pool (capi.cpp), a pending free (active
 //     peaks), no fitting block (the slow path), a live map that must grow, a
 //     split with no spare Block object;
@@ -157,18 +157,18 @@ PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Ot
 
 PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status) {
   Lock lock(mutex_);
-  if (PYALLOC_UNLIKELY(divert_)) {
-    if (divert_ & kDivertRetired) {
-      *status = PYALLOC_EBUSY;
-      return nullptr;
-    }
-    const size_t rounded = round_size(size);
-    Pool& pool = select_pool(rounded, pool_id);
-    if (pool.kind != PoolKind::kUser) return malloc_watched(pool, size, rounded, stream, status);
-    return malloc_cache(pool, size, rounded, stream, status);
+  if (PYALLOC_UNLIKELY(divert_ & kDivertRetired)) {
+    *status = PYALLOC_EBUSY;
+    return nullptr;
   }
   const size_t rounded = round_size(size);  // reads round_power2_: under the lock
-  return malloc_cache(select_pool(rounded, pool_id), size, rounded, stream, status);
+  Pool& pool = select_pool(rounded, pool_id);
+  // Default-pool requests meet the planner and lifetime placement; a user
+  // pool is the caller's choice.
+  if (PYALLOC_UNLIKELY(pool_id == 0 && (divert_ || placing_lifetimes_))) {
+    return malloc_default(pool, size, rounded, stream, status);
+  }
+  return malloc_cache(pool, size, rounded, stream, status);
 }
 
 // A request served by the cache: best fit, else the slow path.

@@ -285,7 +285,8 @@ void* DeviceAllocator::malloc_watched(Pool& pool, size_t size, size_t rounded, S
 }
 
 void DeviceAllocator::watch_free(Block* block) {
-  if (plan_.empty() && block->pool->kind != PoolKind::kUser) learner_.on_free(block->born);
+  const PoolKind kind = block->pool->kind;
+  if (plan_.empty() && kind != PoolKind::kUser && kind != PoolKind::kLong) learner_.on_free(block->born);
 }
 
 // Serves a default-pool request while a plan is in force.

@@ -101,7 +101,7 @@ void DeviceStats::reset_accumulated() {
   num_pressure_callbacks = pressure_callback_freed_bytes = 0;
   num_daemon_requests = daemon_freed_bytes = 0;
   num_stitches = stitched_bytes = 0;
-  num_plans = num_plan_drops = plan_served = plan_misses = 0;
+  num_plans = num_plan_drops = plan_served = plan_misses = lifetime_long = 0;
   num_invalid_free = num_invalid_double_free = num_invalid_size = 0;
 }
 
@@ -139,6 +139,7 @@ void DeviceStats::write_fields(JsonWriter& w, int64_t num_invalid_device, int64_
   w.key("num_plan_drops").value(num_plan_drops);
   w.key("plan_served").value(plan_served);
   w.key("plan_misses").value(plan_misses);
+  w.key("lifetime_long").value(lifetime_long);
   w.key("num_invalid_free").value(num_invalid_free);
   w.key("num_invalid_double_free").value(num_invalid_double_free);
   w.key("num_invalid_size").value(num_invalid_size);

@@ -132,6 +132,7 @@ struct DeviceStats {
   int64_t num_plan_drops = 0;    // plans dropped: the sequence changed, or memory ran short
   int64_t plan_served = 0;       // allocations placed by a plan
   int64_t plan_misses = 0;       // allocations that did not match the plan, or found its place taken
+  int64_t lifetime_long = 0;     // allocations predicted long-lived, placed in the long pool
 
   // Bad calls, counted and refused (state unchanged).
   int64_t num_invalid_free = 0;     // pointer not allocated here

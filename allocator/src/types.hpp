@@ -9,8 +9,10 @@
 //                allocated, or pending-free.
 //   pool         a set of segments with one free set: the small pool
 //                (requests <= kSmallRequest), the large pool, user pools
-//                (selected by the thread's current pool), and the plan pool
-//                (an iteration plan's region, Note [Iteration plans]).
+//                (selected by the thread's current pool), the plan pool
+//                (an iteration plan's region, Note [Iteration plans]), and
+//                the long pool (requests predicted long-lived, Note
+//                [Lifetime-aware placement]).
 //   free set     a pool's free blocks by stream and size class (Note [Free
 //                sets]): best fit, lowest address first among equal sizes.
 //   stream       the stream a segment was allocated for. A free block is
@@ -44,6 +46,9 @@
 //   I10 the plan region, while a plan holds one (Note [Iteration plans] in
 //       plan.cpp), is a plain segment of the plan pool, and every planned
 //       slot lies inside it
+//   I11 with lifetime-aware placement on (Note [Lifetime-aware placement]
+//       in lifetime.cpp), every call is diverted from the fast path; with it
+//       off, the long pool holds no segment
 #pragma once
 
 #include <cstddef>
@@ -73,7 +78,9 @@ enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole };
 
 // kPlan: the region of an iteration plan (Note [Iteration plans] in plan.cpp),
 // never chosen for a request by size.
-enum class PoolKind : uint8_t { kSmall, kLarge, kUser, kPlan };
+// kLong: requests predicted long-lived (Note [Lifetime-aware placement] in
+// lifetime.cpp).
+enum class PoolKind : uint8_t { kSmall, kLarge, kUser, kPlan, kLong };
 
 // Stat types, as in torch.cuda.memory_stats(): all / small_pool / large_pool.
 // A segment's blocks count as small_pool when its pool is the small pool;
@@ -100,6 +107,7 @@ struct Block {
                                // kept while allocated (its size does not change then)
   uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
                                // (stale otherwise: SequenceLearner ignores old numbers)
+  uint64_t lifetime_number = UINT64_MAX;  // its request number in LifetimeLearner, while learning
 
   bool is_free() const { return state == BlockState::kFree; }
 };

@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
   pyalloc_configure("vmm=off");
   // The cache path, not an iteration plan: a repeated pair is a period the
   // planner would learn (Note [Iteration plans]). Older libraries refuse the key.
-  pyalloc_configure("plan=0");
+  pyalloc_configure("plan=0,lifetime=0");
   uint64_t pairs = n;
   double ns = 0;
   if (mode == "hit") {
