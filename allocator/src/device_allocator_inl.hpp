@@ -163,9 +163,9 @@ PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int p
   }
   const size_t rounded = round_size(size);  // reads round_power2_: under the lock
   Pool& pool = select_pool(rounded, pool_id);
-  // Default-pool requests meet the planner and lifetime placement; a user
-  // pool is the caller's choice.
-  if (PYALLOC_UNLIKELY(pool_id == 0 && (divert_ || placing_lifetimes_))) {
+  // Default-pool requests meet the planner and lifetime placement (both
+  // divert); a user pool is the caller's choice.
+  if (PYALLOC_UNLIKELY(pool_id == 0 && divert_)) {
     return malloc_default(pool, size, rounded, stream, status);
   }
   return malloc_cache(pool, size, rounded, stream, status);

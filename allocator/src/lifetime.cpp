@@ -130,7 +130,7 @@ void* DeviceAllocator::malloc_default(Pool& pool, size_t size, size_t rounded, S
 // I11: placement on means every call is diverted (the fast path would place
 // by size alone); off, nothing is ever placed in the long pool.
 bool DeviceAllocator::check_lifetimes(std::string* problem) const {
-  if (placing_lifetimes_ && !(divert_ & kDivertLifetime) && !(divert_ & kDivertRetired)) {
+  if (placing_lifetimes_ && !(divert_ & kDivertLifetime)) {
     *problem = "lifetime-aware placement is on but the fast path is open";
     return false;
   }
