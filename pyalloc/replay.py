@@ -12,6 +12,11 @@ Policies:
                  policy before arenas, PyTorch's placement
   pyalloc-plan   the defaults plus iteration plans (plan=1): a repeated
                  allocation sequence is learned and served from a plan
+  pyalloc-lifetime
+                 the defaults plus lifetime-aware placement (lifetime=1):
+                 requests predicted long-lived go to a pool of their own
+  pyalloc-plain-lifetime
+                 lifetime-aware placement with plain segments (vmm=off)
   native         a MODEL of PyTorch's default CUDACachingAllocator policy
                  (allocator/src/native_model.hpp says what it models)
 """

@@ -12,6 +12,9 @@ Policies:
                  PyTorch calls (virtual-memory arenas and stitching)
   pyalloc-plain  this allocator with plain segments only (vmm=off)
   pyalloc-plan   the defaults plus iteration plans (plan=1; not run unless named)
+  pyalloc-lifetime, pyalloc-plain-lifetime
+                 lifetime-aware placement (lifetime=1), with arenas and with
+                 plain segments (not run unless named)
   native         a MODEL of PyTorch's default caching allocator, not PyTorch
                  itself (allocator/src/native_model.hpp says what it models);
                  labelled "native (model)" in the table and the plot

@@ -69,6 +69,18 @@ def fresh_conf(backend: str, extra: str = "") -> str:
     return base + ("," + extra if extra else "")
 
 
+MECHANISM_VARIANTS = ["host", "sim", "sim-plain"]
+
+
+def mechanism_allocator(variant: str, extra: str) -> Iterator[Allocator]:
+    """The body of a mechanism's fixture (params=MECHANISM_VARIANTS): a fresh
+    allocator with `extra`, whose leftovers are freed and checked afterwards."""
+    a = fresh_allocator(variant, extra)
+    yield a
+    a.free_all()
+    pyalloc.check(0)
+
+
 def fresh_allocator(variant: str, extra: str) -> Allocator:
     """A freshly built allocator for a mechanism's tests: `variant` is host or sim
     (arenas, vmm=on) or sim-plain (vmm=off), with the keys in `extra` on top."""

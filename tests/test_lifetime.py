@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fresh_allocator, fresh_conf
+from allocator_fixture import MECHANISM_VARIANTS, Allocator, fresh_allocator, fresh_conf, mechanism_allocator
 from pyalloc.replay import find_min_capacity, replay
 from pyalloc import stress
 
@@ -25,12 +25,9 @@ MiB = 1 << 20
 HORIZON = 32  # LifetimeLearner::kHorizon
 
 
-@pytest.fixture(params=["host", "sim", "sim-plain"])
+@pytest.fixture(params=MECHANISM_VARIANTS)
 def placer(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    a = fresh_allocator(request.param, "lifetime=1")
-    yield a
-    a.free_all()
-    pyalloc.check(0)
+    yield from mechanism_allocator(request.param, "lifetime=1")
 
 
 def pool_of(ptr: int) -> str:
@@ -82,6 +79,10 @@ class Loop:
                 self._free(self.kept.popleft())
         return t1[0], t2[0], kept[0]
 
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+
     def drain(self) -> None:
         while self.kept:
             self._free(self.kept.popleft())
@@ -119,8 +120,7 @@ def test_blocks_in_both_pools_keep_their_bytes() -> None:
 
 def test_a_size_never_seen_is_placed_by_its_coarse_class(placer: Allocator) -> None:
     loop = Loop(placer)
-    for _ in range(HORIZON):
-        loop.step()
+    loop.run(HORIZON)
     # 3 MiB + 512 KiB: a new size and signature, in the class of the 3 MiB kept blocks
     # (four classes per power of two: [3 MiB, 3.5 MiB)), which were all long-lived.
     _, _, kept = loop.step(kept_size=3 * MiB + 256 * KiB)
@@ -134,8 +134,7 @@ def test_a_size_never_seen_is_placed_by_its_coarse_class(placer: Allocator) -> N
 
 def test_predictions_follow_the_program_when_it_changes(placer: Allocator) -> None:
     loop = Loop(placer)
-    for _ in range(30):
-        loop.step()
+    loop.run(30)
     loop.drain()
     *_, kept = loop.step(keep=0)
     long_before = placer.stats()["lifetime_long"]
@@ -151,8 +150,7 @@ def test_predictions_follow_the_program_when_it_changes(placer: Allocator) -> No
 
 def test_a_user_pool_is_not_overridden(placer: Allocator) -> None:
     loop = Loop(placer)
-    for _ in range(HORIZON):
-        loop.step()
+    loop.run(HORIZON)
     with pyalloc.pool("params"):
         ptr = placer.malloc(3 * MiB)
     assert pool_of(ptr) == "params"
@@ -162,8 +160,7 @@ def test_a_user_pool_is_not_overridden(placer: Allocator) -> None:
 
 def test_empty_cache_gives_back_the_long_pool_but_keeps_what_was_learned(placer: Allocator) -> None:
     loop = Loop(placer)
-    for _ in range(HORIZON):
-        loop.step()
+    loop.run(HORIZON)
     loop.drain()
     pyalloc.empty_cache()
     s = placer.stats()
@@ -178,8 +175,7 @@ def test_off_means_no_long_pool() -> None:
     assert pyalloc.config()["lifetime"] is False
     a = Allocator("sim", "vmm=on")
     loop = Loop(a)
-    for _ in range(2 * HORIZON):
-        loop.step()
+    loop.run(2 * HORIZON)
     loop.drain()
     s = a.stats()
     assert s["lifetime_long"] == 0 and s["pool.long.segments"] == 0

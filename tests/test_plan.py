@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fresh_allocator
+from allocator_fixture import MECHANISM_VARIANTS, Allocator, mechanism_allocator
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -44,12 +44,9 @@ def peak_live(iteration: list[tuple[str, int, int]]) -> int:
     return peak
 
 
-@pytest.fixture(params=["host", "sim", "sim-plain"])
+@pytest.fixture(params=MECHANISM_VARIANTS)
 def planner(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    a = fresh_allocator(request.param, "plan=1")
-    yield a
-    a.free_all()
-    pyalloc.check(0)
+    yield from mechanism_allocator(request.param, "plan=1")
 
 
 def run_iteration(a: Allocator, iteration: list[tuple[str, int, int]] = ITERATION,

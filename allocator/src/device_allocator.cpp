@@ -191,8 +191,8 @@ class Unlocked {
 
 }  // namespace
 
-__attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Pool& pool, size_t size, size_t rounded,
-                                                                   StreamId stream, int* status) {
+__attribute__((noinline, cold)) Block* DeviceAllocator::malloc_slow(Pool& pool, size_t size, size_t rounded,
+                                                                    StreamId stream, int* status) {
   reclaim_pending(false);
   // A dormant planner watches again once the cache keeps missing.
   if (planning_ && !(divert_ & kDivertPlanner) && planner_wait_ > 0 && --planner_wait_ == 0) observe();
@@ -241,7 +241,7 @@ __attribute__((noinline, cold)) void* DeviceAllocator::malloc_slow(Pool& pool, s
     set_last_error(report);
     return nullptr;
   }
-  return take(pool, block, size, rounded);
+  return block;
 }
 
 Block* DeviceAllocator::find_or_grow(Pool& pool, size_t rounded, StreamId stream) {

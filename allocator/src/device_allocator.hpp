@@ -230,10 +230,15 @@ class DeviceAllocator {
   Block* insert_coalesced(Block* block);
   void merge_holes(Block* hole);
 
-  // Iteration plans (Note [Iteration plans] in plan.cpp).
+  // The general path's allocation by the cache: the allocated block, or
+  // nullptr with *status. Callers that keep a number with the block (the
+  // planner, lifetime placement) have it at hand with no live-map lookup.
+  Block* alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void* malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
-  void* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
-  void* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+
+  // Iteration plans (Note [Iteration plans] in plan.cpp).
+  Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void watch_free(Block* block);
   void observe();  // (re)starts observation
   bool note_plan_miss(size_t n);
@@ -249,8 +254,10 @@ class DeviceAllocator {
   bool check_lifetimes(std::string* problem) const;  // I11
 
   // Slow path (Note [Pressure ladder] in device_allocator.cpp).
-  // Called with the lock held; returns with it held (steps 3 and 4 drop it meanwhile).
-  void* malloc_slow(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  // Called with the lock held; returns with it held (steps 3 and 4 drop it
+  // meanwhile). Returns a free block of `pool` that fits (for take()), or
+  // nullptr with *status.
+  Block* malloc_slow(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* find_or_grow(Pool& pool, size_t rounded, StreamId stream);
   Block* release_and_retry(Pool& pool, size_t rounded, StreamId stream);  // step 1
   Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);

@@ -172,11 +172,21 @@ PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int p
 }
 
 // A request served by the cache: best fit, else the slow path.
-PYALLOC_INLINE void* DeviceAllocator::malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream,
+PYALLOC_INLINE Block* DeviceAllocator::alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream,
                                                    int* status) {
   Block* block = pool.free_blocks.best_fit(stream, rounded);
-  if (PYALLOC_UNLIKELY(block == nullptr)) return malloc_slow(pool, size, rounded, stream, status);
-  return take(pool, block, size, rounded);
+  if (PYALLOC_UNLIKELY(block == nullptr)) {
+    block = malloc_slow(pool, size, rounded, stream, status);
+    if (block == nullptr) return nullptr;
+  }
+  take(pool, block, size, rounded);  // the block keeps its object when split: it is the front part
+  return block;
+}
+
+PYALLOC_INLINE void* DeviceAllocator::malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream,
+                                                   int* status) {
+  Block* block = alloc_block(pool, size, rounded, stream, status);
+  return block != nullptr ? reinterpret_cast<void*>(block->addr) : nullptr;
 }
 
 // Hands out `block` (a free block of `pool` of at least `rounded` bytes),

@@ -108,23 +108,24 @@ bool LifetimeLearner::predicts_long(size_t rounded) const {
 // A default-pool request on the general path while lifetimes are placed or
 // the planner is at work.
 void* DeviceAllocator::malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
-  if (!placing_lifetimes_) return malloc_watched(pool, size, rounded, stream, status);
-  void* p;
-  if (lifetimes_.predicts_long(rounded)) {
-    p = malloc_cache(long_pool_, size, rounded, stream, status);
-    if (p != nullptr) ++stats_.lifetime_long;
+  Block* block;
+  if (placing_lifetimes_ && lifetimes_.predicts_long(rounded)) {
+    block = alloc_block(long_pool_, size, rounded, stream, status);
+    if (block != nullptr) ++stats_.lifetime_long;
   } else if (divert_ & kDivertPlanner) {
-    p = malloc_watched(pool, size, rounded, stream, status);
+    block = malloc_watched(pool, size, rounded, stream, status);
   } else {
-    p = malloc_cache(pool, size, rounded, stream, status);
+    block = alloc_block(pool, size, rounded, stream, status);
   }
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  const uint64_t number = lifetimes_.record(rounded, addr, [this](uintptr_t a, uint64_t n) {
-    const auto* entry = live_.find(a);
-    return entry != nullptr && entry->value->lifetime_number == n;
-  });
-  if (p != nullptr) live_.find(addr)->value->lifetime_number = number;
-  return p;
+  if (placing_lifetimes_) {
+    const uintptr_t addr = block != nullptr ? block->addr : 0;
+    const uint64_t number = lifetimes_.record(rounded, addr, [this](uintptr_t a, uint64_t n) {
+      const auto* entry = live_.find(a);
+      return entry != nullptr && entry->value->lifetime_number == n;
+    });
+    if (block != nullptr) block->lifetime_number = number;
+  }
+  return block != nullptr ? reinterpret_cast<void*>(block->addr) : nullptr;
 }
 
 // I11: placement on means every call is diverted (the fast path would place

@@ -259,12 +259,12 @@ void DeviceAllocator::observe() {
   divert_ |= kDivertPlanner;
 }
 
-void* DeviceAllocator::malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
+Block* DeviceAllocator::malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
   if (!plan_.empty()) return malloc_from_plan(pool, size, rounded, stream, status);
   const uint64_t number = learner_.on_alloc(rounded, stream);
-  void* p = malloc_cache(pool, size, rounded, stream, status);
-  if (p != nullptr) {
-    live_.find(reinterpret_cast<uintptr_t>(p))->value->born = number;
+  Block* block = alloc_block(pool, size, rounded, stream, status);
+  if (block != nullptr) {
+    block->born = number;
   } else {
     learner_.on_free(number);  // a failed request: as if freed at once, so the period still holds
   }
@@ -281,7 +281,7 @@ void* DeviceAllocator::malloc_watched(Pool& pool, size_t size, size_t rounded, S
     divert_ &= ~kDivertPlanner;  // dormant until the cache misses often (malloc_slow)
     planner_wait_ = kWakeAfterMisses;
   }
-  return p;
+  return block;
 }
 
 void DeviceAllocator::watch_free(Block* block) {
@@ -290,18 +290,18 @@ void DeviceAllocator::watch_free(Block* block) {
 }
 
 // Serves a default-pool request while a plan is in force.
-void* DeviceAllocator::malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
+Block* DeviceAllocator::malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
   const size_t p = plan_.size();
   if (plan_region_ == nullptr && plan_pos_ == 0 && !start_plan_region()) {
     drop_plan();
-    return malloc_cache(pool, size, rounded, stream, status);
+    return alloc_block(pool, size, rounded, stream, status);
   }
   size_t skip = 0;
   while (skip <= kResync && !matches(plan_[(plan_pos_ + skip) % p], rounded, stream)) ++skip;
   if (skip > kResync) {  // not in the plan: an inserted request
     ++plan_run_misses_;
     if (note_plan_miss(1)) drop_plan();
-    return malloc_cache(pool, size, rounded, stream, status);
+    return alloc_block(pool, size, rounded, stream, status);
   }
   // One skipped position right after an inserted request was a changed
   // request (a substitution): one miss, already counted.
@@ -316,18 +316,19 @@ void* DeviceAllocator::malloc_from_plan(Pool& pool, size_t size, size_t rounded,
   }
   if (too_many || (period_ends && plan_region_ == nullptr && !start_plan_region())) {
     drop_plan();
-    return malloc_cache(pool, size, rounded, stream, status);
+    return alloc_block(pool, size, rounded, stream, status);
   }
   // Slots before the region's start are served by the cache; after it, the
   // plan keeps every planned slot's place free when its turn comes.
   if (slot.planned && plan_region_ != nullptr) {
     if (Block* b = carve_planned(slot.offset, rounded)) {
       ++stats_.plan_served;
-      return take(plan_pool_, b, size, rounded);
+      take(plan_pool_, b, size, rounded);
+      return b;
     }
     if (note_plan_miss(1)) drop_plan();  // its place is still taken
   }
-  return malloc_cache(pool, size, rounded, stream, status);
+  return alloc_block(pool, size, rounded, stream, status);
 }
 
 // Counts misses; true when the plan should go: more than max(2, period/16)
