@@ -6,8 +6,13 @@ them to ``pyalloc_replay`` in the library, whose loop runs in C++: the
 
 Policies:
   pyalloc        this allocator with its defaults, through the same C ABI
-                 PyTorch calls: large and user pools grow in virtual-memory
-                 arenas, with stitching under pressure (vmm=auto)
+                 PyTorch calls: requests of every size share the large
+                 pool's virtual-memory arena, with stitching under pressure
+                 (vmm=auto, which is vmm=shared on sim and host)
+  pyalloc-small-pool
+                 arenas for the large pool, requests up to 1 MiB in a small
+                 pool of 2 MiB plain segments (vmm=on): the default before
+                 the shared arena
   pyalloc-plain  this allocator with plain segments only (vmm=off): its
                  policy before arenas, PyTorch's placement
   pyalloc-plan   the defaults plus iteration plans (plan=1): a repeated
@@ -41,7 +46,8 @@ CAPACITY_STEP = 2 * MiB
 DEFAULT_CAPACITY = 80 << 30
 
 POLICIES = {
-    "pyalloc": "the pyalloc allocator, its defaults (arenas and stitching, vmm=auto)",
+    "pyalloc": "the pyalloc allocator, its defaults (one arena for every size, stitching; vmm=auto)",
+    "pyalloc-small-pool": "the pyalloc allocator with a small pool of plain segments beside the arenas (vmm=on)",
     "pyalloc-plain": "the pyalloc allocator with plain segments only (vmm=off)",
     "pyalloc-plan": "the pyalloc allocator with iteration plans (plan=1)",
     "pyalloc-lifetime": "the pyalloc allocator with lifetime-aware placement (lifetime=1)",
@@ -50,8 +56,8 @@ POLICIES = {
 }
 # The PYALLOC_CONF keys each pyalloc policy adds (a --conf given by the user
 # comes after them, so it wins); "native" is not the allocator at all.
-POLICY_CONF = {"pyalloc": "", "pyalloc-plain": "vmm=off", "pyalloc-plan": "plan=1", "pyalloc-lifetime": "lifetime=1",
-               "pyalloc-plain-lifetime": "vmm=off,lifetime=1"}
+POLICY_CONF = {"pyalloc": "", "pyalloc-small-pool": "vmm=on", "pyalloc-plain": "vmm=off", "pyalloc-plan": "plan=1",
+               "pyalloc-lifetime": "lifetime=1", "pyalloc-plain-lifetime": "vmm=off,lifetime=1"}
 
 
 class ReplayResultC(ctypes.Structure):

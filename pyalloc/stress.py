@@ -9,7 +9,11 @@ its ratio to peak live), and the allocator's ns per operation.
 
 Policies:
   pyalloc        this allocator with its defaults, through the same C ABI
-                 PyTorch calls (virtual-memory arenas and stitching)
+                 PyTorch calls (one virtual-memory arena for requests of
+                 every size, and stitching)
+  pyalloc-small-pool
+                 the previous defaults: arenas for the large pool, a small
+                 pool of 2 MiB plain segments for requests up to 1 MiB (vmm=on)
   pyalloc-plain  this allocator with plain segments only (vmm=off)
   pyalloc-plan   the defaults plus iteration plans (plan=1; not run unless named)
   pyalloc-lifetime, pyalloc-plain-lifetime
@@ -387,6 +391,7 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
     nrows = math.ceil(n / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
     styles = {"pyalloc": {"color": "tab:blue", "linestyle": "-"},
+              "pyalloc-small-pool": {"color": "tab:cyan", "linestyle": "-"},
               "pyalloc-plain": {"color": "tab:purple", "linestyle": "-."},
               "pyalloc-plan": {"color": "tab:green", "linestyle": ":"},
               "pyalloc-lifetime": {"color": "tab:red", "linestyle": ":"},
@@ -496,9 +501,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", metavar="NAME,...",
                         help="workloads to run (default: all recorded and generated: "
                              "see pyalloc/workloads/ and pyalloc.generators)")
-    parser.add_argument("--policies", metavar="NAME,...", default="pyalloc,pyalloc-plain,native",
-                        help="policies to compare (default: pyalloc,pyalloc-plain,native; pyalloc-plain is "
-                             "pyalloc without arenas, native a model of PyTorch's)")
+    parser.add_argument("--policies", metavar="NAME,...", default="pyalloc,pyalloc-small-pool,pyalloc-plain,native",
+                        help="policies to compare (default: pyalloc,pyalloc-small-pool,pyalloc-plain,native; "
+                             "pyalloc-small-pool is the previous defaults (vmm=on), pyalloc-plain pyalloc "
+                             "without arenas, native a model of PyTorch's)")
     parser.add_argument("--no-min-capacity", action="store_true",
                         help="skip the search for the smallest capacity that works (a bisection of replays)")
     parser.add_argument("--json", metavar="PATH",

@@ -1,8 +1,10 @@
 """The `allocator` fixture: a fresh allocator on each CPU backend, checked after every test.
 
-Each backend runs twice: with plain segments only (``host``, ``sim``:
-``vmm=off``) and with the large and user pools in virtual-memory arenas
-(``host-arenas``, ``sim-arenas``: ``vmm=on``, the default on these backends).
+Each backend runs three times: with plain segments only (``host``, ``sim``:
+``vmm=off``), with the large and user pools in virtual-memory arenas beside a
+small pool of plain segments (``host-arenas``, ``sim-arenas``: ``vmm=on``),
+and with requests of every size in the large pool's arena (``host-shared``,
+``sim-shared``: ``vmm=shared``, the default on these backends).
 A test that pins plain-segment geometry (segment sizes, counts) asks for the
 plain variants only with ``@pytest.mark.parametrize("allocator", PLAIN, indirect=True)``.
 
@@ -23,7 +25,9 @@ import pyalloc
 
 CPU_BACKENDS = ["host", "sim"]
 PLAIN = CPU_BACKENDS
-VARIANTS = PLAIN + [f"{b}-arenas" for b in CPU_BACKENDS]
+WITH_SMALL_POOL = PLAIN + [f"{b}-arenas" for b in CPU_BACKENDS]  # small requests in 2 MiB plain segments
+VARIANTS = PLAIN + [f"{b}-{kind}" for kind in ("arenas", "shared") for b in CPU_BACKENDS]
+VARIANT_VMM = {"": "vmm=off", "arenas": "vmm=on", "shared": "vmm=shared"}
 
 
 @dataclass
@@ -33,6 +37,12 @@ class Allocator:
     backend: str
     vmm: str = "vmm=auto"  # the variant's arena setting, kept by conf()
     live: dict[int, tuple[int, int]] = field(default_factory=dict)  # ptr -> (size, device)
+
+    @property
+    def small_pool(self) -> str:
+        """The pool a default request of up to 1 MiB goes to: with vmm=shared, the large pool
+        (Note [One arena for small and large])."""
+        return "large" if self.vmm == "vmm=shared" else "small"
 
     def conf(self, extra: str = "") -> str:
         """A fresh configuration of this variant (backend and arenas), plus ``extra``."""
@@ -93,8 +103,8 @@ def fresh_allocator(variant: str, extra: str) -> Allocator:
 
 @pytest.fixture(params=VARIANTS)
 def allocator(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    backend, _, arenas = request.param.partition("-")
-    vmm = "vmm=on" if arenas else "vmm=off"
+    backend, _, kind = request.param.partition("-")
+    vmm = VARIANT_VMM[kind]
     # Switching backend forces a rebuild, so every test starts with no segments.
     other = "sim" if backend == "host" else "host"
     pyalloc.configure(fresh_conf(other))

@@ -189,10 +189,46 @@ def test_vmm_all_puts_the_small_pool_in_an_arena(arenas: Allocator) -> None:
     assert ptrs[1] == ptrs[0] + (700 << 10) and ptrs[2] == ptrs[1] + (700 << 10)
 
 
+def test_vmm_shared_serves_small_requests_from_the_large_arena(arenas: Allocator) -> None:
+    """Note [One arena for small and large]: a small request fills the sliver a large block left."""
+    pyalloc.configure(fresh_conf(arenas.backend, "vmm=shared"))
+    big = arenas.malloc(3 * MiB)  # two granules: 1 MiB of the second is free
+    small = [arenas.malloc(256 << 10) for _ in range(4)]
+    assert small == [big + 3 * MiB + k * (256 << 10) for k in range(4)]
+    s = arenas.stats()
+    assert s["reserved_bytes.all.current"] == 4 * MiB  # no 2 MiB small segment
+    assert s["segment.small_pool.current"] == 0 and s["allocation.large_pool.current"] == 5
+    if arenas.backend == "host":  # real bytes: the small blocks share the big one's granule
+        fill(big, 3 * MiB, 0x5A)
+        for k, p in enumerate(small):
+            fill(p, 256 << 10, k + 1)
+        assert holds(big, 3 * MiB, 0x5A)
+        assert all(holds(p, 256 << 10, k + 1) for k, p in enumerate(small))
+    # A small block left behind keeps one granule, not a segment: the rest goes back.
+    arenas.free(big)
+    for p in small[1:]:
+        arenas.free(p)
+    assert pyalloc.release_cached(0, 0) == GRANULE
+    assert arenas.stats()["reserved_bytes.all.current"] == GRANULE
+    if arenas.backend == "host":
+        assert holds(small[0], 256 << 10, 1)
+
+
+def test_vmm_on_keeps_a_small_pool_of_plain_segments(arenas: Allocator) -> None:
+    big = arenas.malloc(3 * MiB)
+    small = arenas.malloc(256 << 10)
+    s = arenas.stats()
+    assert s["reserved_bytes.all.current"] == 6 * MiB  # the arena's two granules and a 2 MiB segment
+    assert s["segment.small_pool.current"] == 1 and s["allocation.small_pool.current"] == 1
+    del big, small
+
+
 def test_vmm_is_a_layout_key_with_a_clear_error_for_bad_values() -> None:
-    with pytest.raises(pyalloc.PyallocError, match="bad value 'maybe' for vmm: expected auto, on, all or off"):
+    with pytest.raises(pyalloc.PyallocError, match="bad value 'maybe' for vmm: expected auto, on, shared, all or off"):
         pyalloc.configure("vmm=maybe")
     pyalloc.configure(fresh_conf("sim", "vmm=off"))
     assert pyalloc.config()["vmm"] == "off"
+    pyalloc.configure(fresh_conf("sim", "vmm=SHARED"))
+    assert pyalloc.config()["vmm"] == "shared"
     pyalloc.configure(fresh_conf("sim"))
     assert pyalloc.config()["vmm"] == "auto"

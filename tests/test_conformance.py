@@ -14,7 +14,7 @@ import threading
 import pytest
 
 import pyalloc
-from allocator_fixture import PLAIN, Allocator
+from allocator_fixture import PLAIN, WITH_SMALL_POOL, Allocator
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -43,6 +43,7 @@ def test_malloc_returns_512_aligned_distinct_blocks(allocator: Allocator) -> Non
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
 
+@pytest.mark.parametrize("allocator", WITH_SMALL_POOL, indirect=True)  # small-segment geometry
 def test_small_requests_share_one_small_segment(allocator: Allocator) -> None:
     for _ in range(10):
         allocator.malloc(10 * KiB)
@@ -67,6 +68,7 @@ def test_split_leaves_the_remainder_free_as_an_inactive_split(allocator: Allocat
     assert s["inactive_split_bytes.all.current"] == 2 * MiB - 4 * KiB
 
 
+@pytest.mark.parametrize("allocator", WITH_SMALL_POOL, indirect=True)  # small-segment geometry
 def test_free_coalesces_with_both_neighbours(allocator: Allocator) -> None:
     a, b, c = (allocator.malloc(64 * KiB) for _ in range(3))
     allocator.free(a)
@@ -218,7 +220,7 @@ def test_current_pool_routes_allocations_to_their_own_segments(allocator: Alloca
         for blk in seg["blocks"]:
             by_addr[blk["address"]] = seg
     assert by_addr[inside]["pool"] == "params"
-    assert by_addr[outside]["pool"] == "small"
+    assert by_addr[outside]["pool"] == allocator.small_pool
     assert by_addr[inside]["address"] != by_addr[outside]["address"]
 
 
@@ -235,7 +237,8 @@ def test_pool_figures_in_stats_and_snapshot_follow_each_pool(allocator: Allocato
     assert s["pool.weights.active_bytes"] == 3 * MiB
     assert s["pool.weights.reserved_bytes"] == s["pool.weights.allocated_bytes"] + s["pool.weights.cached_free_bytes"]
     assert s["pool.weights.largest_free_bytes"] >= 1 * MiB
-    assert s["pool.small.allocated_bytes"] == 64 * KiB and s["pool.small.segments"] == 1
+    assert s[f"pool.{allocator.small_pool}.allocated_bytes"] == 64 * KiB
+    assert s[f"pool.{allocator.small_pool}.segments"] == 1
     # The pools add up to the device's own counters.
     pools = {name.split(".")[1] for name in s if name.startswith("pool.")}
     for figure, total in (("reserved_bytes", "reserved_bytes.all.current"),
@@ -297,6 +300,7 @@ def test_oom_report_names_the_largest_free_block_and_live_blocks(allocator: Allo
     assert allocator.stats()["last_oom.largest_free_bytes"] == 3 * MiB
 
 
+@pytest.mark.parametrize("allocator", WITH_SMALL_POOL, indirect=True)  # small-segment geometry
 def test_cached_segments_are_released_to_serve_a_request(allocator: Allocator) -> None:
     pyalloc.configure(allocator.conf().replace("capacity=256MiB", "capacity=32MiB"))
     small = [allocator.malloc(1 * MiB) for _ in range(30)]  # 15 small segments: 30 MiB
@@ -578,7 +582,8 @@ def test_active_figures_are_exact_across_pending_frees_and_resets(allocator: All
     assert (s["active.all.current"], s["active.all.allocated"], s["active.all.freed"]) == (0, 1, 3)
     assert (s["active_bytes.all.allocated"], s["active_bytes.all.freed"]) == (16 * KiB, 112 * KiB)
     assert s["active_bytes.all.peak"] == 112 * KiB
-    assert s["active_bytes.small_pool.peak"] == 112 * KiB and s["active_bytes.large_pool.peak"] == 0
+    other = "large" if allocator.small_pool == "small" else "small"
+    assert s[f"active_bytes.{allocator.small_pool}_pool.peak"] == 112 * KiB and s[f"active_bytes.{other}_pool.peak"] == 0
 
 
 def test_stats_use_pytorch_key_names(allocator: Allocator) -> None:
@@ -601,6 +606,7 @@ def test_device_alloc_and_free_counts_follow_segments(allocator: Allocator) -> N
     assert (s["num_device_alloc"], s["num_device_free"]) == (1, 1)
 
 
+@pytest.mark.parametrize("allocator", WITH_SMALL_POOL, indirect=True)  # small-segment geometry
 def test_trace_ring_records_events_in_order(allocator: Allocator) -> None:
     pyalloc.configure("trace=100")
     p = allocator.malloc(4 * KiB, stream=5)
@@ -632,7 +638,7 @@ def test_snapshot_blocks_carry_their_states(allocator: Allocator) -> None:
     assert {blk["address"]: blk["state"] for blk in seg["blocks"]}[a] == "active_allocated"
     assert {blk["address"]: blk["state"] for blk in seg["blocks"]}[b] == "active_pending_free"
     assert seg["total_size"] == 2 * MiB and seg["allocated_size"] == 4 * KiB
-    assert seg["active_size"] == 8 * KiB and seg["segment_type"] == "small"
+    assert seg["active_size"] == 8 * KiB and seg["segment_type"] == allocator.small_pool
     pyalloc.empty_cache()
 
 

@@ -3,7 +3,8 @@
 Hypothesis drives a state machine over malloc (random sizes, streams and
 pools; PyTorch and CuPy entry points), free, record_stream, empty_cache,
 release_cached, set_memory_fraction, in-place changes of runtime keys and
-deliberate bad calls, on the host and the sim backends. After every step
+deliberate bad calls, on the host backend with its defaults (vmm=shared)
+and on the sim backend with a small pool beside the arenas (vmm=on). After every step
 ``pyalloc.check(0)`` must pass (the allocator's own invariant walk) and the
 stats and the snapshot must agree with the model: the number and requested
 bytes of live allocations, the small/large split, allocated <= active <=
@@ -110,8 +111,9 @@ def sizes(max_size: int) -> st.SearchStrategy[int]:
     )
 
 
-def make_machine(backend: str, capacity: int, max_size: int) -> type[RuleBasedStateMachine]:
+def make_machine(backend: str, capacity: int, max_size: int, vmm: str) -> type[RuleBasedStateMachine]:
     writes_memory = backend == "host"
+    has_small_pool = vmm in ("on", "all", "off")  # vmm=shared: small requests share the large arena
 
     class AllocatorMachine(RuleBasedStateMachine):
         blocks = Bundle("blocks")
@@ -123,7 +125,7 @@ def make_machine(backend: str, capacity: int, max_size: int) -> type[RuleBasedSt
             pyalloc.configure(
                 f"backend={backend},devices=1,capacity={capacity},event_delay=2,"
                 f"oom_report=0,memory_fraction=1,max_cached=unlimited,round_power2=0,"
-                f"small_segment={SMALL_SEGMENT},large_segment={LARGE_SEGMENT}"
+                f"small_segment={SMALL_SEGMENT},large_segment={LARGE_SEGMENT},vmm={vmm}"
             )
             self.live: dict[int, Live] = {}
             self.fraction = 1.0
@@ -285,6 +287,10 @@ def make_machine(backend: str, capacity: int, max_size: int) -> type[RuleBasedSt
 
         # ---- the oracle --------------------------------------------------------
 
+        @staticmethod
+        def in_small_pool(block: Live) -> bool:
+            return has_small_pool and block.pool is None and block.size <= SMALL_REQUEST
+
         @invariant()
         def allocator_agrees_with_the_model(self) -> None:
             pyalloc.check(0)
@@ -292,7 +298,7 @@ def make_machine(backend: str, capacity: int, max_size: int) -> type[RuleBasedSt
             live = list(self.live.values())
             assert s["allocation.all.current"] == len(live)
             assert s["requested_bytes.all.current"] == sum(b.size for b in live)
-            small = [b for b in live if b.pool is None and b.size <= SMALL_REQUEST]
+            small = [b for b in live if self.in_small_pool(b)]
             assert s["allocation.small_pool.current"] == len(small)
             assert s["requested_bytes.small_pool.current"] == sum(b.size for b in small)
             assert s["allocated_bytes.all.current"] >= sum(b.rounded for b in live)
@@ -330,7 +336,7 @@ def make_machine(backend: str, capacity: int, max_size: int) -> type[RuleBasedSt
                 segment = allocated[b.ptr][1]
                 # Stream-ordered: a block is carved from a segment of its own stream.
                 assert segment["stream"] == b.stream, f"block {b.ptr:#x} of stream {b.stream}"
-                small = b.pool is None and b.size <= SMALL_REQUEST
+                small = self.in_small_pool(b)
                 assert (segment["segment_type"] == "small") == small, f"block {b.ptr:#x} size {b.size}"
 
         def teardown(self) -> None:
@@ -351,8 +357,8 @@ def make_machine(backend: str, capacity: int, max_size: int) -> type[RuleBasedSt
     return AllocatorMachine
 
 
-HostMachine = make_machine("host", capacity=64 * MiB, max_size=24 * MiB)
-SimMachine = make_machine("sim", capacity=4 * 1024 * MiB, max_size=1024 * MiB)
+HostMachine = make_machine("host", capacity=64 * MiB, max_size=24 * MiB, vmm="auto")
+SimMachine = make_machine("sim", capacity=4 * 1024 * MiB, max_size=1024 * MiB, vmm="on")
 
 
 def test_host_allocator_keeps_its_contract_under_random_operations() -> None:

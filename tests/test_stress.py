@@ -58,7 +58,7 @@ def run_stress(binary: Path, *args: str, timeout: float = 120) -> subprocess.Com
     )
 
 
-@pytest.mark.parametrize(("seed", "vmm"), [(1, "all"), (20240611, "off"), (7, "on")])
+@pytest.mark.parametrize(("seed", "vmm"), [(1, "all"), (20240611, "off"), (7, "on"), (11, "shared")])
 def test_stress_keeps_every_block_intact_across_threads(stress_binary: Path, seed: int, vmm: str) -> None:
     threads, rounds, ops = 8, 4, 1500
     result = run_stress(

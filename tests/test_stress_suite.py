@@ -258,6 +258,17 @@ def test_stitching_needs_less_memory_than_plain_segments_on_interleaved_lifetime
     assert arenas < plain
 
 
+def test_one_arena_for_every_size_needs_less_memory_than_a_small_pool_on_transformer_lm() -> None:
+    """Note [One arena for small and large], on a recorded trace (deterministic, sim)."""
+    flat = stress.load_workload("transformer_lm", seed=0, quick=False).flat
+    shared = find_min_capacity(flat, "pyalloc")
+    assert pyalloc.config()["vmm"] == "auto"
+    small_pool = find_min_capacity(flat, "pyalloc-small-pool")
+    assert pyalloc.config()["vmm"] == "on"
+    assert shared <= small_pool - 8 * MiB
+    assert small_pool < find_min_capacity(flat, "native")
+
+
 # ---- host and sim agree -------------------------------------------------------------------
 
 
@@ -314,7 +325,7 @@ def test_stress_prints_the_table_and_writes_a_json_report_and_a_png(tmp_path: Pa
     assert report["policies"]["native"]["label"] == "native (model)"
     for name, workload in report["workloads"].items():
         live = workload["peak_live_bytes"]
-        assert set(workload["policies"]) == {"pyalloc", "pyalloc-plain", "native"}
+        assert set(workload["policies"]) == {"pyalloc", "pyalloc-small-pool", "pyalloc-plain", "native"}
         for policy, figures in workload["policies"].items():
             assert figures["peak_reserved_bytes"] >= live > 0, (name, policy)
             assert figures["min_capacity_bytes"] >= live, (name, policy)
@@ -360,7 +371,7 @@ def test_register_cli_adds_the_stress_command() -> None:
     args = parser.parse_args(["stress", "--workloads", "mlp", "--quick", "--no-min-capacity"])
     assert args.handler is stress.run
     assert args.workloads == "mlp" and args.quick and args.no_min_capacity
-    assert args.policies == "pyalloc,pyalloc-plain,native" and args.out == "stress-report"
+    assert args.policies == "pyalloc,pyalloc-small-pool,pyalloc-plain,native" and args.out == "stress-report"
 
 
 def test_table_labels_the_native_policy_as_a_model() -> None:

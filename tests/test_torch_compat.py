@@ -227,9 +227,22 @@ def test_patched_memory_stats_is_pyalloc_flat_dict(patched: None, block: Callabl
     stats = torch.cuda.memory_stats(0)
     assert stats == pyalloc.memory_stats(0)
     assert stats["allocation.all.current"] == 2
+    # The host backend's default (vmm=shared) serves small requests from the large pool's arena.
+    assert stats["allocation.small_pool.current"] == 0
+    assert stats["allocation.large_pool.current"] == 2
+    assert list(stats) == sorted(stats)
+
+
+def test_patched_memory_stats_split_small_and_large_pools_like_pytorch(
+    patched: None, block: Callable[..., int]
+) -> None:
+    pyalloc.configure(HOST_CONF + ",vmm=on")  # a small pool of its own, as in PyTorch
+    block(2 * MiB)
+    block(4096)
+    stats = torch.cuda.memory_stats(0)
     assert stats["allocation.small_pool.current"] == 1
     assert stats["allocation.large_pool.current"] == 1
-    assert list(stats) == sorted(stats)
+    assert stats["segment.small_pool.current"] == 1
 
 
 def test_patched_stats_keep_devices_apart(patched: None, block: Callable[..., int]) -> None:

@@ -2,8 +2,10 @@
 # sanitize.sh: build libpyalloc and the native stress test with sanitizers and
 # run the stress test under each, with every finding fatal.
 #
-#   asan   -DPYALLOC_SANITIZE=address,undefined  in build-asan/
-#   tsan   -DPYALLOC_SANITIZE=thread             in build-tsan/
+#   asan   -DPYALLOC_SANITIZE=address,undefined  in build-asan/, vmm=shared (the
+#          host backend's default: one arena for every size)
+#   tsan   -DPYALLOC_SANITIZE=thread             in build-tsan/, vmm=all (every
+#          pool in arenas of its own)
 #
 # Prints one verdict line per sanitizer ("sanitize: asan+ubsan: PASS ..." or
 # "... FAIL ...") and exits non-zero when any run fails or reports a finding.
@@ -21,7 +23,7 @@ ops=1000
 seed=42
 
 usage() {
-  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -49,6 +51,7 @@ stress_args=(--threads "$threads" --rounds "$rounds" --ops "$ops" --seed "$seed"
 finding_pattern='ERROR: AddressSanitizer|ERROR: LeakSanitizer|runtime error:|WARNING: ThreadSanitizer|ThreadSanitizer: reported|ERROR: ThreadSanitizer|SUMMARY: (Address|Undefined|Thread)Sanitizer'
 
 status=0
+declare -A vmm_of=([asan+ubsan]=shared [tsan]=all)
 
 # build NAME DIR SANITIZERS: configure and build; the log is DIR/build.log.
 build() {
@@ -64,13 +67,14 @@ build() {
   fi
 }
 
-# run_stress NAME DIR [PREFIX...]: runs the stress binary, logs to DIR/stress.log.
-# Sets `summary` to the stress summary line and returns its exit status.
+# run_stress NAME DIR VMM [PREFIX...]: runs the stress binary with --vmm VMM,
+# logs to DIR/stress.log. Sets `summary` to the stress summary line and
+# returns its exit status.
 run_stress() {
-  local name="$1" dir="$root/$2"
-  shift 2
+  local name="$1" dir="$root/$2" vmm="$3"
+  shift 3
   local log="$dir/stress.log"
-  "$@" "$dir/tests/native/stress" "${stress_args[@]}" >"$log" 2>&1
+  "$@" "$dir/tests/native/stress" "${stress_args[@]}" --vmm "$vmm" >"$log" 2>&1
   local rc=$?
   summary="$(grep -m1 '^stress: ok' "$log" || true)"
   return $rc
@@ -81,7 +85,7 @@ verdict() {
   local name="$1" dir="$root/$2" rc="$3"
   local log="$dir/stress.log"
   if [[ $rc -eq 0 ]] && ! grep -Eq "$finding_pattern" "$log"; then
-    echo "sanitize: $name: PASS (${summary:-no summary})"
+    echo "sanitize: $name: PASS (vmm=${vmm_of[$name]}; ${summary:-no summary})"
     return 0
   fi
   echo "sanitize: $name: FAIL (exit $rc; log $log)"
@@ -94,7 +98,7 @@ if [[ "$only" == asan || "$only" == all ]]; then
     summary=""
     ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0:exitcode=66" \
     UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
-      run_stress asan+ubsan build-asan
+      run_stress asan+ubsan build-asan "${vmm_of[asan+ubsan]}"
     rc=$?
     verdict asan+ubsan build-asan $rc || status=1
   else
@@ -106,14 +110,14 @@ if [[ "$only" == tsan || "$only" == all ]]; then
   if build tsan build-tsan thread; then
     summary=""
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-    run_stress tsan build-tsan
+    run_stress tsan build-tsan "${vmm_of[tsan]}"
     rc=$?
     # TSan's shadow layout does not fit the high mmap randomization of newer
     # kernels ("unexpected memory mapping"); rerun with ASLR off for the process.
     if [[ $rc -ne 0 ]] && grep -q 'unexpected memory mapping\|FATAL: ThreadSanitizer' "$root/build-tsan/stress.log"; then
       if command -v setarch >/dev/null 2>&1; then
         echo "sanitize: tsan: retrying with ASLR off (setarch $(uname -m) -R)"
-        run_stress tsan build-tsan setarch "$(uname -m)" -R
+        run_stress tsan build-tsan "${vmm_of[tsan]}" setarch "$(uname -m)" -R
         rc=$?
       fi
     fi

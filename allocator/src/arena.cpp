@@ -34,6 +34,30 @@
 // Accounting: reserved bytes are mapped bytes; an arena counts as one
 // segment from its creation until release_free_segments finds it all hole
 // and gives the reservation back.
+//
+// Note [One arena for small and large]
+// PyTorch keeps requests up to 1 MiB in a pool of their own, carved from
+// 2 MiB segments, so that small blocks do not split the large ones' free
+// memory. With plain segments that is right. With arenas it costs twice:
+//   - a small segment is given back only when wholly free, and a few small
+//     blocks that outlive the rest (a parameter, a step counter) keep
+//     several segments of 2 MiB each;
+//   - the large arena's free slivers, the partly used granules at the ends
+//     of its live runs, are memory no large request can use, and stitching
+//     cannot move them (only whole granules move).
+// With vmm=shared (select_pool: largest_small_ is 0) every default-pool
+// request goes to the large pool's arena. Best fit puts a small request in
+// the smallest free block that holds it, which is most often one of those
+// slivers, so small blocks live in granules that large blocks have mapped
+// already; and a small block that stays behind pins one granule at most,
+// anywhere, instead of a segment of its own. Measured on the stress suite
+// (docs/benchmarks/2026-11-22-shared-arena-cpu.md), against vmm=on:
+// transformer_lm needs 1.015 times its live bytes instead of 1.075,
+// seq2seq_varlen 1.022 instead of 1.071, seq2seq 1.017 instead of 1.040,
+// lstm_varlen 1.061 instead of 1.072; mlp, batch_growth, size_sweep and
+// interleaved_lifetimes need 2 to 4 MiB more. The cost is in the stats: the
+// small_pool figures stay zero, as every block counts as large_pool. The
+// fast path is unchanged (the limit is a member instead of a constant).
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>

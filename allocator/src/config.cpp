@@ -136,11 +136,12 @@ const std::vector<KeySpec>& key_specs() {
          c->daemon_socket = v;
          return true;
        }},
-      {"vmm", "auto, on, all or off (auto: on for the host and sim backends, off for cuda)",
+      {"vmm", "auto, on, shared, all or off (auto: shared for the host and sim backends, off for cuda)",
        [](const std::string& v, Config* c) {
          const std::string t = lower(v);
          bool on = false;
          if (t == "auto") c->vmm = VmmMode::kAuto;
+         else if (t == "shared") c->vmm = VmmMode::kShared;
          else if (t == "all") c->vmm = VmmMode::kAll;
          else if (parse_bool(t, &on)) c->vmm = on ? VmmMode::kOn : VmmMode::kOff;
          else return false;
@@ -231,7 +232,7 @@ bool parse_config(const std::string& text, const Config& base, Config* out, std:
 }
 
 VmmMode Config::vmm_mode() const {
-  if (vmm == VmmMode::kAuto) return backend == BackendKind::kCuda ? VmmMode::kOff : VmmMode::kOn;
+  if (vmm == VmmMode::kAuto) return backend == BackendKind::kCuda ? VmmMode::kOff : VmmMode::kShared;
   return vmm;
 }
 
@@ -260,7 +261,7 @@ std::string Config::to_json() const {
   w.key("registry").value(registry);
   w.key("pressure_opt_in").value(pressure_opt_in);
   w.key("daemon_socket").value(daemon_socket);
-  static const char* const vmm_names[] = {"auto", "on", "all", "off"};
+  static const char* const vmm_names[] = {"auto", "on", "shared", "all", "off"};
   w.key("vmm").value(vmm_names[static_cast<int>(vmm)]);
   w.key("plan").value(plan);
   w.key("lifetime").value(lifetime);

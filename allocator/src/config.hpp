@@ -18,7 +18,7 @@ enum class BackendKind { kCuda, kHost, kSim };
 // grow in arenas, the small pool in plain segments); all (the small pool
 // too); auto (on for the host and sim backends, off on cuda until measured
 // on a GPU).
-enum class VmmMode { kAuto, kOn, kAll, kOff };
+enum class VmmMode { kAuto, kOn, kShared, kAll, kOff };
 
 const char* backend_name(BackendKind kind);
 

@@ -67,6 +67,7 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* back
       hooks_(hooks),
       small_segment_(config.small_segment),
       large_segment_(config.large_segment),
+      largest_small_(config.vmm_mode() == VmmMode::kShared ? 0 : kSmallRequest),
       vmm_(config.vmm_mode()),
       planning_(config.plan),
       placing_lifetimes_(config.lifetime),

@@ -13,7 +13,9 @@
 //   - With `vmm` on, the large and user pools (and with vmm=all the small
 //     pool) grow in virtual-memory arenas instead: granules mapped where the
 //     request fits best, and stitched from free slivers under pressure
-//     (Note [Arenas] in arena.cpp).
+//     (Note [Arenas] in arena.cpp). With vmm=shared (the default on the host
+//     and sim backends) there is no small pool: requests of every size share
+//     the large pool's arena (Note [One arena for small and large]).
 //   - A free block is found by best fit on the request's stream, lowest
 //     address first among equal sizes. It is split when the remainder is
 //     worth keeping: any remainder in the small and user pools, more than
@@ -294,6 +296,7 @@ class DeviceAllocator {
   PressureHooks* const hooks_;
   const size_t small_segment_;
   const size_t large_segment_;
+  const size_t largest_small_;  // the largest request of the small pool: 0 with vmm=shared
   const VmmMode vmm_;    // which pools grow in arenas (Note [Arenas])
   const bool planning_;  // iteration plans (Note [Iteration plans])
   const bool placing_lifetimes_;  // Note [Lifetime-aware placement]

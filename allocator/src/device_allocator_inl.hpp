@@ -95,7 +95,7 @@ PYALLOC_INLINE size_t DeviceAllocator::round_size(size_t size) const {
 }
 
 PYALLOC_INLINE Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
-  if (PYALLOC_LIKELY(pool_id == 0)) return rounded <= kSmallRequest ? small_pool_ : large_pool_;
+  if (PYALLOC_LIKELY(pool_id == 0)) return rounded <= largest_small_ ? small_pool_ : large_pool_;
   return user_pool(pool_id);
 }
 

@@ -8,7 +8,8 @@
 //                address order, linked by prev/next. A block is free,
 //                allocated, or pending-free.
 //   pool         a set of segments with one free set: the small pool
-//                (requests <= kSmallRequest), the large pool, user pools
+//                (requests <= kSmallRequest; unused with vmm=shared, Note
+//                [One arena for small and large]), the large pool, user pools
 //                (selected by the thread's current pool), the plan pool
 //                (an iteration plan's region, Note [Iteration plans]), and
 //                the long pool (requests predicted long-lived, Note

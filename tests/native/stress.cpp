@@ -33,8 +33,8 @@
 //
 // The allocator runs with `--vmm` (default all: every pool grows in
 // virtual-memory arenas, so stitching under pressure unmaps and remaps real
-// memfd granules while other threads verify their cookies; off: plain
-// segments).
+// memfd granules while other threads verify their cookies; shared: requests
+// of every size in the large pool's arena; off: plain segments).
 //
 // Usage: stress [--threads N] [--rounds N] [--ops N] [--seed N] [--capacity SIZE] [--vmm MODE]
 // Exit 0 with one summary line on success; on failure, what failed and exit 1.
@@ -451,7 +451,7 @@ uint64_t sum_invalid_counters(const std::string& json, int* nkeys) {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "stress: %s\nusage: stress [--threads N] [--rounds N] [--ops N] [--seed N] "
-               "[--capacity SIZE] [--vmm auto|on|all|off]\n",
+               "[--capacity SIZE] [--vmm auto|on|shared|all|off]\n",
                why);
   std::exit(2);
 }
