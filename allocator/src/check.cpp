@@ -2,7 +2,7 @@
 //
 // Recomputes everything from the segments' block lists and compares it with
 // the free sets, the live map, the pending list and every counter (types.hpp
-// I1..I10). Reports the first violation; never modifies state.
+// I1..I12). Reports the first violation; never modifies state.
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -235,6 +235,16 @@ bool DeviceAllocator::check(std::string* error) {
   }
   if (std::string problem; !check_plan(&problem)) return fail("I10: " + problem);
   if (std::string problem; !check_lifetimes(&problem)) return fail("I11: " + problem);
+  for (const auto& entry : segments_) {
+    const Segment* seg = entry.second;
+    if (seg->pool != &small_pool_) continue;
+    if (largest_small_ == 0) return fail("I12: the small pool holds a segment with vmm=shared");
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->state != BlockState::kFree && b->requested > largest_small_) {
+        return fail("I12: the small pool holds a request of " + std::to_string(b->requested) + " bytes");
+      }
+    }
+  }
   return compare("segment", stats_.segment.view(), sums.segments, error) &&
          compare("reserved_bytes", stats_.reserved_bytes.view(), sums.reserved, error) &&
          compare("allocation", stats_.allocation.view(), sums.allocations, error) &&

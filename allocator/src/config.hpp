@@ -15,9 +15,11 @@ namespace pyalloc {
 enum class BackendKind { kCuda, kHost, kSim };
 
 // Virtual-memory arenas (Note [Arenas]): off; on (the large and user pools
-// grow in arenas, the small pool in plain segments); all (the small pool
-// too); auto (on for the host and sim backends, off on cuda until measured
-// on a GPU).
+// grow in arenas, the small pool in plain segments); shared (no small pool:
+// requests of every size share the large pool's arena, Note [One arena for
+// small and large]); all (the small pool in an arena of its own); auto
+// (shared for the host and sim backends, off on cuda until measured on a
+// GPU).
 enum class VmmMode { kAuto, kOn, kShared, kAll, kOff };
 
 const char* backend_name(BackendKind kind);

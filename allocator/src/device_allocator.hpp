@@ -118,7 +118,7 @@ class DeviceAllocator {
   void apply_settings(const Config& config);  // runtime-adjustable keys only
   void set_memory_fraction(double fraction);
 
-  // Full invariant walk (types.hpp I1..I11). False with *error on violation.
+  // Full invariant walk (types.hpp I1..I12). False with *error on violation.
   bool check(std::string* error);
 
   // A consistent view of the device's memory, for replays and reports.

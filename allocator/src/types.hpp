@@ -50,6 +50,9 @@
 //   I11 with lifetime-aware placement on (Note [Lifetime-aware placement]
 //       in lifetime.cpp), every call is diverted from the fast path; with it
 //       off, the long pool holds no segment
+//   I12 the small pool holds only requests of at most kSmallRequest, and
+//       with vmm=shared (Note [One arena for small and large] in arena.cpp)
+//       no segment at all
 #pragma once
 
 #include <cstddef>

@@ -44,3 +44,32 @@ def test_stitching_serves_a_request_from_free_slivers_on_a_gpu(gpu_python: Calla
     assert result["stitches"] >= 1 and result["stitched"] >= 4 << 20
     assert result["reserved"] <= result["limit"]
     assert result["big_ok"] and result["live_ok"]
+
+
+_SHARED_SCRIPT = """
+import torch
+import pyalloc
+
+pyalloc.configure("vmm=shared")
+MiB = 1 << 20
+big = torch.full((3 * MiB // 4,), 7.0, device="cuda")  # 3 MiB: two granules, 1 MiB of the second free
+small = [torch.full((64 * 1024,), float(k), device="cuda") for k in range(4)]  # 256 KiB each
+torch.cuda.synchronize()
+stats = pyalloc.memory_stats(0)
+emit({
+    "offsets": [t.data_ptr() - big.data_ptr() for t in small],
+    "reserved": stats["reserved_bytes.all.current"],
+    "small_segments": stats["segment.small_pool.current"],
+    "values_ok": bool((big == 7.0).all()) and all(bool((t == float(k)).all()) for k, t in enumerate(small)),
+})
+pyalloc.check(0)
+"""
+
+
+def test_vmm_shared_puts_small_tensors_in_a_large_blocks_last_granule_on_a_gpu(
+    gpu_python: Callable[..., Any]
+) -> None:
+    result = gpu_python(_SHARED_SCRIPT, "pyalloc")
+    assert result["offsets"] == [3 * (1 << 20) + k * (256 << 10) for k in range(4)]
+    assert result["reserved"] == 4 << 20 and result["small_segments"] == 0
+    assert result["values_ok"]
