@@ -118,18 +118,24 @@ def test_blocks_in_both_pools_keep_their_bytes() -> None:
     a.free_all()
 
 
-def test_a_size_never_seen_is_placed_by_its_coarse_class(placer: Allocator) -> None:
+@pytest.fixture
+def trained(placer: Allocator) -> Iterator[Loop]:
+    """A loop run for HORIZON steps, so its kept blocks are judged long-lived; drained afterwards."""
     loop = Loop(placer)
     loop.run(HORIZON)
+    yield loop
+    loop.drain()
+
+
+def test_a_size_never_seen_is_placed_by_its_coarse_class(placer: Allocator, trained: Loop) -> None:
     # 3 MiB + 512 KiB: a new size and signature, in the class of the 3 MiB kept blocks
     # (four classes per power of two: [3 MiB, 3.5 MiB)), which were all long-lived.
-    _, _, kept = loop.step(kept_size=3 * MiB + 256 * KiB)
+    _, _, kept = trained.step(kept_size=3 * MiB + 256 * KiB)
     assert pool_of(kept) == "long"
     # 40 MiB: a class never judged, so short-lived.
     big = placer.malloc(40 * MiB)
     assert pool_of(big) == "large"
     placer.free(big)
-    loop.drain()
 
 
 def test_predictions_follow_the_program_when_it_changes(placer: Allocator) -> None:
@@ -148,26 +154,20 @@ def test_predictions_follow_the_program_when_it_changes(placer: Allocator) -> No
     loop.drain()
 
 
-def test_a_user_pool_is_not_overridden(placer: Allocator) -> None:
-    loop = Loop(placer)
-    loop.run(HORIZON)
+def test_a_user_pool_is_not_overridden(placer: Allocator, trained: Loop) -> None:
     with pyalloc.pool("params"):
         ptr = placer.malloc(3 * MiB)
     assert pool_of(ptr) == "params"
     placer.free(ptr)
-    loop.drain()
 
 
-def test_empty_cache_gives_back_the_long_pool_but_keeps_what_was_learned(placer: Allocator) -> None:
-    loop = Loop(placer)
-    loop.run(HORIZON)
-    loop.drain()
+def test_empty_cache_gives_back_the_long_pool_but_keeps_what_was_learned(placer: Allocator, trained: Loop) -> None:
+    trained.drain()
     pyalloc.empty_cache()
     s = placer.stats()
     assert s["reserved_bytes.all.current"] == 0 and s["pool.long.segments"] == 0
-    _, _, kept = loop.step()
+    _, _, kept = trained.step()
     assert pool_of(kept) == "long"
-    loop.drain()
 
 
 def test_off_means_no_long_pool() -> None:

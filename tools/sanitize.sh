@@ -67,14 +67,14 @@ build() {
   fi
 }
 
-# run_stress NAME DIR VMM [PREFIX...]: runs the stress binary with --vmm VMM,
-# logs to DIR/stress.log. Sets `summary` to the stress summary line and
-# returns its exit status.
+# run_stress NAME DIR [PREFIX...]: runs the stress binary with --vmm
+# ${vmm_of[NAME]}, logs to DIR/stress.log. Sets `summary` to the stress
+# summary line and returns its exit status.
 run_stress() {
-  local name="$1" dir="$root/$2" vmm="$3"
-  shift 3
+  local name="$1" dir="$root/$2"
+  shift 2
   local log="$dir/stress.log"
-  "$@" "$dir/tests/native/stress" "${stress_args[@]}" --vmm "$vmm" >"$log" 2>&1
+  "$@" "$dir/tests/native/stress" "${stress_args[@]}" --vmm "${vmm_of[$name]}" >"$log" 2>&1
   local rc=$?
   summary="$(grep -m1 '^stress: ok' "$log" || true)"
   return $rc
@@ -98,7 +98,7 @@ if [[ "$only" == asan || "$only" == all ]]; then
     summary=""
     ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0:exitcode=66" \
     UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
-      run_stress asan+ubsan build-asan "${vmm_of[asan+ubsan]}"
+      run_stress asan+ubsan build-asan
     rc=$?
     verdict asan+ubsan build-asan $rc || status=1
   else
@@ -110,14 +110,14 @@ if [[ "$only" == tsan || "$only" == all ]]; then
   if build tsan build-tsan thread; then
     summary=""
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-    run_stress tsan build-tsan "${vmm_of[tsan]}"
+    run_stress tsan build-tsan
     rc=$?
     # TSan's shadow layout does not fit the high mmap randomization of newer
     # kernels ("unexpected memory mapping"); rerun with ASLR off for the process.
     if [[ $rc -ne 0 ]] && grep -q 'unexpected memory mapping\|FATAL: ThreadSanitizer' "$root/build-tsan/stress.log"; then
       if command -v setarch >/dev/null 2>&1; then
         echo "sanitize: tsan: retrying with ASLR off (setarch $(uname -m) -R)"
-        run_stress tsan build-tsan "${vmm_of[tsan]}" setarch "$(uname -m)" -R
+        run_stress tsan build-tsan setarch "$(uname -m)" -R
         rc=$?
       fi
     fi

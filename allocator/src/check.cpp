@@ -129,6 +129,13 @@ bool DeviceAllocator::check(std::string* error) {
     if (entry.first != seg->base) return fail(sname + " is filed under " + hex(entry.first));
     if (seg->head == nullptr || seg->head->prev != nullptr) return fail(sname + ": bad head block");
     if (seg->head->addr != seg->base) return fail("I1: " + sname + ": first block does not start at the base");
+    // A pool that serves nothing holds nothing: the long pool with placement
+    // off (I11), the small pool with vmm=shared (I12).
+    if (seg->pool == &long_pool_ && !placing_lifetimes_) {
+      return fail("I11: the long pool holds a segment while lifetime-aware placement is off");
+    }
+    const bool small = seg->pool == &small_pool_;
+    if (small && largest_small_ == 0) return fail("I12: the small pool holds a segment with vmm=shared");
     const StatType t = seg->pool->stat;
     sums.add(sums.segments, t, 1);
     sums.add(sums.reserved, t, static_cast<int64_t>(seg->reserved_bytes()));
@@ -151,6 +158,9 @@ bool DeviceAllocator::check(std::string* error) {
       }
       tiled += b->size;
       if (tiled > seg->size) return fail("I1: " + bname + ": blocks run past the segment end");
+      if (small && b->requested > largest_small_) {
+        return fail("I12: the small pool holds a request of " + std::to_string(b->requested) + " bytes");
+      }
 
       const bool in_free_set = seg->pool->free_blocks.contains(b);
       auto* live_entry = live_.find(b->addr);
@@ -235,16 +245,6 @@ bool DeviceAllocator::check(std::string* error) {
   }
   if (std::string problem; !check_plan(&problem)) return fail("I10: " + problem);
   if (std::string problem; !check_lifetimes(&problem)) return fail("I11: " + problem);
-  for (const auto& entry : segments_) {
-    const Segment* seg = entry.second;
-    if (seg->pool != &small_pool_) continue;
-    if (largest_small_ == 0) return fail("I12: the small pool holds a segment with vmm=shared");
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      if (b->state != BlockState::kFree && b->requested > largest_small_) {
-        return fail("I12: the small pool holds a request of " + std::to_string(b->requested) + " bytes");
-      }
-    }
-  }
   return compare("segment", stats_.segment.view(), sums.segments, error) &&
          compare("reserved_bytes", stats_.reserved_bytes.view(), sums.reserved, error) &&
          compare("allocation", stats_.allocation.view(), sums.allocations, error) &&
