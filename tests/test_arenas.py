@@ -59,15 +59,15 @@ def test_growth_maps_only_the_granules_a_request_needs(arenas: Allocator) -> Non
 
 def test_free_memory_on_both_sides_of_a_hole_joins_into_one_block(arenas: Allocator) -> None:
     a = arenas.malloc(3 * MiB)
-    b = arenas.malloc(4 * MiB)  # [3, 7) MiB: granule [4, 6) lies wholly inside
+    b = arenas.malloc(7 * MiB // 2)  # [3, 6.5) MiB: granule [4, 6) lies wholly inside
     c = arenas.malloc(3 * MiB)
     arenas.free(b)
     released = pyalloc.release_cached(0, 0)
     assert released == GRANULE  # only the whole granule inside b could go
     assert arenas.stats()["reserved_bytes.large_pool.current"] == 8 * MiB
-    # 4 MiB fits again only across the hole: the allocator maps it back and the
-    # free 1 MiB on each side joins the new granule.
-    again = arenas.malloc(4 * MiB)
+    # 3.5 MiB fits again only across the hole: the allocator maps it back and
+    # the free memory on each side joins the new granule.
+    again = arenas.malloc(7 * MiB // 2)
     assert again == b
     assert arenas.stats()["reserved_bytes.large_pool.current"] == 10 * MiB
     del a, c
@@ -212,6 +212,44 @@ def test_vmm_shared_serves_small_requests_from_the_large_arena(arenas: Allocator
     assert arenas.stats()["reserved_bytes.all.current"] == GRANULE
     if arenas.backend == "host":
         assert holds(small[0], 256 << 10, 1)
+
+
+def test_a_block_of_whole_granules_starts_on_a_granule_boundary(arenas: Allocator) -> None:
+    """Note [Whole granules]: it lies over exactly its own granules, and gives them all back."""
+    pyalloc.configure(fresh_conf(arenas.backend, "vmm=shared"))
+    small = arenas.malloc(256 << 10)
+    big = arenas.malloc(4 * MiB)  # packed from the front it would lie over [0.25, 4.25): three granules
+    assert big == small + GRANULE
+    assert arenas.stats()["reserved_bytes.all.current"] == 6 * MiB
+    odd = arenas.malloc(3 * MiB)  # not whole granules: packed right after big
+    assert odd == big + 4 * MiB
+    filler = arenas.malloc(GRANULE - (256 << 10))  # the front part stays free, for requests that fit it
+    assert filler == small + (256 << 10)
+    arenas.free(filler)
+    arenas.free(small)
+    if arenas.backend == "host":
+        fill(big, 4 * MiB, 0x3C)
+    arenas.free(odd)
+    # The first granule and the last two (odd's) go back; big keeps exactly its own two.
+    assert pyalloc.release_cached(0, 0) == 3 * GRANULE
+    assert arenas.stats()["reserved_bytes.all.current"] == 4 * MiB
+    if arenas.backend == "host":
+        assert holds(big, 4 * MiB, 0x3C)
+
+
+def test_a_cache_hit_of_whole_granules_starts_on_a_boundary_too(arenas: Allocator) -> None:
+    pyalloc.configure(fresh_conf(arenas.backend, "vmm=shared"))
+    small = arenas.malloc(256 << 10)
+    odd = arenas.malloc(7 * MiB // 2)  # [0.25, 3.75): packed from the front
+    keep = arenas.malloc(GRANULE)  # [4, 6)
+    assert odd == small + (256 << 10) and keep == small + 2 * GRANULE
+    arenas.free(odd)  # a cached free block [0.25, 4): larger than 2 MiB, not on a boundary
+    again = arenas.malloc(GRANULE)  # the fast path finds it and leaves it to the general path
+    assert again == small + GRANULE
+    exact = arenas.malloc(GRANULE - (256 << 10))  # an exact fit of the front part: the fast path keeps it
+    assert exact == small + (256 << 10)
+    s = arenas.stats()
+    assert s["allocation.all.current"] == 4 and s["reserved_bytes.all.current"] == 6 * MiB
 
 
 def test_vmm_on_keeps_a_small_pool_of_plain_segments(arenas: Allocator) -> None:

@@ -190,6 +190,8 @@ class DeviceAllocator {
   bool spare_room(size_t n) const;
   void make_spare_room(size_t n);
   void* take(Pool& pool, Block* block, size_t size, size_t rounded);
+  size_t granule_offset(const Block* block, size_t rounded) const;
+  Block* align_to_granule(Block* block, size_t rounded);
   void* hand_out(Pool& pool, Block* block, Block* rest, size_t size, size_t rounded);
   void count_freed(const Block* block);
   void finish_free(Block* block);

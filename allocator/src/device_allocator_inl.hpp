@@ -13,7 +13,8 @@
 //     lifetime-aware placement (divert_), a trace being recorded;
 //   - malloc: a thread in a user pool (capi.cpp), a pending free (active
 //     peaks), no fitting block (the slow path), a live map that must grow, a
-//     split with no spare Block object;
+//     split with no spare Block object, a split in an arena that starts the
+//     block on a granule boundary (Note [Whole granules]);
 //   - free: a bad call, a block used on other streams (record_stream), a
 //     free that takes the cache past max_cached, a merge with fewer than two
 //     free slots on the spare-Block stack (a merge recycles up to two Blocks).
@@ -107,6 +108,18 @@ PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remai
   return remaining >= kBlockAlign;
 }
 
+// Where in `block` (a free block of an arena) a request of `rounded` bytes
+// starts (Note [Whole granules]): 0, its start, unless `rounded` is a whole
+// number of granules and the block's first granule boundary leaves room for
+// it; then the distance to that boundary.
+PYALLOC_INLINE size_t DeviceAllocator::granule_offset(const Block* block, size_t rounded) const {
+  const size_t g = granule_;
+  if (g == 0 || rounded % g != 0) return 0;
+  const size_t into = (block->addr - block->segment->base) % g;
+  if (into == 0 || block->size - rounded < g - into) return 0;
+  return g - into;
+}
+
 // Note [Locals on the fast path]
 // The fast path copies the fields it needs (sizes, stat type) into locals
 // before it writes anything: a store to a size_t counter may alias a Block's
@@ -128,6 +141,7 @@ PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream
     return p;
   }
   if (PYALLOC_UNLIKELY(spare_blocks_.empty())) return otherwise();
+  if (PYALLOC_UNLIKELY(pool.in_arenas) && granule_offset(block, rounded) != 0) return otherwise();
   return split_and_unlock(pool, block, size, rounded);
 }
 
@@ -179,6 +193,7 @@ PYALLOC_INLINE Block* DeviceAllocator::alloc_block(Pool& pool, size_t size, size
     block = malloc_slow(pool, size, rounded, stream, status);
     if (block == nullptr) return nullptr;
   }
+  if (pool.in_arenas) block = align_to_granule(block, rounded);
   take(pool, block, size, rounded);  // the block keeps its object when split: it is the front part
   return block;
 }

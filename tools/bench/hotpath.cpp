@@ -4,7 +4,8 @@
 // addresses: no memory is touched, so what is measured is the allocator):
 //
 //   hit     exact reuse. Three blocks A, B, C of 256 KiB are carved from one
-//           2 MiB small-pool segment and B is freed, so the free block has
+//           2 MiB small-pool segment (hit-shared: the arena's first
+//           granule) and B is freed, so the free block has
 //           allocated neighbours on both sides. Then N times malloc+free of
 //           256 KiB: best fit finds B exactly, with no split and no merge.
 //           This is the path a training loop takes once warmed up.
@@ -17,6 +18,11 @@
 //           repetition leaves live is freed at its end, so every allocation
 //           is one pair.
 //
+// Each mode runs with plain segments (vmm=off, what the cuda backend has
+// today); with the suffix `-shared` (hit-shared, replay-shared) it runs with
+// one arena for small and large requests (vmm=shared, the host and sim
+// default; Note [One arena for small and large]).
+//
 // Output: one line, `hotpath: mode=M pairs=P ns_per_pair=X`. hotpath.py runs
 // this under callgrind with two values of N and divides the difference in
 // instructions by the difference in pairs, so start-up (loading, configuring,
@@ -28,7 +34,7 @@
 //   a <slot> <size> <stream>      one line per allocation
 //   f <slot> <size> <stream>      one line per free
 //
-// Usage: hotpath hit|split N  |  hotpath replay N FILE
+// Usage: hotpath hit|split|hit-shared N  |  hotpath replay|replay-shared N FILE
 // Exits 0, or 1 with the reason (a failed call, a cache hit that was not one).
 #include <pyalloc/pyalloc.h>
 
@@ -168,16 +174,24 @@ double run_replay(uint64_t n, const char* path, uint64_t* pairs) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: hotpath hit|split N | hotpath replay N FILE\n");
+    std::fprintf(stderr, "usage: hotpath hit|split|hit-shared N | hotpath replay|replay-shared N FILE\n");
     return 2;
   }
-  const std::string mode = argv[1];
+  std::string mode = argv[1];
   const uint64_t n = std::strtoull(argv[2], nullptr, 10);
+  const size_t suffix = mode.rfind("-shared");
+  const bool shared = suffix != std::string::npos && suffix + 7 == mode.size();
+  if (shared) mode.resize(suffix);
   if (pyalloc_configure(kConf) != PYALLOC_OK) fail(std::string("pyalloc_configure(\"") + kConf + "\")");
-  // Plain segments, so that `split` splits and merges: in an arena the 4 MiB
-  // block would be mapped to its exact size and every pair would be a hit.
-  // A library older than the vmm key refuses it and has plain segments anyway.
-  pyalloc_configure("vmm=off");
+  // Plain segments unless asked, so that `split` splits and merges: in an
+  // arena the 4 MiB block would be mapped to its exact size and every pair
+  // would be a hit. A library older than the vmm key refuses it and has plain
+  // segments anyway.
+  if (shared) {
+    if (pyalloc_configure("vmm=shared") != PYALLOC_OK) fail("pyalloc_configure(\"vmm=shared\")");
+  } else {
+    pyalloc_configure("vmm=off");
+  }
   // The cache path, not an iteration plan: a repeated pair is a period the
   // planner would learn (Note [Iteration plans]). Older libraries refuse the key.
   pyalloc_configure("plan=0,lifetime=0");
@@ -185,16 +199,17 @@ int main(int argc, char** argv) {
   double ns = 0;
   if (mode == "hit") {
     ns = run_hit(n);
-  } else if (mode == "split") {
+  } else if (mode == "split" && !shared) {
     ns = run_split(n);
   } else if (mode == "replay" && argc >= 4) {
     ns = run_replay(n, argv[3], &pairs);
   } else {
-    std::fprintf(stderr, "hotpath: unknown mode '%s' (hit, split, or replay N FILE)\n", mode.c_str());
+    std::fprintf(stderr, "hotpath: unknown mode '%s' (hit, split, hit-shared, or replay|replay-shared N FILE)\n",
+                 argv[1]);
     return 2;
   }
   if (pyalloc_check(0) != PYALLOC_OK) fail("pyalloc_check after the loop");
-  std::printf("hotpath: mode=%s pairs=%" PRIu64 " ns_per_pair=%.2f\n", mode.c_str(), pairs,
+  std::printf("hotpath: mode=%s pairs=%" PRIu64 " ns_per_pair=%.2f\n", argv[1], pairs,
               pairs ? ns / static_cast<double>(pairs) : 0.0);
   return 0;
 }

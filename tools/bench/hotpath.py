@@ -2,7 +2,9 @@
 """The hot-path benchmark: instructions and nanoseconds per malloc+free pair.
 
 Builds tools/bench/hotpath.cpp against libpyalloc.so, then for each mode
-(hit: exact cache reuse; split: split and merge; replay: a recorded trace):
+(hit: exact cache reuse; split: split and merge; replay: a recorded trace;
+hit-shared and replay-shared: the same with vmm=shared, one arena for every
+size, where the others have plain segments):
 
   - runs it twice under ``valgrind --tool=callgrind`` with a small and a large
     number of pairs and reports (instructions(N2) - instructions(N1)) /
@@ -14,7 +16,7 @@ Builds tools/bench/hotpath.cpp against libpyalloc.so, then for each mode
 The library runs on the sim backend (fake addresses: no memory is touched).
 The target for the cache-hit path is at most 300 instructions per pair.
 
-Usage: tools/bench/hotpath.py [--lib PATH] [--trace PATH] [--modes hit,split,replay]
+Usage: tools/bench/hotpath.py [--lib PATH] [--trace PATH] [--modes hit,split,replay,hit-shared,replay-shared]
                               [--build-dir DIR] [--no-valgrind] [--json]
 The library is $PYALLOC_LIBRARY or --lib; without either it is built with
 CMake into build-bench/. Exits 0, or 1 with a one-line reason.
@@ -45,14 +47,19 @@ COUNTS = {
     "hit": ((20_000, 120_000), 2_000_000),
     "split": ((20_000, 120_000), 2_000_000),
     "replay": ((1, 3), 20),
+    "hit-shared": ((20_000, 120_000), 2_000_000),
+    "replay-shared": ((1, 3), 20),
 }
 TIMED_RUNS = 5
 DESCRIPTIONS = {
     "hit": "cache hit: exact reuse, no split, no merge",
     "split": "split + merge: carve 4 MiB from an 18 MiB free block",
     "replay": "replay of a recorded trace",
+    "hit-shared": "cache hit, one arena for every size (vmm=shared)",
+    "replay-shared": "replay, one arena for every size (vmm=shared)",
 }
-LINE = re.compile(r"hotpath: mode=(\w+) pairs=(\d+) ns_per_pair=([0-9.]+)")
+MODES = ",".join(COUNTS)
+LINE = re.compile(r"hotpath: mode=([\w-]+) pairs=(\d+) ns_per_pair=([0-9.]+)")
 
 
 class BenchError(Exception):
@@ -140,7 +147,7 @@ def callgrind_instructions(binary: Path, args: list[str], workdir: Path) -> tupl
 
 def measure(binary: Path, mode: str, trace_file: Path, workdir: Path, valgrind: bool) -> ModeResult:
     (n1, n2), n_timed = COUNTS[mode]
-    extra = [str(trace_file)] if mode == "replay" else []
+    extra = [str(trace_file)] if mode.startswith("replay") else []
     per_pair: float | None = None
     cg_pairs = cg_instr = None
     if valgrind:
@@ -157,12 +164,12 @@ def measure(binary: Path, mode: str, trace_file: Path, workdir: Path, valgrind: 
 
 
 def format_table(results: list[ModeResult], trace_name: str) -> str:
-    lines = [f"{'mode':<7} {'instr/pair':>10} {'ns/pair':>8} {'ns/op':>7}  what",
-             "-" * 78]
+    lines = [f"{'mode':<13} {'instr/pair':>10} {'ns/pair':>8} {'ns/op':>7}  what",
+             "-" * 84]
     for r in results:
         instr = "-" if r.instructions_per_pair is None else f"{r.instructions_per_pair:,.0f}"
-        what = r.description + (f" ({trace_name})" if r.mode == "replay" else "")
-        lines.append(f"{r.mode:<7} {instr:>10} {r.ns_per_pair:>8.1f} {r.ns_per_op:>7.1f}  {what}")
+        what = r.description + (f" ({trace_name})" if r.mode.startswith("replay") else "")
+        lines.append(f"{r.mode:<13} {instr:>10} {r.ns_per_pair:>8.1f} {r.ns_per_op:>7.1f}  {what}")
     lines.append(f"instr/pair: callgrind, (I(N2) - I(N1)) / (N2 - N1); ns: best of {TIMED_RUNS} timed runs; "
                  f"sim backend. Target on the cache-hit path: <= {CACHE_HIT_TARGET} instr/pair.")
     return "\n".join(lines)
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-dir", type=Path, default=ROOT / "build-bench",
                         help="where to build the library (if needed) and the benchmark")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace for the replay mode")
-    parser.add_argument("--modes", default="hit,split,replay", help="comma-separated: hit, split, replay")
+    parser.add_argument("--modes", default=MODES, help=f"comma-separated, of {MODES}")
     parser.add_argument("--no-valgrind", action="store_true", help="timed runs only")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         for m in modes:
             if m not in COUNTS:
-                raise BenchError(f"--modes: unknown mode {m!r} (expected hit, split, replay)")
+                raise BenchError(f"--modes: unknown mode {m!r} (expected some of {MODES})")
         valgrind = not args.no_valgrind
         if valgrind and shutil.which("valgrind") is None:
             raise BenchError("valgrind not found (install it, or pass --no-valgrind for timings only)")
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="hotpath-") as tmp:
             workdir = Path(tmp)
             trace_file = workdir / "trace.txt"
-            if "replay" in modes:
+            if any(m.startswith("replay") for m in modes):
                 write_trace_text(args.trace, trace_file)
             results = [measure(binary, m, trace_file, workdir, valgrind) for m in modes]
     except (BenchError, OSError, ValueError) as e:
