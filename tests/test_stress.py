@@ -82,6 +82,29 @@ def test_stress_keeps_every_block_intact_across_threads(stress_binary: Path, see
     assert counts["checks"] >= rounds
 
 
+@pytest.mark.parametrize(("conf", "exercised"), [("plan=1", "plan_served"), ("lifetime=1", "lifetime_long")])
+def test_stress_with_plans_or_lifetime_placement(stress_binary: Path, conf: str, exercised: str) -> None:
+    """The main thread's training loop gets a plan (plan=1), or the learner predicts (lifetime=1)."""
+    rounds = 3
+    result = run_stress(
+        stress_binary, "--threads", "4", "--rounds", str(rounds), "--ops", "800",
+        "--seed", "5", "--vmm", "shared", "--conf", conf,
+    )  # fmt: skip
+    assert result.returncode == 0, f"stress failed ({conf}):\n{result.stdout}{result.stderr}"
+    counts = parse_summary(result.stdout)
+    assert counts["allocs"] == counts["frees"] > 0
+    assert counts["loop_iterations"] == 6 * rounds
+    assert counts[exercised] > 0, f"{exercised} is 0 with {conf}: {result.stdout}"
+    if conf == "plan=1":
+        assert counts["plans"] >= 1
+
+
+def test_stress_refuses_a_bad_conf_key(stress_binary: Path) -> None:
+    result = run_stress(stress_binary, "--rounds", "1", "--conf", "plan=sometimes")
+    assert result.returncode == 1
+    assert "pyalloc_configure" in result.stderr and "plan" in result.stderr
+
+
 def test_stress_survives_out_of_memory_pressure(stress_binary: Path) -> None:
     # 48 MiB holds far less than the threads try to keep live: many mallocs
     # return NULL, and the pressure ladder runs concurrently with frees.
@@ -112,5 +135,7 @@ def test_sanitizers_find_nothing_in_a_short_stress_run() -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     verdicts = [line for line in result.stdout.splitlines() if line.startswith("sanitize: ")]
-    assert any(line.startswith("sanitize: asan+ubsan: PASS") for line in verdicts), output
-    assert any(line.startswith("sanitize: tsan: PASS") for line in verdicts), output
+    for sanitizer in ("asan+ubsan", "tsan"):
+        passed = [line for line in verdicts if line.startswith(f"sanitize: {sanitizer}: PASS")]
+        assert len(passed) == 3, output  # the defaults, plan=1 and lifetime=1
+        assert any("plan=1" in line for line in passed) and any("lifetime=1" in line for line in passed), output

@@ -7,7 +7,11 @@
 #   tsan   -DPYALLOC_SANITIZE=thread             in build-tsan/, vmm=all (every
 #          pool in arenas of its own)
 #
-# Prints one verdict line per sanitizer ("sanitize: asan+ubsan: PASS ..." or
+# Under each sanitizer the stress test runs three times: with the defaults,
+# with plan=1 (iteration plans: the stress test's training loop gets one) and
+# with lifetime=1 (lifetime-aware placement).
+#
+# Prints one verdict line per run ("sanitize: asan+ubsan: PASS ..." or
 # "... FAIL ...") and exits non-zero when any run fails or reports a finding.
 #
 # Usage: tools/sanitize.sh [--only asan|tsan|all] [--short]
@@ -52,6 +56,7 @@ finding_pattern='ERROR: AddressSanitizer|ERROR: LeakSanitizer|runtime error:|WAR
 
 status=0
 declare -A vmm_of=([asan+ubsan]=shared [tsan]=all)
+mechanisms=("" plan=1 lifetime=1)  # the --conf of each run
 
 # build NAME DIR SANITIZERS: configure and build; the log is DIR/build.log.
 build() {
@@ -67,25 +72,30 @@ build() {
   fi
 }
 
-# run_stress NAME DIR [PREFIX...]: runs the stress binary with --vmm
-# ${vmm_of[NAME]}, logs to DIR/stress.log. Sets `summary` to the stress
-# summary line and returns its exit status.
+# log_of DIR CONF: the stress log of one run.
+log_of() { echo "$root/$1/stress${2:+-${2%%=*}}.log"; }
+
+# run_stress NAME DIR CONF [PREFIX...]: runs the stress binary with --vmm
+# ${vmm_of[NAME]} and --conf CONF (none when empty), logs to log_of DIR CONF.
+# Sets `summary` to the stress summary line and returns its exit status.
 run_stress() {
-  local name="$1" dir="$root/$2"
-  shift 2
-  local log="$dir/stress.log"
-  "$@" "$dir/tests/native/stress" "${stress_args[@]}" --vmm "${vmm_of[$name]}" >"$log" 2>&1
+  local name="$1" dir="$root/$2" conf="$3"
+  local log
+  log="$(log_of "$2" "$conf")"
+  shift 3
+  "$@" "$dir/tests/native/stress" "${stress_args[@]}" --vmm "${vmm_of[$name]}" ${conf:+--conf "$conf"} >"$log" 2>&1
   local rc=$?
   summary="$(grep -m1 '^stress: ok' "$log" || true)"
   return $rc
 }
 
-# verdict NAME DIR RC: one line, plus the first lines of any report.
+# verdict NAME DIR CONF RC: one line, plus the first lines of any report.
 verdict() {
-  local name="$1" dir="$root/$2" rc="$3"
-  local log="$dir/stress.log"
+  local name="$1" conf="$3" rc="$4"
+  local log
+  log="$(log_of "$2" "$conf")"
   if [[ $rc -eq 0 ]] && ! grep -Eq "$finding_pattern" "$log"; then
-    echo "sanitize: $name: PASS (vmm=${vmm_of[$name]}; ${summary:-no summary})"
+    echo "sanitize: $name: PASS (vmm=${vmm_of[$name]}${conf:+, $conf}; ${summary:-no summary})"
     return 0
   fi
   echo "sanitize: $name: FAIL (exit $rc; log $log)"
@@ -95,12 +105,14 @@ verdict() {
 
 if [[ "$only" == asan || "$only" == all ]]; then
   if build asan+ubsan build-asan address,undefined; then
-    summary=""
-    ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0:exitcode=66" \
-    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
-      run_stress asan+ubsan build-asan
-    rc=$?
-    verdict asan+ubsan build-asan $rc || status=1
+    for conf in "${mechanisms[@]}"; do
+      summary=""
+      ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0:exitcode=66" \
+      UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+        run_stress asan+ubsan build-asan "$conf"
+      rc=$?
+      verdict asan+ubsan build-asan "$conf" $rc || status=1
+    done
   else
     status=1
   fi
@@ -108,21 +120,23 @@ fi
 
 if [[ "$only" == tsan || "$only" == all ]]; then
   if build tsan build-tsan thread; then
-    summary=""
     export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 exitcode=66"
-    run_stress tsan build-tsan
-    rc=$?
-    # TSan's shadow layout does not fit the high mmap randomization of newer
-    # kernels ("unexpected memory mapping"); rerun with ASLR off for the process.
-    if [[ $rc -ne 0 ]] && grep -q 'unexpected memory mapping\|FATAL: ThreadSanitizer' "$root/build-tsan/stress.log"; then
-      if command -v setarch >/dev/null 2>&1; then
-        echo "sanitize: tsan: retrying with ASLR off (setarch $(uname -m) -R)"
-        run_stress tsan build-tsan setarch "$(uname -m)" -R
-        rc=$?
+    for conf in "${mechanisms[@]}"; do
+      summary=""
+      run_stress tsan build-tsan "$conf"
+      rc=$?
+      # TSan's shadow layout does not fit the high mmap randomization of newer
+      # kernels ("unexpected memory mapping"); rerun with ASLR off for the process.
+      if [[ $rc -ne 0 ]] && grep -q 'unexpected memory mapping\|FATAL: ThreadSanitizer' "$(log_of build-tsan "$conf")"; then
+        if command -v setarch >/dev/null 2>&1; then
+          echo "sanitize: tsan: retrying with ASLR off (setarch $(uname -m) -R)"
+          run_stress tsan build-tsan "$conf" setarch "$(uname -m)" -R
+          rc=$?
+        fi
       fi
-    fi
+      verdict tsan build-tsan "$conf" $rc || status=1
+    done
     unset TSAN_OPTIONS
-    verdict tsan build-tsan $rc || status=1
   else
     status=1
   fi

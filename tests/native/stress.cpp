@@ -26,6 +26,13 @@
 //   - a few deliberate bad frees (wrong size, interior pointer, wrong
 //     device) that the contract says are counted, reported and change nothing.
 //
+// After each round the main thread alone runs a short training loop on
+// device 0: kLoopIterations repetitions of the same kLoopRequests requests,
+// each freed within its repetition, so that with `--conf plan=1` the
+// iteration planner adopts a plan and serves the later repetitions from it,
+// and drops it when the next round's threads break the sequence; with
+// `--conf lifetime=1` the lifetime learner sees a repeated signature.
+//
 // OOM (NULL) is allowed under pressure and skipped. After every round the
 // main thread calls pyalloc_check on every device and compares the
 // live-allocation count with the stats; at the end everything is freed and
@@ -37,6 +44,9 @@
 // of every size in the large pool's arena; off: plain segments).
 //
 // Usage: stress [--threads N] [--rounds N] [--ops N] [--seed N] [--capacity SIZE] [--vmm MODE]
+//               [--conf KEYS]
+// --conf adds PYALLOC_CONF keys (e.g. plan=1,lifetime=1) after the ones the
+// run sets itself.
 // Exit 0 with one summary line on success; on failure, what failed and exit 1.
 #include <pyalloc/pyalloc.h>
 
@@ -72,6 +82,7 @@ struct Options {
   uint64_t seed = 42;
   std::string capacity = "96MiB";  // per device; small enough that device 0 runs short: stitching and OOMs
   std::string vmm = "all";
+  std::string conf;  // extra PYALLOC_CONF keys
 };
 
 // splitmix64: a good 64-bit mixer; also used to derive seeds and cookies.
@@ -186,6 +197,7 @@ struct Counters {
   std::atomic<uint64_t> reconfigures{0};
   std::atomic<uint64_t> refused_reconfigures{0};  // layout changes refused with blocks live
   std::atomic<uint64_t> introspections{0};  // stats/snapshot JSON and release_cached
+  std::atomic<uint64_t> loop_iterations{0};  // repetitions of the main thread's training loop
 };
 Counters g_count;
 
@@ -446,12 +458,48 @@ uint64_t sum_invalid_counters(const std::string& json, int* nkeys) {
   return sum;
 }
 
+// ---- the main thread's training loop ------------------------------------------
+
+constexpr int kLoopIterations = 6;
+constexpr int kLoopRequests = 10;
+
+// kLoopIterations repetitions of one sequence of kLoopRequests requests on
+// device 0, stream 0 (sizes from the seed, 256 KiB to 6 MiB), freed in
+// reverse order within each repetition. Runs alone: the other threads have
+// joined, so the allocator sees the sequence repeat unbroken.
+void training_loop(const Options& opt, int round) {
+  Rng sizes(mix(opt.seed ^ 0x10095eedull));
+  size_t size[kLoopRequests];
+  for (size_t& n : size) n = 256 * KiB + sizes.below(6 * MiB - 256 * KiB);
+  for (int it = 0; it < kLoopIterations && !g_failed.load(); ++it) {
+    Block* live[kLoopRequests] = {};
+    for (int k = 0; k < kLoopRequests; ++k) {
+      void* ptr = pyalloc_malloc(size[k], 0, nullptr);
+      if (ptr == nullptr) {
+        g_count.ooms.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      auto* b = new Block;
+      b->ptr = ptr;
+      b->size = size[k];
+      b->thread = -1;
+      b->index = (uint64_t(round) << 32) | uint64_t(it * kLoopRequests + k);
+      b->cookie = mix(mix(0) ^ b->index);
+      fill(*b);
+      g_count.allocs.fetch_add(1, std::memory_order_relaxed);
+      live[k] = b;
+    }
+    for (int k = kLoopRequests - 1; k >= 0; --k) release(live[k], -1);
+    g_count.loop_iterations.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
 // ---- command line -------------------------------------------------------------
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "stress: %s\nusage: stress [--threads N] [--rounds N] [--ops N] [--seed N] "
-               "[--capacity SIZE] [--vmm auto|on|shared|all|off]\n",
+               "[--capacity SIZE] [--vmm auto|on|shared|all|off] [--conf KEYS]\n",
                why);
   std::exit(2);
 }
@@ -479,6 +527,7 @@ Options parse_args(int argc, char** argv) {
     else if (flag == "--seed") opt.seed = parse_number("--seed", value, 0);
     else if (flag == "--capacity") opt.capacity = value;
     else if (flag == "--vmm") opt.vmm = value;
+    else if (flag == "--conf") opt.conf = value;
     else usage(("unknown option " + flag).c_str());
   }
   if (opt.threads > 1024) usage("--threads must be at most 1024");
@@ -493,7 +542,8 @@ int main(int argc, char** argv) {
   // Every key the run depends on is set, so PYALLOC_CONF in the environment
   // cannot change what is tested.
   const std::string conf = "backend=host,devices=" + std::to_string(kDevices) + ",capacity=" + opt.capacity +
-                           ",event_delay=2,oom_report=0,memory_fraction=1,max_cached=unlimited,round_power2=0,vmm=" + opt.vmm;
+                           ",event_delay=2,oom_report=0,memory_fraction=1,max_cached=unlimited,round_power2=0,vmm=" + opt.vmm +
+                           (opt.conf.empty() ? "" : "," + opt.conf);
   if (pyalloc_configure(conf.c_str()) != PYALLOC_OK) {
     std::fprintf(stderr, "stress: FAIL: pyalloc_configure(\"%s\"): %s\n", conf.c_str(), last_error());
     return 1;
@@ -513,6 +563,7 @@ int main(int argc, char** argv) {
     for (int t = 0; t < opt.threads; ++t) threads.emplace_back(stress_thread, std::cref(opt), round, t);
     for (auto& th : threads) th.join();
     if (g_failed.load()) break;
+    training_loop(opt, round);
 
     // Between rounds only the transfer array holds blocks: the stats must agree.
     uint64_t live[kDevices] = {};
@@ -539,6 +590,9 @@ int main(int argc, char** argv) {
 
   uint64_t ooms = 0;
   uint64_t stitches = 0;
+  uint64_t plans = 0;
+  uint64_t plan_served = 0;
+  uint64_t lifetime_long = 0;
   uint64_t invalid = 0;
   for (int d = 0; d < kDevices; ++d) {
     check_or_fail(d, -1, "after the final empty_cache");
@@ -548,6 +602,9 @@ int main(int argc, char** argv) {
     const uint64_t reserved = stat_or_fail(json, "reserved_bytes.all.current");
     ooms += stat_or_fail(json, "num_ooms");
     stitches += stat_or_fail(json, "num_stitches");
+    plans += stat_or_fail(json, "num_plans");
+    plan_served += stat_or_fail(json, "plan_served");
+    lifetime_long += stat_or_fail(json, "lifetime_long");
     int invalid_keys = 0;
     invalid += sum_invalid_counters(json, &invalid_keys);
     if (invalid_keys == 0) fail("stats JSON has no num_invalid* counter: %s", json.c_str());
@@ -575,6 +632,7 @@ int main(int argc, char** argv) {
               " bad_calls=%" PRIu64 " checks=%" PRIu64 " empty_caches=%" PRIu64
               " pool_allocs=%" PRIu64 " cupy_allocs=%" PRIu64 " reconfigures=%" PRIu64
               " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64
+              " loop_iterations=%" PRIu64 " plans=%" PRIu64 " plan_served=%" PRIu64 " lifetime_long=%" PRIu64
               " threads=%d rounds=%d seed=%" PRIu64 "\n",
               uint64_t(g_count.ops.load()), uint64_t(g_count.allocs.load()),
               uint64_t(g_count.frees.load()), uint64_t(g_count.cross_thread_frees.load()),
@@ -583,6 +641,7 @@ int main(int argc, char** argv) {
               uint64_t(g_count.empty_caches.load()), uint64_t(g_count.pool_allocs.load()),
               uint64_t(g_count.cupy_allocs.load()), uint64_t(g_count.reconfigures.load()),
               uint64_t(g_count.refused_reconfigures.load()), uint64_t(g_count.introspections.load()),
-              stitches, opt.threads, opt.rounds, opt.seed);
+              stitches, uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
+              opt.rounds, opt.seed);
   return 0;
 }
