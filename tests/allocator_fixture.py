@@ -91,25 +91,25 @@ def mechanism_allocator(variant: str, extra: str) -> Iterator[Allocator]:
     pyalloc.check(0)
 
 
+def rebuilt(backend: str, vmm: str, extra: str = "") -> Allocator:
+    """A freshly built allocator on `backend` with `vmm` and the keys in `extra`:
+    switching backend first forces a rebuild, so it starts with no segments."""
+    pyalloc.configure(fresh_conf("sim" if backend == "host" else "host"))
+    pyalloc.configure(fresh_conf(backend, vmm + ("," + extra if extra else "")))
+    return Allocator(backend, vmm)
+
+
 def fresh_allocator(variant: str, extra: str) -> Allocator:
     """A freshly built allocator for a mechanism's tests: `variant` is host or sim
     (arenas, vmm=on) or sim-plain (vmm=off), with the keys in `extra` on top."""
     backend, _, plain = variant.partition("-")
-    vmm = "vmm=off" if plain else "vmm=on"
-    pyalloc.configure(fresh_conf("sim" if backend == "host" else "host"))  # forces a rebuild
-    pyalloc.configure(fresh_conf(backend, f"{vmm},{extra}"))
-    return Allocator(backend, vmm)
+    return rebuilt(backend, "vmm=off" if plain else "vmm=on", extra)
 
 
 @pytest.fixture(params=VARIANTS)
 def allocator(request: pytest.FixtureRequest) -> Iterator[Allocator]:
     backend, _, kind = request.param.partition("-")
-    vmm = VARIANT_VMM[kind]
-    # Switching backend forces a rebuild, so every test starts with no segments.
-    other = "sim" if backend == "host" else "host"
-    pyalloc.configure(fresh_conf(other))
-    pyalloc.configure(fresh_conf(backend, vmm))
-    a = Allocator(backend, vmm)
+    a = rebuilt(backend, VARIANT_VMM[kind])
     yield a
     for device in range(pyalloc.device_count()):
         pyalloc.check(device)

@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fresh_conf
+from allocator_fixture import Allocator, fresh_conf, rebuilt
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -23,10 +23,7 @@ GRANULE = 2 * MiB
 
 @pytest.fixture(params=["host", "sim"])
 def arenas(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    backend = request.param
-    pyalloc.configure(fresh_conf("sim" if backend == "host" else "host"))
-    pyalloc.configure(fresh_conf(backend, "vmm=on"))
-    a = Allocator(backend)
+    a = rebuilt(request.param, "vmm=on")
     yield a
     a.free_all()
     pyalloc.check(0)

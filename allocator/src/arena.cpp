@@ -143,6 +143,16 @@ Block* DeviceAllocator::insert_coalesced(Block* block) {
   return block;
 }
 
+// Splits `block` (free, in its free set) at `offset` bytes: both parts stay
+// free, in the free set; returns the part after.
+Block* DeviceAllocator::split_free(Block* block, size_t offset) {
+  erase_free(block);
+  Block* rest = split_block(block, offset);
+  insert_free(block);
+  insert_free(rest);
+  return rest;
+}
+
 // Merges a hole with the holes beside it.
 void DeviceAllocator::merge_holes(Block* hole) {
   make_spare_room(2);
@@ -211,12 +221,7 @@ DeviceAllocator::Window DeviceAllocator::best_window(Segment* arena, size_t roun
 // granules]).
 Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
   const size_t offset = granule_offset(block, rounded);
-  if (offset == 0) return block;
-  erase_free(block);
-  Block* aligned = split_block(block, offset);
-  insert_free(block);
-  insert_free(aligned);
-  return aligned;
+  return offset == 0 ? block : split_free(block, offset);
 }
 
 // ---- mapping and unmapping -------------------------------------------------------

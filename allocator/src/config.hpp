@@ -43,7 +43,7 @@ struct Config {
   bool plan = false;                // iteration plans (Note [Iteration plans]); off: see README
   bool lifetime = false;            // lifetime-aware placement (Note [Lifetime-aware placement]); off: see README
 
-  // The mode in effect (kAuto resolved): kOn, kAll or kOff.
+  // The mode in effect (kAuto resolved): kOn, kShared, kAll or kOff.
   VmmMode vmm_mode() const;
 
   // True when switching from `*this` to `next` requires rebuilding the

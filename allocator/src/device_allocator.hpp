@@ -231,6 +231,7 @@ class DeviceAllocator {
   template <typename F>
   void for_each_arena(F fn);
   Block* split_block(Block* block, size_t offset);
+  Block* split_free(Block* block, size_t offset);
   Block* insert_coalesced(Block* block);
   void merge_holes(Block* hole);
 

@@ -111,10 +111,12 @@ PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remai
 // Where in `block` (a free block of an arena) a request of `rounded` bytes
 // starts (Note [Whole granules]): 0, its start, unless `rounded` is a whole
 // number of granules and the block's first granule boundary leaves room for
-// it; then the distance to that boundary.
+// it; then the distance to that boundary. An arena exists, so granule_ is
+// known (arena_for).
 PYALLOC_INLINE size_t DeviceAllocator::granule_offset(const Block* block, size_t rounded) const {
   const size_t g = granule_;
-  if (g == 0 || rounded % g != 0) return 0;
+  assert(g != 0);
+  if (rounded % g != 0) return 0;
   const size_t into = (block->addr - block->segment->base) % g;
   if (into == 0 || block->size - rounded < g - into) return 0;
   return g - into;

@@ -361,14 +361,8 @@ Block* DeviceAllocator::carve_planned(size_t offset, size_t rounded) {
   Block* b = plan_region_->head;
   while (b != nullptr && b->addr + b->size <= addr) b = b->next;
   if (b == nullptr || !b->is_free() || b->addr + b->size < addr + rounded) return nullptr;
-  if (addr > b->addr) {  // the free memory before the planned place stays free
-    erase_free(b);
-    Block* front = b;
-    b = split_block(front, addr - front->addr);
-    insert_free(front);
-    insert_free(b);
-  }
-  return b;
+  // The free memory before the planned place stays free.
+  return addr > b->addr ? split_free(b, addr - b->addr) : b;
 }
 
 // Ends the plan, if any: its region is no longer pinned (released when

@@ -213,6 +213,34 @@ size_t pick_size(Rng& rng) {
 
 void* as_stream(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
+// What a malloc returned, as a Block filled with its cookie; nullptr (an
+// OOM, counted) when `ptr` is null.
+Block* adopt(void* ptr, Api api, size_t size, int device, uintptr_t stream, int thread, uint64_t index) {
+  if (ptr == nullptr) {
+    // Allowed under pressure; the contract says the report is in last_error.
+    if (pyalloc_last_error() == nullptr || pyalloc_last_error()[0] == '\0') {
+      fail("thread %d: malloc(%zu) returned NULL with no pyalloc_last_error", thread, size);
+    }
+    g_count.ooms.fetch_add(1, std::memory_order_relaxed);
+    return nullptr;
+  }
+  if (reinterpret_cast<uintptr_t>(ptr) % kAlignment != 0) {
+    fail("thread %d: malloc(%zu) returned %p, not %zu-byte aligned", thread, size, ptr, kAlignment);
+  }
+  auto* b = new Block;
+  b->api = api;
+  b->ptr = ptr;
+  b->size = size;
+  b->device = device;
+  b->stream = stream;
+  b->thread = thread;
+  b->index = index;
+  b->cookie = mix(mix(uint64_t(thread) + 1) ^ index);
+  fill(*b);
+  g_count.allocs.fetch_add(1, std::memory_order_relaxed);
+  return b;
+}
+
 Block* allocate(Rng& rng, int thread, uint64_t index) {
   const size_t size = pick_size(rng);
   const int device = rng.below(4) == 0 ? 1 : 0;
@@ -237,28 +265,8 @@ Block* allocate(Rng& rng, int thread, uint64_t index) {
       ptr = pyalloc_cupy_malloc(nullptr, size, device);
       break;
   }
-  if (ptr == nullptr) {
-    // Allowed under pressure; the contract says the report is in last_error.
-    if (pyalloc_last_error() == nullptr || pyalloc_last_error()[0] == '\0') {
-      fail("thread %d: malloc(%zu) returned NULL with no pyalloc_last_error", thread, size);
-    }
-    g_count.ooms.fetch_add(1, std::memory_order_relaxed);
-    return nullptr;
-  }
-  if (reinterpret_cast<uintptr_t>(ptr) % kAlignment != 0) {
-    fail("thread %d: malloc(%zu) returned %p, not %zu-byte aligned", thread, size, ptr, kAlignment);
-  }
-  auto* b = new Block;
-  b->api = api;
-  b->ptr = ptr;
-  b->size = size;
-  b->device = device;
-  b->stream = stream;
-  b->thread = thread;
-  b->index = index;
-  b->cookie = mix(mix(uint64_t(thread) + 1) ^ index);
-  fill(*b);
-  g_count.allocs.fetch_add(1, std::memory_order_relaxed);
+  Block* b = adopt(ptr, api, size, device, stream, thread, index);
+  if (b == nullptr) return nullptr;
   if (api == Api::kUserPool) g_count.pool_allocs.fetch_add(1, std::memory_order_relaxed);
   if (api == Api::kCupy) g_count.cupy_allocs.fetch_add(1, std::memory_order_relaxed);
   return b;
@@ -474,20 +482,8 @@ void training_loop(const Options& opt, int round) {
   for (int it = 0; it < kLoopIterations && !g_failed.load(); ++it) {
     Block* live[kLoopRequests] = {};
     for (int k = 0; k < kLoopRequests; ++k) {
-      void* ptr = pyalloc_malloc(size[k], 0, nullptr);
-      if (ptr == nullptr) {
-        g_count.ooms.fetch_add(1, std::memory_order_relaxed);
-        continue;
-      }
-      auto* b = new Block;
-      b->ptr = ptr;
-      b->size = size[k];
-      b->thread = -1;
-      b->index = (uint64_t(round) << 32) | uint64_t(it * kLoopRequests + k);
-      b->cookie = mix(mix(0) ^ b->index);
-      fill(*b);
-      g_count.allocs.fetch_add(1, std::memory_order_relaxed);
-      live[k] = b;
+      const uint64_t index = (uint64_t(round) << 32) | uint64_t(it * kLoopRequests + k);
+      live[k] = adopt(pyalloc_malloc(size[k], 0, nullptr), Api::kTorch, size[k], 0, 0, -1, index);
     }
     for (int k = kLoopRequests - 1; k >= 0; --k) release(live[k], -1);
     g_count.loop_iterations.fetch_add(1, std::memory_order_relaxed);
