@@ -81,6 +81,44 @@
 // front of them. A cache hit that would be placed differently (a free block
 // that is larger, and does not start on a granule boundary) takes the general
 // path; an exact fit stays on the fast path.
+//
+// Note [Shared granules]
+// Stitching moves whole granules only. What stays behind when blocks of
+// sizes that are not whole granules come and go are slivers: the free part
+// of a granule that a live block also lies over. On interleaved_lifetimes
+// (random sizes, blocks living for hundreds of steps among short-lived
+// ones), at the first failed request 86 MiB of the 116 MiB free was in such
+// slivers, 95 of them, none usable by a request of a few MiB.
+//
+// A sliver at the end of a granule (free from offset o to the end, a live
+// block before it) has the same bytes, physically, as the end of any other
+// address range that maps that granule. So under pressure (ladder step 2,
+// after stitching found too few whole granules), share_granules maps such a
+// granule a second time, as the first granule of a window taken in a hole of
+// the same arena, and the request starts at offset o of it. Likewise a
+// sliver at the start of a granule (free up to offset p, a live block
+// after it) can be the last granule of the window when the request ends at
+// or before p there. The window's other granules are the handles stitching
+// found. So a request needs up to two granules fewer than it spans.
+//
+// The two mappings are twins (Segment::twins). Each owns the bytes at its
+// own offsets that the other does not: the lender keeps its live part, the
+// window gets the rest, and each marks the other's part as a lent block
+// (BlockState::kLent), which is mapped but never free, handed out, or
+// counted: reserved counts the physical granule once (types.hpp I9, I13).
+// Same arena means same stream, so reusing a free sliver through the second
+// address is ordered after its last use like any cache hit.
+//
+// Twins part again lazily, whenever free granules are gathered (untwin_free,
+// at the start of unmap_free_granules: stitching, release, empty_cache): a
+// twin whose own part is all free is unmapped (after its stream is
+// synchronized) and becomes a hole, and its lent piece in the other twin
+// becomes free memory there. A twin is never shared again; one granule maps
+// at most twice.
+//
+// Measured on the stress suite (docs/benchmarks/2026-11-22-shared-granules-cpu.md):
+// see there. Only a device that is full shares, so the figures of a run that
+// never reaches its limit are unchanged.
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -224,6 +262,236 @@ Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
   return offset == 0 ? block : split_free(block, offset);
 }
 
+// ---- shared granules (Note [Shared granules]) --------------------------------------
+
+// The block of `arena` that holds `addr`.
+Block* DeviceAllocator::block_at(Segment* arena, uintptr_t addr) {
+  Block* b = arena->head;
+  while (end_of(b) <= addr) b = b->next;
+  return b;
+}
+
+// The lent block of twin granule `slot`: at its start or at its end (I13).
+Block* DeviceAllocator::lent_block(Segment* arena, size_t slot) {
+  const uintptr_t lo = arena->base + slot * granule_;
+  Block* b = block_at(arena, lo);
+  if (b->state == BlockState::kLent) return b;
+  return block_at(arena, lo + granule_ - 1);
+}
+
+// Makes [from, to), bytes of one free block, a lent block.
+void DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
+  Block* b = block_at(arena, from);
+  assert(b->is_free() && b->addr <= from && end_of(b) >= to);
+  erase_free(b);
+  Block* piece = b;
+  if (from > b->addr) {
+    piece = split_block(b, from - b->addr);
+    insert_free(b);
+  }
+  if (end_of(piece) > to) insert_free(split_block(piece, to - piece->addr));
+  piece->state = BlockState::kLent;
+}
+
+// Serves `rounded` bytes from a hole of `arena` whose first and last
+// granules map slivers of granules already in use, and whose others take
+// handles from `handles` (taken from its back); nullptr when no such window
+// needs fewer granules than `needed` and no more than `handles` holds.
+Block* DeviceAllocator::share_granules(Segment* arena, size_t rounded, size_t needed,
+                                       std::vector<PhysHandle>* handles) {
+  const size_t g = granule_;
+  const uintptr_t base = arena->base;
+  constexpr size_t kNone = SIZE_MAX;
+  // A free block that starts inside a granule and runs to its end can lend
+  // that end (from `offset` on); one that ends inside a granule, running from
+  // its start, can lend that start (up to `offset`). A twin lends nothing.
+  struct Sliver {
+    size_t slot;
+    size_t offset;
+  };
+  std::vector<Sliver> ends, starts;
+  for (const Block* b = arena->head; b != nullptr; b = b->next) {
+    if (!b->is_free()) continue;
+    const size_t lo = b->addr - base;
+    const size_t hi = lo + b->size;
+    if (lo % g != 0 && hi >= round_up_to(lo, g) && arena->twins.count(lo / g) == 0) ends.push_back({lo / g, lo % g});
+    if (hi % g != 0 && lo <= hi / g * g && arena->twins.count(hi / g) == 0) starts.push_back({hi / g, hi % g});
+  }
+  if (ends.empty() && starts.empty()) return nullptr;
+  std::sort(starts.begin(), starts.end(), [](const Sliver& a, const Sliver& b) { return a.offset < b.offset; });
+
+  // The window that needs the fewest new granules: it starts `offset` into a
+  // granule that maps ends[i] (or on a boundary), and ends in one that maps
+  // the smallest start sliver that holds its last bytes.
+  struct Choice {
+    size_t front = kNone, back = kNone;  // lending granules
+    size_t offset = 0, back_own = 0;     // the window's start in its first granule; the back sliver's size
+    size_t granules = 0, fresh = SIZE_MAX;
+  } best;
+  auto consider = [&](size_t front, size_t offset) {
+    Choice c;
+    c.front = front;
+    c.offset = offset;
+    c.granules = (offset + rounded + g - 1) / g;
+    const size_t tail = (offset + rounded) % g;
+    if (tail != 0) {
+      auto it = std::lower_bound(starts.begin(), starts.end(), tail,
+                                 [](const Sliver& s, size_t want) { return s.offset < want; });
+      while (it != starts.end() && it->slot == front) ++it;
+      if (it != starts.end()) {
+        c.back = it->slot;
+        c.back_own = it->offset;
+      }
+    }
+    c.fresh = c.granules - (c.front != kNone) - (c.back != kNone);
+    if (c.fresh < best.fresh) best = c;
+  };
+  consider(kNone, 0);
+  for (const Sliver& s : ends) consider(s.slot, s.offset);
+  if (best.fresh >= needed || best.fresh > handles->size() || (best.front == kNone && best.back == kNone)) {
+    return nullptr;
+  }
+
+  // A hole to hold the window, lowest first.
+  Block* hole = arena->head;
+  while (hole != nullptr && !(hole->state == BlockState::kHole && hole->size >= best.granules * g)) hole = hole->next;
+  if (hole == nullptr) return nullptr;
+  const uintptr_t lo = hole->addr;
+  const uintptr_t hi = lo + best.granules * g;
+
+  // Map first, so that a failure leaves the arena as it was.
+  std::vector<PhysHandle> mapped;
+  for (size_t i = 0; i < best.granules; ++i) {
+    PhysHandle h;
+    if (i == 0 && best.front != kNone) {
+      h = arena->phys[best.front];
+    } else if (i + 1 == best.granules && best.back != kNone) {
+      h = arena->phys[best.back];
+    } else {
+      h = handles->back();
+      handles->pop_back();
+    }
+    if (!succeeded(backend_->map(device_, lo + i * g, h))) {
+      // Undo: the fresh handles go back to the caller, in their order.
+      std::vector<PhysHandle> fresh_back;
+      if (!(i == 0 && best.front != kNone) && !(i + 1 == best.granules && best.back != kNone)) fresh_back.push_back(h);
+      for (size_t j = mapped.size(); j-- > 0;) {
+        backend_->unmap(device_, lo + j * g, g);
+        const bool shared = (j == 0 && best.front != kNone) || (j + 1 == best.granules && best.back != kNone);
+        if (!shared) fresh_back.push_back(mapped[j]);
+      }
+      for (auto it = fresh_back.rbegin(); it != fresh_back.rend(); ++it) handles->push_back(*it);
+      return nullptr;
+    }
+    mapped.push_back(h);
+  }
+
+  const size_t first = (lo - base) / g;
+  const size_t last = first + best.granules - 1;
+  for (size_t i = 0; i < best.granules; ++i) arena->phys[first + i] = mapped[i];
+  arena->mapped += best.granules * g;
+  size_t shared = 0;
+  if (best.front != kNone) {
+    arena->twins[first] = best.front;
+    arena->twins[best.front] = first;
+    lend(arena, base + best.front * g + best.offset, base + (best.front + 1) * g);
+    ++shared;
+  }
+  if (best.back != kNone) {
+    arena->twins[last] = best.back;
+    arena->twins[best.back] = last;
+    lend(arena, base + best.back * g, base + best.back * g + best.back_own);
+    ++shared;
+  }
+  arena->doubled += shared * g;
+  stats_.num_shared_granules += static_cast<int64_t>(shared);
+  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(best.fresh * g));
+  trace_.record(TraceAction::kSegmentMap, lo, best.granules * g, arena->stream);
+
+  // Carve the window out of the hole: [lo, lo + offset) lent to the front
+  // twin, the request's free block, then the back twin's lent end.
+  if (end_of(hole) > hi) split_block(hole, hi - lo);  // the rest stays a hole
+  Block* middle = hole;
+  if (best.front != kNone) {
+    middle = split_block(hole, best.offset);
+    hole->state = BlockState::kLent;
+  }
+  if (best.back != kNone) {
+    Block* tail = split_block(middle, hi - g + best.back_own - middle->addr);
+    tail->state = BlockState::kLent;
+  }
+  middle->state = BlockState::kFree;
+  Block* merged = insert_coalesced(middle);
+  registry_poke();
+  return merged;
+}
+
+// Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
+// its bytes back to the other twin, whose lent piece becomes free memory.
+// The arena's stream must be synchronized.
+void DeviceAllocator::untwin(Segment* arena, size_t slot) {
+  const size_t g = granule_;
+  const uintptr_t lo = arena->base + slot * g;
+  const uintptr_t hi = lo + g;
+  const size_t other = arena->twins.at(slot);
+
+  Block* theirs = lent_block(arena, other);
+  theirs->state = BlockState::kFree;
+  insert_coalesced(theirs);
+
+  backend_->unmap(device_, lo, g);
+  trace_.record(TraceAction::kSegmentUnmap, lo, g, arena->stream);
+  arena->phys[slot] = PhysHandle{};
+  arena->twins.erase(slot);
+  arena->twins.erase(other);
+  arena->mapped -= g;
+  arena->doubled -= g;
+
+  // This granule's blocks become one hole: its lent piece and the part of
+  // the free block beside it that lies inside the granule.
+  Block* mine = lent_block(arena, slot);
+  Block* own = mine->addr == lo ? mine->next : mine->prev;
+  erase_free(own);
+  if (own->addr < lo) {
+    Block* inside = split_block(own, lo - own->addr);
+    insert_free(own);
+    own = inside;
+  }
+  if (end_of(own) > hi) insert_free(split_block(own, hi - own->addr));
+  own->state = BlockState::kHole;
+  mine->state = BlockState::kHole;
+  Block* hole = own->addr < mine->addr ? own : mine;
+  make_spare_room(1);
+  absorb_next(hole);
+  merge_holes(hole);
+  registry_poke();
+}
+
+// Untwins (untwin) every twin of `arena` whose own part is all free, unless
+// that part overlaps [skip_lo, skip_hi); synchronizes the stream first, once.
+// False when the stream could not be synchronized.
+bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi) {
+  std::vector<size_t> slots;
+  for (const auto& t : arena->twins) slots.push_back(t.first);
+  std::sort(slots.begin(), slots.end());
+  bool synchronized = false;
+  for (size_t slot : slots) {
+    if (arena->twins.count(slot) == 0) continue;  // its twin went first
+    const uintptr_t lo = arena->base + slot * granule_;
+    const uintptr_t hi = lo + granule_;
+    // The granule's own part is the rest of it, beside its lent piece: all
+    // free when the block on that side is free and reaches the granule's edge.
+    const Block* mine = lent_block(arena, slot);
+    const bool lent_first = mine->addr == lo;
+    const Block* own = lent_first ? mine->next : mine->prev;
+    if (!own->is_free() || (lent_first ? end_of(own) < hi : own->addr > lo)) continue;
+    if (own->addr < skip_hi && end_of(own) > skip_lo) continue;
+    if (!synchronized && !(synchronized = synchronize_stream(arena))) return false;
+    untwin(arena, slot);
+  }
+  return true;
+}
+
 // ---- mapping and unmapping -------------------------------------------------------
 
 // Maps handles (taken from the back of `handles`) over the granule-aligned
@@ -323,6 +591,7 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
                                             std::vector<PhysHandle>* keep) {
   size_t done = 0;
   for_each_arena([&](Segment* arena) {
+    if (!arena->twins.empty() && !untwin_free(arena, skip_lo, skip_hi)) return;
     bool synchronized = false;
     for (Block* b = arena->head; b != nullptr && done < wanted; b = b->next) {
       uintptr_t lo, hi;
@@ -374,12 +643,14 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
       stats_.stitched_bytes += static_cast<int64_t>((handles.size() - before) * g);
     }
   }
-  if (handles.size() < w.granules) {
+  Block* shared = nullptr;
+  if (handles.size() < w.granules && stitch && sharing_) shared = share_granules(arena, rounded, w.granules, &handles);
+  if (handles.size() < w.granules || shared != nullptr) {
     for (const PhysHandle& h : handles) {
       backend_->phys_release(device_, h);
       ++stats_.num_device_free;
     }
-    return nullptr;
+    return shared;
   }
 
   // Map the window's holes, lowest first. Stitching may have merged holes

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "device_allocator.hpp"
@@ -71,10 +72,22 @@ bool DeviceAllocator::check_arena(const Segment* arena, std::string* problem) co
   }
   std::vector<bool> needed(arena->phys.size(), false);
   size_t backed_blocks = 0;
+  size_t lent_bytes = 0;
+  std::unordered_map<size_t, std::pair<size_t, size_t>> lent;  // granule -> its lent piece [lo, hi), offsets
   const Block* prev = nullptr;
   for (const Block* b = arena->head; b != nullptr; prev = b, b = b->next) {
     const size_t lo = b->addr - arena->base;
     const size_t hi = lo + b->size;
+    if (b->state == BlockState::kLent) {
+      const size_t slot = lo / g;
+      if ((hi - 1) / g != slot || (lo % g != 0 && hi % g != 0) || lent.count(slot) != 0 ||
+          arena->twins.count(slot) == 0) {
+        *problem = "lent block " + hex(b->addr) + " is not the start or end of one twin granule";
+        return false;
+      }
+      lent[slot] = {lo % g, hi - slot * g};
+      lent_bytes += b->size;
+    }
     if (b->state == BlockState::kHole) {
       if (lo % g != 0 || hi % g != 0) {
         *problem = "hole " + hex(b->addr) + " does not start and end on granule boundaries";
@@ -97,6 +110,29 @@ bool DeviceAllocator::check_arena(const Segment* arena, std::string* problem) co
       return false;
     }
     if (is_mapped) mapped += g;
+  }
+  // I13: twins in pairs, over one physical granule, lending complementary pieces.
+  for (const auto& t : arena->twins) {
+    const size_t i = t.first, j = t.second;
+    const auto back = arena->twins.find(j);
+    if (i == j || j >= arena->phys.size() || back == arena->twins.end() || back->second != i ||
+        arena->phys[i].value == 0 || arena->phys[i].value != arena->phys[j].value) {
+      *problem = "granules " + std::to_string(i) + " and " + std::to_string(j) + " are not twins of one granule";
+      return false;
+    }
+    const auto mine = lent.find(i), theirs = lent.find(j);
+    const bool complementary = mine != lent.end() && theirs != lent.end() &&
+                               (mine->second.first == 0 ? theirs->second == std::make_pair(mine->second.second, g)
+                                                        : theirs->second == std::make_pair(size_t{0}, mine->second.first));
+    if (!complementary) {
+      *problem = "twin granules " + std::to_string(i) + " and " + std::to_string(j) + " do not lend complementary pieces";
+      return false;
+    }
+  }
+  if (arena->doubled != arena->twins.size() / 2 * g || lent_bytes != arena->doubled) {
+    *problem = "doubled bytes " + std::to_string(arena->doubled) + " but " + std::to_string(arena->twins.size()) +
+               " twins lend " + std::to_string(lent_bytes);
+    return false;
   }
   if (mapped != arena->mapped || backed_blocks != arena->mapped) {
     *problem = "mapped bytes " + std::to_string(arena->mapped) + " but granules give " + std::to_string(mapped) +
@@ -193,6 +229,11 @@ bool DeviceAllocator::check(std::string* error) {
         case BlockState::kHole:
           if (in_free_set || in_live || in_pending) return fail("I9: " + bname + " is a hole but listed free, live or pending");
           if (b->requested != 0) return fail(bname + ": hole keeps a requested size");
+          break;
+        case BlockState::kLent:
+          if (!seg->arena) return fail("I13: " + bname + " is lent outside an arena");
+          if (in_free_set || in_live || in_pending) return fail("I13: " + bname + " is lent but listed free, live or pending");
+          if (b->requested != 0) return fail(bname + ": lent block keeps a requested size");
           break;
         case BlockState::kPendingFree:
           if (!in_pending) return fail("I5: " + bname + " is pending but not in the pending list");

@@ -151,6 +151,8 @@ const std::vector<KeySpec>& key_specs() {
        [](const std::string& v, Config* c) { return parse_bool(v, &c->plan); }},
       {"lifetime", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->lifetime); }},
+      {"share", "0 or 1",
+       [](const std::string& v, Config* c) { return parse_bool(v, &c->share); }},
   };
   return *specs;
 }
@@ -265,6 +267,7 @@ std::string Config::to_json() const {
   w.key("vmm").value(vmm_names[static_cast<int>(vmm)]);
   w.key("plan").value(plan);
   w.key("lifetime").value(lifetime);
+  w.key("share").value(share);
   w.end_object();
   return w.str();
 }

@@ -103,6 +103,7 @@ void DeviceAllocator::apply_settings(const Config& config) {
   max_cached_ = config.max_cached;
   round_power2_ = config.round_power2;
   oom_report_ = config.oom_report;
+  sharing_ = config.share;
   if (trace_.capacity() != config.trace) trace_.resize(config.trace);
   if (cached_free_bytes_ > max_cached_) enforce_max_cached();
 }
@@ -574,7 +575,7 @@ std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() con
     u.reserved_bytes += static_cast<int64_t>(seg->reserved_bytes());
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
       const int64_t size = static_cast<int64_t>(b->size);
-      if (b->state == BlockState::kHole) continue;
+      if (b->state == BlockState::kHole || b->state == BlockState::kLent) continue;
       if (b->state == BlockState::kFree) {
         u.cached_free_bytes += size;
         if (size > u.largest_free_bytes) u.largest_free_bytes = size;

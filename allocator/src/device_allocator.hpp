@@ -232,6 +232,13 @@ class DeviceAllocator {
   void for_each_arena(F fn);
   Block* split_block(Block* block, size_t offset);
   Block* split_free(Block* block, size_t offset);
+  // Shared granules (Note [Shared granules] in arena.cpp).
+  Block* share_granules(Segment* arena, size_t rounded, size_t needed, std::vector<PhysHandle>* handles);
+  void untwin(Segment* arena, size_t slot);
+  bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
+  Block* block_at(Segment* arena, uintptr_t addr);
+  Block* lent_block(Segment* arena, size_t slot);
+  void lend(Segment* arena, uintptr_t from, uintptr_t to);
   Block* insert_coalesced(Block* block);
   void merge_holes(Block* hole);
 
@@ -310,6 +317,7 @@ class DeviceAllocator {
   size_t max_cached_;
   int round_power2_;
   bool oom_report_;
+  bool sharing_ = true;  // Note [Shared granules]
 
   std::vector<Block*> spare_blocks_;  // recycled Block objects
   Pool small_pool_;

@@ -15,6 +15,7 @@ const char* block_state_name(BlockState s) {
     case BlockState::kPendingFree: return "active_pending_free";
     case BlockState::kFree: return "inactive";
     case BlockState::kHole: return "unmapped";  // never written: holes split an arena into segments
+    case BlockState::kLent: return "lent";      // never written: lent blocks split it too
   }
   return "?";
 }
@@ -22,23 +23,24 @@ const char* block_state_name(BlockState s) {
 }  // namespace
 
 // One snapshot segment per plain segment, and per mapped run of an arena
-// (blocks between holes), marked is_expandable as PyTorch marks its own
-// virtual-memory segments: PyTorch's tools expect every block of a segment
-// to be backed.
+// (blocks between holes and lent blocks), marked is_expandable as PyTorch
+// marks its own virtual-memory segments: PyTorch's tools expect every block
+// of a segment to be backed, and a lent block's bytes are another block's
+// (Note [Shared granules]), so the segments sum to reserved.
 void DeviceAllocator::write_segments_json(JsonWriter& w) {
   Lock lock(mutex_);
   for (const auto& entry : segments_) {
     const Segment* seg = entry.second;
     const Block* b = seg->head;
     while (b != nullptr) {
-      if (b->state == BlockState::kHole) {
+      if (b->state == BlockState::kHole || b->state == BlockState::kLent) {
         b = b->next;
         continue;
       }
       const Block* first = b;
       const Block* end = b;
       uint64_t total = 0, allocated = 0, active = 0, requested = 0;
-      for (; end != nullptr && end->state != BlockState::kHole; end = end->next) {
+      for (; end != nullptr && end->state != BlockState::kHole && end->state != BlockState::kLent; end = end->next) {
         total += end->size;
         if (end->state == BlockState::kAllocated) allocated += end->size;
         if (end->state != BlockState::kFree) {

@@ -26,6 +26,10 @@
 //                large reservation per pool and stream, backed by physical
 //                granules mapped where blocks need them (Note [Arenas]).
 //   hole         a block of an arena with no physical memory behind it.
+//   twin         one of the two granules of an arena that map the same
+//                physical granule (Note [Shared granules] in arena.cpp).
+//   lent         the part of a twin that the other twin uses: mapped here,
+//                but never handed out or cached here.
 //
 // Invariants (checked by DeviceAllocator::check, i.e. pyalloc_check)
 //   I1  the blocks of a segment tile it: first.addr == base,
@@ -42,8 +46,9 @@
 //   I8  block sizes and addresses are multiples of kBlockAlign (512 B)
 //   I9  in an arena (Note [Arenas] in arena.cpp): a hole starts and ends on
 //       granule boundaries, no two holes are adjacent, and a granule is
-//       mapped  <=>  some non-hole block overlaps it; reserved counts mapped
-//       bytes, so reserved == sum of non-hole block sizes
+//       mapped  <=>  some non-hole block overlaps it; reserved counts
+//       physical bytes (mapped bytes less one granule per pair of twins), so
+//       reserved == sum of the sizes of blocks neither hole nor lent
 //   I10 the plan region, while a plan holds one (Note [Iteration plans] in
 //       plan.cpp), is a plain segment of the plan pool, and every planned
 //       slot lies inside it
@@ -53,11 +58,17 @@
 //   I12 the small pool holds only requests of at most kSmallRequest, and
 //       with vmm=shared (Note [One arena for small and large] in arena.cpp)
 //       no segment at all
+//   I13 twins (Note [Shared granules] in arena.cpp) come in pairs of
+//       granules of one arena that name each other and the same physical
+//       granule; a lent block is one piece of one twin, at its start or its
+//       end, and the two twins' lent pieces are complementary: what one lends,
+//       the other owns, at the same offsets
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "backend.hpp"
@@ -76,9 +87,11 @@ constexpr size_t kLargeRound = 2 * kMiB;     // big requests get segments rounde
 // from overflow in every rounding computation.
 constexpr size_t kMaxRequest = size_t{1} << 52;
 
-// kHole exists only in arenas: unmapped address space, never handed out as
-// it is, never in a free set.
-enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole };
+// kHole and kLent exist only in arenas. A hole is unmapped address space,
+// never handed out as it is, never in a free set. A lent block is mapped, but
+// its bytes belong to the block at the same offsets of its granule's twin
+// (Note [Shared granules] in arena.cpp): never handed out, cached or counted.
+enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole, kLent };
 
 // kPlan: the region of an iteration plan (Note [Iteration plans] in plan.cpp),
 // never chosen for a request by size.
@@ -125,13 +138,18 @@ struct Segment {
   uint64_t id = 0;          // creation order
   uint64_t free_since = 0;  // tick at which it last became wholly free
   // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
-  // not mapped); `mapped` counts the bytes of backed granules.
+  // not mapped); `mapped` counts the bytes of backed granules. twins[i] == j
+  // and twins[j] == i when granules i and j map the same physical granule
+  // (Note [Shared granules] in arena.cpp); `doubled` counts one granule per
+  // such pair.
   bool arena = false;
   size_t mapped = 0;
+  size_t doubled = 0;
   std::vector<PhysHandle> phys;
+  std::unordered_map<size_t, size_t> twins;
 
   bool wholly_free() const { return head->is_free() && head->size == size; }
-  size_t reserved_bytes() const { return arena ? mapped : size; }
+  size_t reserved_bytes() const { return arena ? mapped - doubled : size; }
 };
 
 struct Pool {

@@ -586,6 +586,7 @@ int main(int argc, char** argv) {
 
   uint64_t ooms = 0;
   uint64_t stitches = 0;
+  uint64_t shared = 0;
   uint64_t plans = 0;
   uint64_t plan_served = 0;
   uint64_t lifetime_long = 0;
@@ -598,6 +599,7 @@ int main(int argc, char** argv) {
     const uint64_t reserved = stat_or_fail(json, "reserved_bytes.all.current");
     ooms += stat_or_fail(json, "num_ooms");
     stitches += stat_or_fail(json, "num_stitches");
+    shared += stat_or_fail(json, "num_shared_granules");
     plans += stat_or_fail(json, "num_plans");
     plan_served += stat_or_fail(json, "plan_served");
     lifetime_long += stat_or_fail(json, "lifetime_long");
@@ -627,7 +629,7 @@ int main(int argc, char** argv) {
               " cross_thread_frees=%" PRIu64 " ooms=%" PRIu64 " record_streams=%" PRIu64
               " bad_calls=%" PRIu64 " checks=%" PRIu64 " empty_caches=%" PRIu64
               " pool_allocs=%" PRIu64 " cupy_allocs=%" PRIu64 " reconfigures=%" PRIu64
-              " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64
+              " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64 " shared=%" PRIu64
               " loop_iterations=%" PRIu64 " plans=%" PRIu64 " plan_served=%" PRIu64 " lifetime_long=%" PRIu64
               " threads=%d rounds=%d seed=%" PRIu64 "\n",
               uint64_t(g_count.ops.load()), uint64_t(g_count.allocs.load()),
@@ -637,7 +639,7 @@ int main(int argc, char** argv) {
               uint64_t(g_count.empty_caches.load()), uint64_t(g_count.pool_allocs.load()),
               uint64_t(g_count.cupy_allocs.load()), uint64_t(g_count.reconfigures.load()),
               uint64_t(g_count.refused_reconfigures.load()), uint64_t(g_count.introspections.load()),
-              stitches, uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
+              stitches, shared, uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
               opt.rounds, opt.seed);
   return 0;
 }

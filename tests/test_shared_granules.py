@@ -1,0 +1,142 @@
+"""Shared granules (Note [Shared granules] in allocator/src/arena.cpp).
+
+When stitching finds too few whole free granules, the free end of a granule
+that a live block also uses is mapped a second time, as the first or last
+granule of the new block's range. On the host backend granules are real memfd
+chunks, so the tests read the bytes back through both addresses; on the sim
+backend the bookkeeping is the same. Every call is followed by
+``pyalloc_check``, which verifies I13 (twins in pairs over one granule, lending
+complementary pieces, reserved counting the granule once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Iterator
+
+import pytest
+
+import pyalloc
+from allocator_fixture import Allocator, fresh_conf, rebuilt
+from pyalloc import replay, stress
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=["host", "sim"])
+def full(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, dict[str, int]]]:
+    """A 6 MiB device (three granules), full: a and b keep the first MiB of
+    granule 0 and the last of granule 2, c all of granule 1, and the MiB
+    between them on each side is free, a sliver no whole-granule move can use."""
+    a = rebuilt(request.param, "vmm=shared", "capacity=6MiB")
+    blocks = {name: a.malloc(MiB if name != "c" else 2 * MiB) for name in ("a", "x", "c", "y", "b")}
+    assert [blocks[n] - blocks["a"] for n in ("x", "c", "y", "b")] == [MiB, 2 * MiB, 4 * MiB, 5 * MiB]
+    if a.backend == "host":
+        for name, byte in (("a", 0xA1), ("c", 0xC1), ("b", 0xB1)):
+            fill(blocks[name], a.live[blocks[name]][0], byte)
+    a.free(blocks.pop("x"))
+    a.free(blocks.pop("y"))
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 6 * MiB and s["num_shared_granules"] == 0
+    yield a, blocks
+    a.free_all()
+    pyalloc.check(0)
+    pyalloc.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+
+
+def fill(ptr: int, size: int, byte: int) -> None:
+    ctypes.memset(ptr, byte, size)
+
+
+def holds(ptr: int, size: int, byte: int) -> bool:
+    return ctypes.string_at(ptr, size) == bytes([byte]) * size
+
+
+def untouched(a: Allocator, blocks: dict[str, int]) -> bool:
+    return a.backend != "host" or all(
+        holds(blocks[name], a.live[blocks[name]][0], byte) for name, byte in (("a", 0xA1), ("c", 0xC1), ("b", 0xB1))
+    )
+
+
+def test_a_request_is_served_from_two_slivers(full: tuple[Allocator, dict[str, int]]) -> None:
+    a, blocks = full
+    x, y = blocks["a"] + MiB, blocks["a"] + 4 * MiB  # the slivers' addresses
+    n = a.malloc(2 * MiB)  # no whole granule is free and the device is full
+    s = a.stats()
+    assert n != 0 and s["num_ooms"] == 0
+    assert s["num_shared_granules"] == 2
+    assert s["reserved_bytes.all.current"] == 6 * MiB  # each shared granule counted once
+    assert s["allocated_bytes.all.current"] == 6 * MiB
+    if a.backend == "host":
+        fill(n, 2 * MiB, 0x5E)
+        assert holds(n, 2 * MiB, 0x5E)
+        # The same bytes, read through the slivers' own addresses: n's first
+        # MiB is granule 0's second half, its second MiB granule 2's first half.
+        assert holds(x, MiB, 0x5E) and holds(y, MiB, 0x5E)
+    assert untouched(a, blocks)
+    snap = pyalloc.snapshot()
+    segments = [seg for seg in snap["segments"] if seg["device"] == 0]
+    assert sum(seg["total_size"] for seg in segments) == 6 * MiB  # lent pieces are in no segment
+    assert all(blk["state"] != "lent" for seg in segments for blk in seg["blocks"])
+
+
+def test_twins_part_when_the_new_block_is_freed(full: tuple[Allocator, dict[str, int]]) -> None:
+    a, blocks = full
+    n = a.malloc(2 * MiB)
+    a.free(n)
+    pyalloc.release_cached(0, 0)  # the window's granules go; the slivers are free where they were
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 6 * MiB
+    assert a.malloc(MiB) == blocks["a"] + MiB  # best fit finds the sliver at its own address again
+    assert a.malloc(MiB) == blocks["a"] + 4 * MiB
+    assert untouched(a, blocks)
+
+
+def test_twins_part_when_a_lender_block_is_freed_and_the_new_block_keeps_its_bytes(
+    full: tuple[Allocator, dict[str, int]]
+) -> None:
+    a, blocks = full
+    n = a.malloc(2 * MiB)
+    if a.backend == "host":
+        fill(n, 2 * MiB, 0x5E)
+    a.free(blocks.pop("a"))  # granule 0's own part is all free: it can be unmapped there
+    a.free(blocks.pop("b"))
+    pyalloc.release_cached(0, 0)
+    s = a.stats()
+    # Granules 0 and 2 now live only under n; c keeps granule 1. Nothing else is free whole.
+    assert s["reserved_bytes.all.current"] == 6 * MiB
+    assert s["allocated_bytes.all.current"] == 4 * MiB
+    if a.backend == "host":
+        assert holds(n, 2 * MiB, 0x5E)
+    # The pieces of n's granules that a and b's granules owned are free memory beside n now.
+    assert a.malloc(MiB) in (n - MiB, n + 2 * MiB)
+    assert a.malloc(MiB) in (n - MiB, n + 2 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
+
+
+def test_without_share_the_same_request_fails(full: tuple[Allocator, dict[str, int]]) -> None:
+    a, _ = full
+    pyalloc.configure("share=0")
+    assert pyalloc.config()["share"] is False
+    with pytest.raises(pyalloc.PyallocError, match="out of memory"):
+        pyalloc.malloc(2 * MiB)
+    s = a.stats()
+    assert s["num_ooms"] == 1 and s["num_shared_granules"] == 0
+
+
+def test_share_takes_0_or_1() -> None:
+    with pytest.raises(pyalloc.PyallocError, match="share"):
+        pyalloc.configure(fresh_conf("sim", "share=sometimes"))
+    pyalloc.configure(fresh_conf("sim"))
+    assert pyalloc.config()["share"] is True
+
+
+def test_shared_granules_lower_the_memory_the_mlp_trace_needs() -> None:
+    """The recorded MLP trace: one granule less, as little as PyTorch's placement needs (the model's 132)."""
+    flat = stress.load_workload("mlp", 0, False).flat
+    with_share = replay.find_min_capacity(flat, "pyalloc", "sim")
+    without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0")
+    native = replay.find_min_capacity(flat, "native", "sim")
+    assert with_share == without - 2 * MiB
+    assert with_share <= native
