@@ -140,3 +140,45 @@ def test_shared_granules_lower_the_memory_the_mlp_trace_needs() -> None:
     native = replay.find_min_capacity(flat, "native", "sim")
     assert with_share == without - 2 * MiB
     assert with_share <= native
+
+
+def test_near_a_full_device_a_shared_window_comes_before_a_cached_fit() -> None:
+    """At 95% of the device, a request of more than a granule (not a whole number
+    of them) takes a window that maps a free granule start when that needs fewer
+    granules than the cached fit: here one (stitched from the cached block)
+    instead of two."""
+    for backend in ("host", "sim"):
+        a = rebuilt(backend, "vmm=shared", "capacity=10MiB")
+        base = a.malloc(MiB)  # [0, 1)
+        x = a.malloc(MiB)  # [1, 2)
+        c = a.malloc(2 * MiB)  # [2, 4)
+        y = a.malloc(MiB)  # [4, 5)
+        b = a.malloc(MiB)  # [5, 6)
+        spare = a.malloc(4 * MiB)  # [6, 10): the device is full
+        assert [p - base for p in (x, c, y, b, spare)] == [MiB, 2 * MiB, 4 * MiB, 5 * MiB, 6 * MiB]
+        for p in (x, y, spare):
+            a.free(p)
+        assert a.stats()["reserved_bytes.all.current"] == 10 * MiB
+        # Best fit would put 2.5 MiB at [6, 8.5): two granules of the cached four.
+        n = a.malloc(5 * MiB // 2)
+        s = a.stats()
+        assert s["num_shared_granules"] == 1 and s["num_ooms"] == 0
+        assert s["reserved_bytes.all.current"] <= 10 * MiB
+        if backend == "host":
+            ctypes.memset(n, 0x77, 5 * MiB // 2)
+            # n's last half MiB is the first half MiB of y's granule.
+            assert ctypes.string_at(y, MiB // 2) == b"\x77" * (MiB // 2)
+        # One granule of the cached four is still whole and free.
+        a.malloc(2 * MiB)
+        assert a.stats()["num_ooms"] == 0 and a.stats()["reserved_bytes.all.current"] == 10 * MiB
+        a.free_all()
+        pyalloc.empty_cache()
+        assert a.stats()["reserved_bytes.all.current"] == 0
+        del c, b
+
+
+def test_shared_granules_bring_interleaved_lifetimes_within_five_percent_of_its_live_bytes() -> None:
+    flat = stress.load_workload("interleaved_lifetimes", 0, False).flat
+    with_share = replay.find_min_capacity(flat, "pyalloc", "sim")
+    without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0")
+    assert with_share <= 1.05 * flat.peak_live_bytes < without

@@ -259,11 +259,12 @@ def test_stitching_needs_less_memory_than_plain_segments_on_interleaved_lifetime
 
 
 def test_one_arena_for_every_size_needs_less_memory_than_a_small_pool_on_transformer_lm() -> None:
-    """Note [One arena for small and large], on a recorded trace (deterministic, sim)."""
+    """Note [One arena for small and large], on a recorded trace (deterministic, sim); without
+    shared granules on either side, which narrow the gap (178 MiB for the small pool with them)."""
     flat = stress.load_workload("transformer_lm", seed=0, quick=False).flat
-    shared = find_min_capacity(flat, "pyalloc")
+    shared = find_min_capacity(flat, "pyalloc", conf="share=0")
     assert pyalloc.config()["vmm"] == "auto"
-    small_pool = find_min_capacity(flat, "pyalloc-small-pool")
+    small_pool = find_min_capacity(flat, "pyalloc-small-pool", conf="share=0")
     assert pyalloc.config()["vmm"] == "on"
     assert shared <= small_pool - 8 * MiB
     assert small_pool < find_min_capacity(flat, "native")

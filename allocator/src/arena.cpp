@@ -92,14 +92,14 @@
 //
 // A sliver at the end of a granule (free from offset o to the end, a live
 // block before it) has the same bytes, physically, as the end of any other
-// address range that maps that granule. So under pressure (ladder step 2,
-// after stitching found too few whole granules), share_granules maps such a
-// granule a second time, as the first granule of a window taken in a hole of
-// the same arena, and the request starts at offset o of it. Likewise a
-// sliver at the start of a granule (free up to offset p, a live block
-// after it) can be the last granule of the window when the request ends at
-// or before p there. The window's other granules are the handles stitching
-// found. So a request needs up to two granules fewer than it spans.
+// address range that maps that granule. So a window taken in a hole of the
+// same arena can map that granule a second time as its first granule, the
+// request starting at offset o there; and a sliver at the start of a granule
+// (free up to offset p, a live block after it) can be its last granule, when
+// the request ends at or before p there (plan_share picks the pair that
+// leaves the fewest granules to find; map_share maps them). The window's
+// other granules are new or stitched. So a request needs up to two granules
+// fewer than it spans.
 //
 // The two mappings are twins (Segment::twins). Each owns the bytes at its
 // own offsets that the other does not: the lender keeps its live part, the
@@ -109,16 +109,32 @@
 // Same arena means same stream, so reusing a free sliver through the second
 // address is ordered after its last use like any cache hit.
 //
-// Twins part again lazily, whenever free granules are gathered (untwin_free,
-// at the start of unmap_free_granules: stitching, release, empty_cache): a
-// twin whose own part is all free is unmapped (after its stream is
-// synchronized) and becomes a hole, and its lent piece in the other twin
-// becomes free memory there. A twin is never shared again; one granule maps
-// at most twice.
+// When: only near a full device, since a window costs backend calls and
+// stitching may synchronize the stream.
+//   - Ladder step 2, after stitching found too few whole granules for the
+//     ordinary window (grow_arena).
+//   - Before the cache (share_first), once reserved memory would pass 95% of
+//     what the allocator may reserve (share_from_), for a request of more
+//     than a granule that is not a whole number of them, when the window
+//     takes fewer granules than the best cached fit would (granules_taken).
+//     Waiting for the ladder is too late: a request that fails falls short
+//     by more than two granules, and by then the slivers have piled up; near
+//     the limit, every such request uses up to two of them instead of
+//     splitting a cached block and leaving one more. (Whole-granule requests
+//     leave no sliver where they start on a boundary, Note [Whole granules].)
 //
-// Measured on the stress suite (docs/benchmarks/2026-11-22-shared-granules-cpu.md):
-// see there. Only a device that is full shares, so the figures of a run that
-// never reaches its limit are unchanged.
+// Twins part again lazily, whenever free granules are gathered (untwin_free:
+// stitching, release, empty_cache, and share_first): a twin whose own part is
+// all free is unmapped (after its stream is synchronized) and becomes a hole,
+// and its lent piece in the other twin becomes free memory there. A twin is
+// never shared again; one granule maps at most twice.
+//
+// Measured on the stress suite (docs/benchmarks/2026-11-22-shared-granules-cpu.md),
+// against share=0: interleaved_lifetimes needs 608 MiB instead of 660 (1.03
+// times its live bytes instead of 1.12), two_stream 920 instead of 948, mlp
+// 132 instead of 134 (what the model of PyTorch's allocator needs),
+// mlp_fixed 148 instead of 150, encoder_padding, seq2seq and size_sweep 2 to
+// 4 MiB less; cnn_multiscale 2 MiB more; the rest the same.
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -293,15 +309,13 @@ void DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
   piece->state = BlockState::kLent;
 }
 
-// Serves `rounded` bytes from a hole of `arena` whose first and last
-// granules map slivers of granules already in use, and whose others take
-// handles from `handles` (taken from its back); nullptr when no such window
-// needs fewer granules than `needed` and no more than `handles` holds.
-Block* DeviceAllocator::share_granules(Segment* arena, size_t rounded, size_t needed,
-                                       std::vector<PhysHandle>* handles) {
+// The window for `rounded` bytes in a hole of `arena` whose first granule
+// maps the free end of a granule in use and whose last maps the free start of
+// another, either one, or neither: the choice that needs the fewest granules
+// of its own (SharePlan::fresh). Not found when nothing can be shared.
+DeviceAllocator::SharePlan DeviceAllocator::plan_share(const Segment* arena, size_t rounded) const {
   const size_t g = granule_;
   const uintptr_t base = arena->base;
-  constexpr size_t kNone = SIZE_MAX;
   // A free block that starts inside a granule and runs to its end can lend
   // that end (from `offset` on); one that ends inside a granule, running from
   // its start, can lend that start (up to `offset`). A twin lends nothing.
@@ -317,19 +331,15 @@ Block* DeviceAllocator::share_granules(Segment* arena, size_t rounded, size_t ne
     if (lo % g != 0 && hi >= round_up_to(lo, g) && arena->twins.count(lo / g) == 0) ends.push_back({lo / g, lo % g});
     if (hi % g != 0 && lo <= hi / g * g && arena->twins.count(hi / g) == 0) starts.push_back({hi / g, hi % g});
   }
-  if (ends.empty() && starts.empty()) return nullptr;
+  SharePlan best;
+  if (ends.empty() && starts.empty()) return best;
   std::sort(starts.begin(), starts.end(), [](const Sliver& a, const Sliver& b) { return a.offset < b.offset; });
 
-  // The window that needs the fewest new granules: it starts `offset` into a
-  // granule that maps ends[i] (or on a boundary), and ends in one that maps
-  // the smallest start sliver that holds its last bytes.
-  struct Choice {
-    size_t front = kNone, back = kNone;  // lending granules
-    size_t offset = 0, back_own = 0;     // the window's start in its first granule; the back sliver's size
-    size_t granules = 0, fresh = SIZE_MAX;
-  } best;
+  // Starting `offset` into a granule that maps ends[i] (or on a boundary),
+  // ending in one that maps the smallest free start that holds its last bytes.
   auto consider = [&](size_t front, size_t offset) {
-    Choice c;
+    SharePlan c;
+    c.rounded = rounded;
     c.front = front;
     c.offset = offset;
     c.granules = (offset + rounded + g - 1) / g;
@@ -343,87 +353,102 @@ Block* DeviceAllocator::share_granules(Segment* arena, size_t rounded, size_t ne
         c.back_own = it->offset;
       }
     }
-    c.fresh = c.granules - (c.front != kNone) - (c.back != kNone);
+    c.fresh = c.granules - (c.front != SharePlan::kNone) - (c.back != SharePlan::kNone);
     if (c.fresh < best.fresh) best = c;
   };
-  consider(kNone, 0);
+  consider(SharePlan::kNone, 0);
   for (const Sliver& s : ends) consider(s.slot, s.offset);
-  if (best.fresh >= needed || best.fresh > handles->size() || (best.front == kNone && best.back == kNone)) {
-    return nullptr;
-  }
+  if (best.front == SharePlan::kNone && best.back == SharePlan::kNone) return SharePlan{};
 
   // A hole to hold the window, lowest first.
-  Block* hole = arena->head;
+  const Block* hole = arena->head;
   while (hole != nullptr && !(hole->state == BlockState::kHole && hole->size >= best.granules * g)) hole = hole->next;
-  if (hole == nullptr) return nullptr;
-  const uintptr_t lo = hole->addr;
-  const uintptr_t hi = lo + best.granules * g;
+  if (hole == nullptr) return SharePlan{};
+  best.lo = hole->addr;
+  best.found = true;
+  return best;
+}
+
+// Carries out `plan` (plan_share, on the arena as it is now), taking its
+// fresh granules from the back of `handles`: returns the free block of
+// exactly the planned range, or nullptr (the arena as it was, `handles` as it was) when a map
+// failed.
+Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles) {
+  const size_t g = granule_;
+  const uintptr_t base = arena->base;
+  const uintptr_t lo = plan.lo;
+  const uintptr_t hi = lo + plan.granules * g;
+  assert(handles->size() >= plan.fresh);
+  auto twin_of = [&](size_t i) {
+    if (i == 0 && plan.front != SharePlan::kNone) return plan.front;
+    if (i + 1 == plan.granules && plan.back != SharePlan::kNone) return plan.back;
+    return SharePlan::kNone;
+  };
 
   // Map first, so that a failure leaves the arena as it was.
   std::vector<PhysHandle> mapped;
-  for (size_t i = 0; i < best.granules; ++i) {
+  for (size_t i = 0; i < plan.granules; ++i) {
+    const size_t twin = twin_of(i);
     PhysHandle h;
-    if (i == 0 && best.front != kNone) {
-      h = arena->phys[best.front];
-    } else if (i + 1 == best.granules && best.back != kNone) {
-      h = arena->phys[best.back];
+    if (twin != SharePlan::kNone) {
+      h = arena->phys[twin];
     } else {
       h = handles->back();
       handles->pop_back();
     }
     if (!succeeded(backend_->map(device_, lo + i * g, h))) {
-      // Undo: the fresh handles go back to the caller, in their order.
-      std::vector<PhysHandle> fresh_back;
-      if (!(i == 0 && best.front != kNone) && !(i + 1 == best.granules && best.back != kNone)) fresh_back.push_back(h);
-      for (size_t j = mapped.size(); j-- > 0;) {
+      if (twin == SharePlan::kNone) handles->push_back(h);
+      for (size_t j = 0; j < mapped.size(); ++j) {
         backend_->unmap(device_, lo + j * g, g);
-        const bool shared = (j == 0 && best.front != kNone) || (j + 1 == best.granules && best.back != kNone);
-        if (!shared) fresh_back.push_back(mapped[j]);
+        if (twin_of(j) == SharePlan::kNone) handles->push_back(mapped[j]);
       }
-      for (auto it = fresh_back.rbegin(); it != fresh_back.rend(); ++it) handles->push_back(*it);
       return nullptr;
     }
     mapped.push_back(h);
   }
 
   const size_t first = (lo - base) / g;
-  const size_t last = first + best.granules - 1;
-  for (size_t i = 0; i < best.granules; ++i) arena->phys[first + i] = mapped[i];
-  arena->mapped += best.granules * g;
+  for (size_t i = 0; i < plan.granules; ++i) arena->phys[first + i] = mapped[i];
+  arena->mapped += plan.granules * g;
   size_t shared = 0;
-  if (best.front != kNone) {
-    arena->twins[first] = best.front;
-    arena->twins[best.front] = first;
-    lend(arena, base + best.front * g + best.offset, base + (best.front + 1) * g);
+  for (const size_t i : {size_t{0}, plan.granules - 1}) {
+    const size_t twin = twin_of(i);
+    if (twin == SharePlan::kNone) continue;
+    arena->twins[first + i] = twin;
+    arena->twins[twin] = first + i;
     ++shared;
   }
-  if (best.back != kNone) {
-    arena->twins[last] = best.back;
-    arena->twins[best.back] = last;
-    lend(arena, base + best.back * g, base + best.back * g + best.back_own);
-    ++shared;
-  }
+  if (plan.front != SharePlan::kNone) lend(arena, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
+  if (plan.back != SharePlan::kNone) lend(arena, base + plan.back * g, base + plan.back * g + plan.back_own);
   arena->doubled += shared * g;
   stats_.num_shared_granules += static_cast<int64_t>(shared);
-  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(best.fresh * g));
-  trace_.record(TraceAction::kSegmentMap, lo, best.granules * g, arena->stream);
+  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(plan.fresh * g));
+  trace_.record(TraceAction::kSegmentMap, lo, plan.granules * g, arena->stream);
 
   // Carve the window out of the hole: [lo, lo + offset) lent to the front
   // twin, the request's free block, then the back twin's lent end.
+  Block* hole = block_at(arena, lo);
+  assert(hole->state == BlockState::kHole && hole->addr == lo);
   if (end_of(hole) > hi) split_block(hole, hi - lo);  // the rest stays a hole
   Block* middle = hole;
-  if (best.front != kNone) {
-    middle = split_block(hole, best.offset);
+  if (plan.front != SharePlan::kNone) {
+    middle = split_block(hole, plan.offset);
     hole->state = BlockState::kLent;
   }
-  if (best.back != kNone) {
-    Block* tail = split_block(middle, hi - g + best.back_own - middle->addr);
+  if (plan.back != SharePlan::kNone) {
+    Block* tail = split_block(middle, hi - g + plan.back_own - middle->addr);
     tail->state = BlockState::kLent;
   }
   middle->state = BlockState::kFree;
-  Block* merged = insert_coalesced(middle);
+  Block* block = insert_coalesced(middle);
   registry_poke();
-  return merged;
+  // The free memory beside the window has joined it: split off what lies
+  // before and after the planned range, so that the request lands on the
+  // granules planned for it (and a whole-granule request stays off a boundary).
+  const uintptr_t at = lo + plan.offset;
+  if (block->addr < at) block = split_free(block, at - block->addr);
+  if (block->size > plan.rounded) split_free(block, plan.rounded);
+  return block;
 }
 
 // Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
@@ -612,6 +637,74 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
 
 // ---- growing and stitching ---------------------------------------------------------
 
+// Granules that `block` (free, in an arena) would take from the free memory
+// for `rounded` bytes placed where alloc_block places them: those the range
+// overlaps, less the ones at the block's ends that live blocks use already.
+size_t DeviceAllocator::granules_taken(const Block* block, size_t rounded) const {
+  const size_t g = granule_;
+  const size_t lo = block->addr - block->segment->base;
+  const size_t hi = lo + block->size;
+  const size_t at = lo + granule_offset(block, rounded);
+  const size_t first = at / g;
+  const size_t last = (at + rounded - 1) / g;
+  size_t n = last - first + 1;
+  const bool front_used = lo % g != 0;  // the block before it is live (I2, I9)
+  const bool back_used = hi % g != 0;
+  if (front_used && first == lo / g) --n;
+  if (back_used && last == (hi - 1) / g && !(front_used && lo / g == (hi - 1) / g)) --n;
+  return n;
+}
+
+// Near a full device (Note [Shared granules]): serves `rounded` bytes from a
+// shared window (plan_share) when it takes fewer granules than the best
+// cached fit would. Twins whose own part is free part first, and the window's
+// fresh granules come from the backend or from free blocks (stitching). The
+// free sets may change even when it returns nullptr.
+Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream) {
+  Segment* arena = arena_for(pool, stream);
+  if (arena == nullptr) return nullptr;
+  if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
+  const SharePlan plan = plan_share(arena, rounded);
+  if (!plan.found) return nullptr;
+  if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
+    if (plan.fresh >= granules_taken(cached, rounded)) return nullptr;
+  }
+  std::vector<PhysHandle> handles = new_granules(plan.fresh);
+  if (handles.size() < plan.fresh) unmap_free_granules(plan.fresh - handles.size(), 0, 0, &handles);
+  Block* block = nullptr;
+  if (handles.size() >= plan.fresh) {
+    // Stitching may have split or joined free blocks: plan again.
+    const SharePlan now = plan_share(arena, rounded);
+    if (now.found && now.fresh <= handles.size()) block = map_share(arena, now, &handles);
+  }
+  release_granules(handles);
+  return block;
+}
+
+// Up to `n` new granules from the backend, within the reserved limit.
+std::vector<PhysHandle> DeviceAllocator::new_granules(size_t n) {
+  const size_t g = granule_;
+  std::vector<PhysHandle> handles;
+  handles.reserve(n);
+  const size_t limit = reserved_limit();
+  while (handles.size() < n) {
+    const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + handles.size() * g;
+    if (reserved > limit || limit - reserved < g) break;
+    PhysHandle h;
+    if (!succeeded(backend_->phys_create(device_, g, &h))) break;
+    ++stats_.num_device_alloc;
+    handles.push_back(h);
+  }
+  return handles;
+}
+
+void DeviceAllocator::release_granules(const std::vector<PhysHandle>& handles) {
+  for (const PhysHandle& h : handles) {
+    backend_->phys_release(device_, h);
+    ++stats_.num_device_free;
+  }
+}
+
 // Ladder step 0 for a pool with arenas (stitch false), and step 2 (stitch
 // true: granules may be taken from free blocks elsewhere on the device).
 Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch) {
@@ -624,17 +717,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
 
   // Gather every handle first, so a failure leaves the arena as it was.
-  std::vector<PhysHandle> handles;
-  handles.reserve(w.granules);
-  const size_t limit = reserved_limit();
-  while (handles.size() < w.granules) {
-    const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + handles.size() * g;
-    if (reserved > limit || limit - reserved < g) break;
-    PhysHandle h;
-    if (!succeeded(backend_->phys_create(device_, g, &h))) break;
-    ++stats_.num_device_alloc;
-    handles.push_back(h);
-  }
+  std::vector<PhysHandle> handles = new_granules(w.granules);
   if (handles.size() < w.granules && stitch) {
     const size_t before = handles.size();
     unmap_free_granules(w.granules - before, lo, hi, &handles);
@@ -644,12 +727,12 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
     }
   }
   Block* shared = nullptr;
-  if (handles.size() < w.granules && stitch && sharing_) shared = share_granules(arena, rounded, w.granules, &handles);
+  if (handles.size() < w.granules && stitch && sharing_) {
+    const SharePlan plan = plan_share(arena, rounded);
+    if (plan.found && plan.fresh < w.granules && plan.fresh <= handles.size()) shared = map_share(arena, plan, &handles);
+  }
   if (handles.size() < w.granules || shared != nullptr) {
-    for (const PhysHandle& h : handles) {
-      backend_->phys_release(device_, h);
-      ++stats_.num_device_free;
-    }
+    release_granules(handles);
     return shared;
   }
 
@@ -672,10 +755,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
       cursor = z;
     }
   }
-  for (const PhysHandle& h : handles) {  // left over only when a map failed
-    backend_->phys_release(device_, h);
-    ++stats_.num_device_free;
-  }
+  release_granules(handles);  // left over only when a map failed
   return pool.free_blocks.best_fit(stream, rounded);
 }
 

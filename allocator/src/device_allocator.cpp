@@ -104,6 +104,7 @@ void DeviceAllocator::apply_settings(const Config& config) {
   round_power2_ = config.round_power2;
   oom_report_ = config.oom_report;
   sharing_ = config.share;
+  update_share_from();
   if (trace_.capacity() != config.trace) trace_.resize(config.trace);
   if (cached_free_bytes_ > max_cached_) enforce_max_cached();
 }
@@ -111,6 +112,16 @@ void DeviceAllocator::apply_settings(const Config& config) {
 void DeviceAllocator::set_memory_fraction(double fraction) {
   Lock lock(mutex_);
   memory_fraction_ = fraction;
+  update_share_from();
+}
+
+// 95% of what the device, or the memory fraction, lets this allocator reserve
+// (Note [Shared granules]); never without sharing or arenas, or when the
+// backend reports no total. Measured on the stress suite against 80%, 90% and
+// 98% (docs/benchmarks/2026-11-22-shared-granules-cpu.md).
+void DeviceAllocator::update_share_from() {
+  const size_t limit = std::min(reserved_limit(), device_total());
+  share_from_ = sharing_ && vmm_ != VmmMode::kOff && limit != 0 ? limit / 20 * 19 : SIZE_MAX;
 }
 
 // ---- sizes and pools (the fast path's share is in device_allocator_inl.hpp) -----------

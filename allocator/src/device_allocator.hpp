@@ -233,7 +233,25 @@ class DeviceAllocator {
   Block* split_block(Block* block, size_t offset);
   Block* split_free(Block* block, size_t offset);
   // Shared granules (Note [Shared granules] in arena.cpp).
-  Block* share_granules(Segment* arena, size_t rounded, size_t needed, std::vector<PhysHandle>* handles);
+  struct SharePlan {
+    static constexpr size_t kNone = SIZE_MAX;
+    bool found = false;
+    uintptr_t lo = 0;                    // the window's start: a hole's start
+    size_t rounded = 0;                  // the request
+    size_t granules = 0;                 // the window's granules
+    size_t fresh = SIZE_MAX;             // of those, the ones that need a handle
+    size_t front = kNone, back = kNone;  // the granules whose free end and free start it maps, or kNone
+    size_t offset = 0;                   // where the request starts in the window's first granule
+    size_t back_own = 0;                 // the length of the free start it maps last
+  };
+  SharePlan plan_share(const Segment* arena, size_t rounded) const;
+  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
+  Block* share_first(Pool& pool, size_t rounded, StreamId stream);
+  bool shares_first(const Pool& pool, size_t rounded) const;
+  size_t granules_taken(const Block* block, size_t rounded) const;
+  std::vector<PhysHandle> new_granules(size_t n);
+  void release_granules(const std::vector<PhysHandle>& handles);
+  void update_share_from();
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
   Block* block_at(Segment* arena, uintptr_t addr);
@@ -318,6 +336,9 @@ class DeviceAllocator {
   int round_power2_;
   bool oom_report_;
   bool sharing_ = true;  // Note [Shared granules]
+  // Reserved bytes from which a request of more than a granule, not a whole
+  // number of them, may be served from a shared window first (SIZE_MAX: never).
+  size_t share_from_ = SIZE_MAX;
 
   std::vector<Block*> spare_blocks_;  // recycled Block objects
   Pool small_pool_;

@@ -108,6 +108,14 @@ PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remai
   return remaining >= kBlockAlign;
 }
 
+// Whether a request of `rounded` bytes in `pool` tries a shared window before
+// the cache (Note [Shared granules]): the device is nearly full, and the
+// request spans more than a granule without being a whole number of them.
+PYALLOC_INLINE bool DeviceAllocator::shares_first(const Pool& pool, size_t rounded) const {
+  return static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + rounded >= share_from_ && pool.in_arenas &&
+         granule_ != 0 && rounded > granule_ && rounded % granule_ != 0;
+}
+
 // Where in `block` (a free block of an arena) a request of `rounded` bytes
 // starts (Note [Whole granules]): 0, its start, unless `rounded` is a whole
 // number of granules and the block's first granule boundary leaves room for
@@ -143,7 +151,9 @@ PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream
     return p;
   }
   if (PYALLOC_UNLIKELY(spare_blocks_.empty())) return otherwise();
-  if (PYALLOC_UNLIKELY(pool.in_arenas) && granule_offset(block, rounded) != 0) return otherwise();
+  if (PYALLOC_UNLIKELY(pool.in_arenas) && (granule_offset(block, rounded) != 0 || shares_first(pool, rounded))) {
+    return otherwise();
+  }
   return split_and_unlock(pool, block, size, rounded);
 }
 
@@ -187,10 +197,14 @@ PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int p
   return malloc_cache(pool, size, rounded, stream, status);
 }
 
-// A request served by the cache: best fit, else the slow path.
+// A request served by the cache: best fit, else the slow path. Near a full
+// device, a shared window first when it takes fewer granules (Note [Shared
+// granules]).
 PYALLOC_INLINE Block* DeviceAllocator::alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream,
                                                    int* status) {
-  Block* block = pool.free_blocks.best_fit(stream, rounded);
+  Block* block = nullptr;
+  if (PYALLOC_UNLIKELY(shares_first(pool, rounded))) block = share_first(pool, rounded, stream);
+  if (block == nullptr) block = pool.free_blocks.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(block == nullptr)) {
     block = malloc_slow(pool, size, rounded, stream, status);
     if (block == nullptr) return nullptr;
