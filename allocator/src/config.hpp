@@ -42,7 +42,7 @@ struct Config {
   VmmMode vmm = VmmMode::kAuto;     // virtual-memory arenas and stitching
   bool plan = false;                // iteration plans (Note [Iteration plans]); off: see README
   bool lifetime = false;            // lifetime-aware placement (Note [Lifetime-aware placement]); off: see README
-  bool share = true;                // ladder step 2 maps slivers of used granules twice (Note [Shared granules])
+  bool share = true;                // near a full device, map used granules' free ends twice (Note [Shared granules])
 
   // The mode in effect (kAuto resolved): kOn, kShared, kAll or kOff.
   VmmMode vmm_mode() const;

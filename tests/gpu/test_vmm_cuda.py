@@ -73,3 +73,50 @@ def test_vmm_shared_puts_small_tensors_in_a_large_blocks_last_granule_on_a_gpu(
     assert result["offsets"] == [3 * (1 << 20) + k * (256 << 10) for k in range(4)]
     assert result["reserved"] == 4 << 20 and result["small_segments"] == 0
     assert result["values_ok"]
+
+
+_SHARED_GRANULES_SCRIPT = """
+import torch
+import pyalloc
+
+pyalloc.configure("vmm=shared,share=1")
+MiB = 1 << 20
+def tensor(mib, value):
+    return torch.full((mib * MiB // 4,), float(value), device="cuda")
+a, x, c, y, b = tensor(1, 1), tensor(1, 0), tensor(2, 3), tensor(1, 0), tensor(1, 5)
+offsets = [t.data_ptr() - a.data_ptr() for t in (x, c, y, b)]
+x = y = None  # a free MiB at the end of a's granule and at the start of b's
+torch.cuda.synchronize()
+stats = pyalloc.memory_stats(0)
+reserved = stats["reserved_bytes.all.current"]
+total = torch.cuda.get_device_properties(0).total_memory
+pyalloc.set_memory_fraction(reserved / total, 0)  # no granule to spare: only the two slivers
+n = torch.arange(MiB // 2, device="cuda", dtype=torch.float32)  # 2 MiB
+n.mul_(3)
+torch.cuda.synchronize()
+stats = pyalloc.memory_stats(0)
+emit({
+    "offsets": offsets,
+    "shared": stats["num_shared_granules"],
+    "ooms": stats["num_ooms"],
+    "reserved_before": reserved,
+    "reserved": stats["reserved_bytes.all.current"],
+    "n_ok": bool(torch.equal(n.cpu(), torch.arange(MiB // 2, dtype=torch.float32) * 3)),
+    # Compared on the CPU: the device has no room left for the comparisons.
+    "live_ok": bool((a.cpu() == 1.0).all()) and bool((c.cpu() == 3.0).all()) and bool((b.cpu() == 5.0).all()),
+})
+pyalloc.check(0)
+n = None
+pyalloc.set_memory_fraction(1.0, 0)
+torch.cuda.empty_cache()
+pyalloc.check(0)
+"""
+
+
+def test_shared_granules_serve_a_request_from_two_slivers_on_a_gpu(gpu_python: Callable[..., Any]) -> None:
+    """Note [Shared granules]: cuMemMap of a granule a second time, on a real device."""
+    result = gpu_python(_SHARED_GRANULES_SCRIPT, "pyalloc")
+    assert result["offsets"] == [1 << 20, 2 << 20, 4 << 20, 5 << 20]
+    assert result["ooms"] == 0 and result["shared"] == 2
+    assert result["reserved"] == result["reserved_before"]
+    assert result["n_ok"] and result["live_ok"]
