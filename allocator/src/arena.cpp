@@ -197,6 +197,22 @@ Block* DeviceAllocator::insert_coalesced(Block* block) {
   return block;
 }
 
+// Takes [lo, hi) out of `block` (free, in its free set, holding [lo, hi)):
+// what lies before and after it stays free, in the free set; the block of
+// [lo, hi) is returned out of the free set, still kFree for the caller to
+// change.
+Block* DeviceAllocator::carve_free(Block* block, uintptr_t lo, uintptr_t hi) {
+  assert(block->is_free() && block->addr <= lo && end_of(block) >= hi);
+  erase_free(block);
+  Block* middle = block;
+  if (lo > block->addr) {
+    middle = split_block(block, lo - block->addr);
+    insert_free(block);
+  }
+  if (end_of(middle) > hi) insert_free(split_block(middle, hi - middle->addr));
+  return middle;
+}
+
 // Splits `block` (free, in its free set) at `offset` bytes: both parts stay
 // free, in the free set; returns the part after.
 Block* DeviceAllocator::split_free(Block* block, size_t offset) {
@@ -297,16 +313,7 @@ Block* DeviceAllocator::lent_block(Segment* arena, size_t slot) {
 
 // Makes [from, to), bytes of one free block, a lent block.
 void DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
-  Block* b = block_at(arena, from);
-  assert(b->is_free() && b->addr <= from && end_of(b) >= to);
-  erase_free(b);
-  Block* piece = b;
-  if (from > b->addr) {
-    piece = split_block(b, from - b->addr);
-    insert_free(b);
-  }
-  if (end_of(piece) > to) insert_free(split_block(piece, to - piece->addr));
-  piece->state = BlockState::kLent;
+  carve_free(block_at(arena, from), from, to)->state = BlockState::kLent;
 }
 
 // The window for `rounded` bytes in a hole of `arena` whose first granule
@@ -475,14 +482,8 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
   // This granule's blocks become one hole: its lent piece and the part of
   // the free block beside it that lies inside the granule.
   Block* mine = lent_block(arena, slot);
-  Block* own = mine->addr == lo ? mine->next : mine->prev;
-  erase_free(own);
-  if (own->addr < lo) {
-    Block* inside = split_block(own, lo - own->addr);
-    insert_free(own);
-    own = inside;
-  }
-  if (end_of(own) > hi) insert_free(split_block(own, hi - own->addr));
+  Block* beside = mine->addr == lo ? mine->next : mine->prev;
+  Block* own = carve_free(beside, std::max(beside->addr, lo), std::min(end_of(beside), hi));
   own->state = BlockState::kHole;
   mine->state = BlockState::kHole;
   Block* hole = own->addr < mine->addr ? own : mine;
@@ -558,13 +559,7 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::
 void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep) {
   Segment* arena = block->segment;
   const size_t g = granule_;
-  erase_free(block);
-  Block* middle = block;
-  if (lo > block->addr) {
-    middle = split_block(block, lo - block->addr);
-    insert_free(block);
-  }
-  if (end_of(middle) > hi) insert_free(split_block(middle, hi - middle->addr));
+  Block* middle = carve_free(block, lo, hi);
   for (uintptr_t va = lo; va < hi; va += g) {
     PhysHandle& slot = arena->phys[(va - arena->base) / g];
     backend_->unmap(device_, va, g);
@@ -648,7 +643,7 @@ size_t DeviceAllocator::granules_taken(const Block* block, size_t rounded) const
   const size_t first = at / g;
   const size_t last = (at + rounded - 1) / g;
   size_t n = last - first + 1;
-  const bool front_used = lo % g != 0;  // the block before it is live (I2, I9)
+  const bool front_used = lo % g != 0;  // the block before it is in use (I2, I9)
   const bool back_used = hi % g != 0;
   if (front_used && first == lo / g) --n;
   if (back_used && last == (hi - 1) / g && !(front_used && lo / g == (hi - 1) / g)) --n;

@@ -232,6 +232,7 @@ class DeviceAllocator {
   void for_each_arena(F fn);
   Block* split_block(Block* block, size_t offset);
   Block* split_free(Block* block, size_t offset);
+  Block* carve_free(Block* block, uintptr_t lo, uintptr_t hi);
   // Shared granules (Note [Shared granules] in arena.cpp).
   struct SharePlan {
     static constexpr size_t kNone = SIZE_MAX;
