@@ -16,6 +16,7 @@ then runs ``pyalloc.check`` so a test can't leave corruption behind.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -69,6 +70,15 @@ class Allocator:
     def free_all(self) -> None:
         for ptr in list(self.live):
             self.free(ptr)
+
+
+def fill(ptr: int, size: int, byte: int) -> None:
+    """Writes `byte` over [ptr, ptr + size): real bytes on the host backend."""
+    ctypes.memset(ptr, byte, size)
+
+
+def holds(ptr: int, size: int, byte: int) -> bool:
+    return ctypes.string_at(ptr, size) == bytes([byte]) * size
 
 
 def fresh_conf(backend: str, extra: str = "") -> str:

@@ -9,13 +9,12 @@ blocks that need it; reserved == mapped).
 
 from __future__ import annotations
 
-import ctypes
 from typing import Iterator
 
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fresh_conf, rebuilt
+from allocator_fixture import Allocator, fill, fresh_conf, holds, rebuilt
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -27,14 +26,6 @@ def arenas(request: pytest.FixtureRequest) -> Iterator[Allocator]:
     yield a
     a.free_all()
     pyalloc.check(0)
-
-
-def fill(ptr: int, size: int, byte: int) -> None:
-    ctypes.memset(ptr, byte, size)
-
-
-def holds(ptr: int, size: int, byte: int) -> bool:
-    return ctypes.string_at(ptr, size) == bytes([byte]) * size
 
 
 def pending_bytes(a: Allocator) -> int:

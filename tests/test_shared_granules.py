@@ -11,13 +11,12 @@ complementary pieces, reserved counting the granule once).
 
 from __future__ import annotations
 
-import ctypes
 from typing import Iterator
 
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fresh_conf, rebuilt
+from allocator_fixture import Allocator, fill, fresh_conf, holds, rebuilt
 from pyalloc import replay, stress
 
 MiB = 1 << 20
@@ -43,14 +42,6 @@ def full(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, dict[str, 
     pyalloc.check(0)
     pyalloc.empty_cache()
     assert a.stats()["reserved_bytes.all.current"] == 0
-
-
-def fill(ptr: int, size: int, byte: int) -> None:
-    ctypes.memset(ptr, byte, size)
-
-
-def holds(ptr: int, size: int, byte: int) -> bool:
-    return ctypes.string_at(ptr, size) == bytes([byte]) * size
 
 
 def untouched(a: Allocator, blocks: dict[str, int]) -> bool:
@@ -165,9 +156,8 @@ def test_near_a_full_device_a_shared_window_comes_before_a_cached_fit() -> None:
         assert s["num_shared_granules"] == 1 and s["num_ooms"] == 0
         assert s["reserved_bytes.all.current"] <= 10 * MiB
         if backend == "host":
-            ctypes.memset(n, 0x77, 5 * MiB // 2)
-            # n's last half MiB is the first half MiB of y's granule.
-            assert ctypes.string_at(y, MiB // 2) == b"\x77" * (MiB // 2)
+            fill(n, 5 * MiB // 2, 0x77)
+            assert holds(y, MiB // 2, 0x77)  # n's last half MiB is the first half MiB of y's granule
         # One granule of the cached four is still whole and free.
         a.malloc(2 * MiB)
         assert a.stats()["num_ooms"] == 0 and a.stats()["reserved_bytes.all.current"] == 10 * MiB

@@ -296,19 +296,19 @@ Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
 
 // ---- shared granules (Note [Shared granules]) --------------------------------------
 
-// The block of `arena` that holds `addr`.
-Block* DeviceAllocator::block_at(Segment* arena, uintptr_t addr) {
-  Block* b = arena->head;
+// The block of `segment` that holds `addr` (inside the segment).
+Block* DeviceAllocator::block_at(Segment* segment, uintptr_t addr) {
+  Block* b = segment->head;
   while (end_of(b) <= addr) b = b->next;
   return b;
 }
 
-// The lent block of twin granule `slot`: at its start or at its end (I13).
+// The lent block of twin granule `slot`: at its start or at its end (I13),
+// so the walk from the granule's first block reaches it inside the granule.
 Block* DeviceAllocator::lent_block(Segment* arena, size_t slot) {
-  const uintptr_t lo = arena->base + slot * granule_;
-  Block* b = block_at(arena, lo);
-  if (b->state == BlockState::kLent) return b;
-  return block_at(arena, lo + granule_ - 1);
+  Block* b = block_at(arena, arena->base + slot * granule_);
+  while (b->state != BlockState::kLent) b = b->next;
+  return b;
 }
 
 // Makes [from, to), bytes of one free block, a lent block.
@@ -665,13 +665,16 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
     if (plan.fresh >= granules_taken(cached, rounded)) return nullptr;
   }
   std::vector<PhysHandle> handles = new_granules(plan.fresh);
-  if (handles.size() < plan.fresh) unmap_free_granules(plan.fresh - handles.size(), 0, 0, &handles);
-  Block* block = nullptr;
-  if (handles.size() >= plan.fresh) {
-    // Stitching may have split or joined free blocks: plan again.
-    const SharePlan now = plan_share(arena, rounded);
-    if (now.found && now.fresh <= handles.size()) block = map_share(arena, now, &handles);
+  SharePlan now = plan;
+  if (handles.size() < plan.fresh) {
+    unmap_free_granules(plan.fresh - handles.size(), 0, 0, &handles);
+    if (handles.size() < plan.fresh) {
+      release_granules(handles);
+      return nullptr;
+    }
+    now = plan_share(arena, rounded);  // stitching may have split or joined free blocks
   }
+  Block* block = now.found && now.fresh <= handles.size() ? map_share(arena, now, &handles) : nullptr;
   release_granules(handles);
   return block;
 }
@@ -724,7 +727,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   Block* shared = nullptr;
   if (handles.size() < w.granules && stitch && sharing_) {
     const SharePlan plan = plan_share(arena, rounded);
-    if (plan.found && plan.fresh < w.granules && plan.fresh <= handles.size()) shared = map_share(arena, plan, &handles);
+    if (plan.found && plan.fresh <= handles.size()) shared = map_share(arena, plan, &handles);  // < w.granules
   }
   if (handles.size() < w.granules || shared != nullptr) {
     release_granules(handles);
@@ -735,8 +738,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   // in this arena, so find the block holding `lo` now; fill_hole
   // coalesces, which may delete the blocks after a hole: go on from the
   // block it returns.
-  Block* b = arena->head;
-  while (end_of(b) <= lo) b = b->next;
+  Block* b = block_at(arena, lo);
   uintptr_t cursor = lo;
   while (b != nullptr && cursor < hi && !handles.empty()) {
     if (end_of(b) <= cursor) {

@@ -118,7 +118,7 @@ class DeviceAllocator {
   void apply_settings(const Config& config);  // runtime-adjustable keys only
   void set_memory_fraction(double fraction);
 
-  // Full invariant walk (types.hpp I1..I12). False with *error on violation.
+  // Full invariant walk (types.hpp I1..I13). False with *error on violation.
   bool check(std::string* error);
 
   // A consistent view of the device's memory, for replays and reports.
@@ -255,7 +255,7 @@ class DeviceAllocator {
   void update_share_from();
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
-  Block* block_at(Segment* arena, uintptr_t addr);
+  Block* block_at(Segment* segment, uintptr_t addr);
   Block* lent_block(Segment* arena, size_t slot);
   void lend(Segment* arena, uintptr_t from, uintptr_t to);
   Block* insert_coalesced(Block* block);

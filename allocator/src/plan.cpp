@@ -358,9 +358,8 @@ bool DeviceAllocator::start_plan_region() {
 // that range is not free.
 Block* DeviceAllocator::carve_planned(size_t offset, size_t rounded) {
   const uintptr_t addr = plan_region_->base + offset;
-  Block* b = plan_region_->head;
-  while (b != nullptr && b->addr + b->size <= addr) b = b->next;
-  if (b == nullptr || !b->is_free() || b->addr + b->size < addr + rounded) return nullptr;
+  Block* b = block_at(plan_region_, addr);  // planned slots lie inside the region (I10)
+  if (!b->is_free() || b->addr + b->size < addr + rounded) return nullptr;
   // The free memory before the planned place stays free.
   return addr > b->addr ? split_free(b, addr - b->addr) : b;
 }
