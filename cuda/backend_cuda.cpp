@@ -69,8 +69,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "backend.hpp"
-#include "config.hpp"
+#include "backends/backend.hpp"
+#include "ground/config.hpp"
 #include "driver_api.hpp"
 
 namespace pyalloc {

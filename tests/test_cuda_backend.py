@@ -1117,8 +1117,8 @@ HARNESS_SOURCE = r'''// Drives every method of the cuda backend (cuda/backend_cu
 #include <thread>
 #include <vector>
 
-#include "backend.hpp"
-#include "config.hpp"
+#include "backends/backend.hpp"
+#include "ground/config.hpp"
 
 using namespace pyalloc;
 

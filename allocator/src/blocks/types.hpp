@@ -1,0 +1,170 @@
+// types.hpp: the allocator's data structures, and the invariants they keep.
+//
+// Glossary
+//   segment      a contiguous range obtained from the backend in one call
+//                (cuMemAlloc on cuda). Segments belong to one pool and one
+//                stream, and are released to the backend only when wholly free.
+//   block        a piece of a segment. Blocks tile their segment exactly, in
+//                address order, linked by prev/next. A block is free,
+//                allocated, or pending-free.
+//   pool         a set of segments with one free set: the small pool
+//                (requests <= kSmallRequest; unused with vmm=shared, Note
+//                [One arena for small and large]), the large pool, user pools
+//                (selected by the thread's current pool), the plan pool
+//                (an iteration plan's region, Note [Iteration plans]), and
+//                the long pool (requests predicted long-lived, Note
+//                [Lifetime-aware placement]).
+//   free set     a pool's free blocks by stream and size class (Note [Free
+//                sets]): best fit, lowest address first among equal sizes.
+//   stream       the stream a segment was allocated for. A free block is
+//                reused only by requests on the same stream.
+//   stream use   another stream the block was used on (record_stream). Such
+//                a block, once freed, is pending until events recorded on
+//                those streams complete.
+//   cached free  bytes of free blocks: reserved but not handed out.
+//   arena        a segment made with the backend's virtual-memory calls: one
+//                large reservation per pool and stream, backed by physical
+//                granules mapped where blocks need them (Note [Arenas]).
+//   hole         a block of an arena with no physical memory behind it.
+//   twin         one of the two granules of an arena that map the same
+//                physical granule (Note [Shared granules] in arena.cpp).
+//   lent         the part of a twin that the other twin uses: mapped here,
+//                but never handed out or cached here.
+//
+// Invariants (checked by DeviceAllocator::check, i.e. pyalloc_check)
+//   I1  the blocks of a segment tile it: first.addr == base,
+//       b.next.addr == b.addr + b.size, sum(b.size) == segment.size
+//   I2  no two address-adjacent blocks of a segment are both free
+//   I3  a block is in its pool's free set  <=>  it is free; every entry of a
+//       free set is a free block of a segment of that pool and stream
+//   I4  a block is in the live map  <=>  it is allocated (keyed by address)
+//   I5  a block is in the pending list  <=>  it is pending-free
+//   I6  reserved == allocated + pending_free + cached_free      (bytes)
+//       active   == allocated + pending_free                   (bytes)
+//   I7  every counter's current value equals what the walk sums, for all,
+//       small-pool and large-pool stat types
+//   I8  block sizes and addresses are multiples of kBlockAlign (512 B)
+//   I9  in an arena (Note [Arenas] in arena.cpp): a hole starts and ends on
+//       granule boundaries, no two holes are adjacent, and a granule is
+//       mapped  <=>  some non-hole block overlaps it; reserved counts
+//       physical bytes (mapped bytes less one granule per pair of twins), so
+//       reserved == sum of the sizes of blocks neither hole nor lent
+//   I10 the plan region, while a plan holds one (Note [Iteration plans] in
+//       plan.cpp), is a plain segment of the plan pool, and every planned
+//       slot lies inside it
+//   I11 with lifetime-aware placement on (Note [Lifetime-aware placement]
+//       in lifetime.cpp), every call is diverted from the fast path; with it
+//       off, the long pool holds no segment
+//   I12 the small pool holds only requests of at most kSmallRequest, and
+//       with vmm=shared (Note [One arena for small and large] in arena.cpp)
+//       no segment at all
+//   I13 twins (Note [Shared granules] in arena.cpp) come in pairs of
+//       granules of one arena that name each other and the same physical
+//       granule; a lent block is one piece of one twin, at its start or its
+//       end, and the two twins' lent pieces are complementary: what one lends,
+//       the other owns, at the same offsets
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backends/backend.hpp"
+#include "blocks/free_set.hpp"
+
+namespace pyalloc {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+
+constexpr size_t kBlockAlign = 512;          // every size is rounded to this
+constexpr size_t kSmallRequest = 1 * kMiB;   // largest request of the small pool
+constexpr size_t kLargeSplitMin = 1 * kMiB;  // large blocks split only if more than this remains
+constexpr size_t kLargeRound = 2 * kMiB;     // big requests get segments rounded to this
+// Requests above this are refused outright: far beyond any device, and safe
+// from overflow in every rounding computation.
+constexpr size_t kMaxRequest = size_t{1} << 52;
+
+// kHole and kLent exist only in arenas. A hole is unmapped address space,
+// never handed out as it is, never in a free set. A lent block is mapped, but
+// its bytes belong to the block at the same offsets of its granule's twin
+// (Note [Shared granules] in arena.cpp): never handed out, cached or counted.
+enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole, kLent };
+
+// kPlan: the region of an iteration plan (Note [Iteration plans] in plan.cpp),
+// never chosen for a request by size.
+// kLong: requests predicted long-lived (Note [Lifetime-aware placement] in
+// lifetime.cpp).
+enum class PoolKind : uint8_t { kSmall, kLarge, kUser, kPlan, kLong };
+
+// Stat types, as in torch.cuda.memory_stats(): all / small_pool / large_pool.
+// A segment's blocks count as small_pool when its pool is the small pool;
+// large and user pools count as large_pool.
+enum StatType : int { kStatAll = 0, kStatSmall = 1, kStatLarge = 2, kNumStatTypes = 3 };
+
+struct Pool;
+struct Segment;
+
+struct Block {
+  uintptr_t addr = 0;
+  size_t size = 0;           // bytes, multiple of kBlockAlign
+  size_t requested = 0;      // bytes the caller asked for; 0 unless allocated/pending
+  Segment* segment = nullptr;
+  Pool* pool = nullptr;      // == segment->pool, kept here for the fast path
+  StreamId stream = 0;       // == segment->stream, likewise
+  Block* prev = nullptr;     // address-order neighbours in the segment
+  Block* next = nullptr;
+  BlockState state = BlockState::kFree;
+  std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
+  Block* bin_prev = nullptr;   // neighbours in its free-set class list, while free
+  Block* bin_next = nullptr;
+  int bin_class = -1;          // FreeSet::size_class(size), set when it enters a free set and
+                               // kept while allocated (its size does not change then)
+  uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
+                               // (stale otherwise: SequenceLearner ignores old numbers)
+  uint64_t lifetime_number = UINT64_MAX;  // its request number in LifetimeLearner, while learning
+
+  bool is_free() const { return state == BlockState::kFree; }
+};
+
+struct Segment {
+  uintptr_t base = 0;
+  size_t size = 0;          // an arena's whole reservation
+  Pool* pool = nullptr;
+  StreamId stream = 0;
+  Block* head = nullptr;    // lowest-addressed block
+  uint64_t id = 0;          // creation order
+  uint64_t free_since = 0;  // tick at which it last became wholly free
+  // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
+  // not mapped); `mapped` counts the bytes of backed granules. twins[i] == j
+  // and twins[j] == i when granules i and j map the same physical granule
+  // (Note [Shared granules] in arena.cpp); `doubled` counts one granule per
+  // such pair.
+  bool arena = false;
+  size_t mapped = 0;
+  size_t doubled = 0;
+  std::vector<PhysHandle> phys;
+  std::unordered_map<size_t, size_t> twins;
+
+  bool wholly_free() const { return head->is_free() && head->size == size; }
+  size_t reserved_bytes() const { return arena ? mapped - doubled : size; }
+};
+
+struct Pool {
+  Pool(PoolKind k, int pool_id, std::string pool_name)
+      : kind(k), stat(k == PoolKind::kSmall ? kStatSmall : kStatLarge), id(pool_id), name(std::move(pool_name)) {}
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  const PoolKind kind;
+  const StatType stat;      // the stat type its blocks count under
+  const int id;             // 0 small/large defaults; user pools from 1
+  const std::string name;
+  FreeSet free_blocks;  // Note [Free sets]
+  bool in_arenas = false;        // grows in arenas, not plain segments (Note [Arenas])
+  std::vector<Segment*> arenas;  // one per stream
+};
+
+}  // namespace pyalloc

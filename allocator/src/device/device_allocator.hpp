@@ -1,0 +1,381 @@
+// device_allocator.hpp: the caching allocator of one device.
+//
+// Policy summary
+//   - Sizes are rounded up to 512 B (optionally to power-of-two divisions,
+//     like PyTorch's roundup_power2_divisions).
+//   - Requests up to 1 MiB come from the small pool, carved from
+//     `small_segment` (2 MiB) segments; larger ones from the large pool:
+//     below large_segment/2 from `large_segment` (20 MiB) segments, above
+//     that from a segment of their own rounded up to 2 MiB. A thread's current
+//     user pool overrides both. With `lifetime` on, requests predicted to
+//     outlive the next 32 go to the long pool instead (Note [Lifetime-aware
+//     placement] in lifetime.cpp).
+//   - With `vmm` on, the large and user pools (and with vmm=all the small
+//     pool) grow in virtual-memory arenas instead: granules mapped where the
+//     request fits best, and stitched from free slivers under pressure
+//     (Note [Arenas] in arena.cpp). With vmm=shared (the default on the host
+//     and sim backends) there is no small pool: requests of every size share
+//     the large pool's arena (Note [One arena for small and large]).
+//   - A free block is found by best fit on the request's stream, lowest
+//     address first among equal sizes. It is split when the remainder is
+//     worth keeping: any remainder in the small and user pools, more than
+//     1 MiB in the large pool.
+//   - Freed blocks coalesce with free neighbours at once. A block used on
+//     other streams (record_stream) is pending until events recorded on those
+//     streams complete.
+//   - Segments go back to the backend only when wholly free: on
+//     empty_cache(), when cached free bytes exceed max_cached (oldest first),
+//     and on the slow path under pressure (Note [Pressure ladder]).
+//
+// Locking: one mutex per device guards everything here. The fast path takes
+// it once. It is never held while calling a pressure callback or the daemon.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "policy/lifetime.hpp"
+#include "policy/plan.hpp"
+#include "blocks/ptr_map.hpp"
+#include "backends/backend.hpp"
+#include "ground/config.hpp"
+#include "device/device_mutex.hpp"
+#include "observe/stats.hpp"
+#include "observe/trace.hpp"
+#include "blocks/types.hpp"
+
+namespace pyalloc {
+
+class JsonWriter;
+
+// What a device allocator asks of the process around it. The runtime
+// implements it (abi/runtime.cpp), so that the device knows nothing of
+// pressure callbacks, gpumemd or the registry.
+class DeviceHooks {
+ public:
+  virtual ~DeviceHooks() = default;
+  // Ladder step 3: the registered pressure callbacks; returns the bytes they
+  // freed. Called WITHOUT the device lock held.
+  virtual size_t run_pressure_callbacks(int device, size_t bytes_needed) = 0;
+  // Ladder step 4: asks gpumemd to have other processes on the device trim.
+  // True when it answered, with the bytes they freed in *freed_bytes. Called
+  // WITHOUT the device lock held.
+  virtual bool ask_daemon(int device, size_t bytes_needed, size_t* freed_bytes) = 0;
+  // Reserved memory changed (a segment or granule came or went), so
+  // published figures are stale. Called WITH the device lock held: it must
+  // neither block nor call back into the allocator.
+  virtual void reserved_changed() = 0;
+  // The name of user pool `pool_id` (>= 1), for stats and snapshots.
+  virtual std::string pool_name(int pool_id) = 0;
+};
+
+// Passed as `size` to free() when the caller does not know it (CuPy).
+constexpr size_t kAnySize = SIZE_MAX;
+
+enum class FreeResult { kOk, kUnknownPointer, kDoubleFree, kSizeMismatch, kRetired };
+
+class DeviceAllocator {
+ public:
+  DeviceAllocator(int device, const Config& config, Backend* backend, DeviceHooks& hooks);
+  ~DeviceAllocator();
+  DeviceAllocator(const DeviceAllocator&) = delete;
+  DeviceAllocator& operator=(const DeviceAllocator&) = delete;
+
+  // malloc and free (the general path) are defined in device_allocator_inl.hpp.
+  // Returns the block's address, or nullptr with *status (PYALLOC_ENOMEM, or
+  // PYALLOC_EBUSY when this allocator was retired by a reconfiguration); an
+  // OOM report goes to the thread's last error. `size` must be in
+  // (0, kMaxRequest].
+  void* malloc(size_t size, StreamId stream, int pool_id, int* status);
+  // A bad call is counted and described in the thread's last error.
+  FreeResult free(uintptr_t addr, size_t size);
+  // The fast path (Note [Fast path] in device_allocator_inl.hpp). After
+  // try_lock(), malloc_cached() (default pool) and free_cached() serve the
+  // request from the cache and release the lock; a request that needs the
+  // general path gets `otherwise()`, called with nothing changed and the lock
+  // still held (it unlocks and goes to malloc() / free()).
+  bool try_lock() { return mutex_.try_lock(); }
+  void unlock() { mutex_.unlock(); }
+  template <typename Otherwise>
+  void* malloc_cached(size_t size, StreamId stream, Otherwise otherwise);
+  template <typename Otherwise>
+  void free_cached(uintptr_t addr, size_t size, Otherwise otherwise);
+  // False when `addr` is not a live allocation of this device.
+  bool record_stream(uintptr_t addr, StreamId stream);
+  // False when `addr` is not a live allocation of this device; else the
+  // sizes of its free address neighbours (0 where not free).
+  bool free_neighbours(uintptr_t addr, size_t* below, size_t* above);
+  // Counts a request refused before reaching the allocator (absurd size).
+  void count_invalid_size();
+
+  // Synchronizes pending frees and releases every wholly free segment.
+  size_t empty_cache();
+  // Releases wholly free segments, oldest first, until `bytes` (0 = all).
+  size_t release_cached(size_t bytes);
+
+  void apply_settings(const Config& config);  // runtime-adjustable keys only
+  void set_memory_fraction(double fraction);
+
+  // Full invariant walk (types.hpp I1..I13). False with *error on violation.
+  bool check(std::string* error);
+
+  // A consistent view of the device's memory, for replays and reports.
+  struct Usage {
+    size_t reserved;
+    size_t allocated;
+    size_t active;
+    size_t cached_free;
+    size_t largest_free;
+    size_t peak_reserved;
+    uint64_t num_ooms;
+    uint64_t num_alloc_retries;
+    uint64_t allocations_total;  // changes whenever the device allocates
+  };
+  Usage usage();
+
+  // torch.cuda.memory_stats() keys, then pool.<name>.<figure> for each pool
+  // (PoolUsage::fields).
+  std::string stats_json(int64_t num_invalid_device, int64_t num_invalid_record_stream);
+  void write_pools_json(JsonWriter& w);  // the snapshot's "pools" entries
+  void reset_peaks();
+  void reset_accumulated();
+  void write_segments_json(JsonWriter& w);
+  void write_trace_json(JsonWriter& w);
+
+  // Reconfiguration: true when nothing is allocated or pending; then
+  // releases all memory and marks this allocator retired, so late callers
+  // are sent to its successor.
+  bool retire_if_idle(int64_t* live_bytes);
+  void unretire();  // undoes retire_if_idle when a reconfiguration is abandoned
+
+  int device() const { return device_; }
+
+ private:
+  using Lock = std::lock_guard<DeviceMutex>;
+
+  struct PendingFree {
+    Block* block;
+    std::vector<EventHandle> events;
+    bool stuck;  // an event could not be recorded: never safe to reuse
+  };
+
+  // What a pool holds, summed over its segments (stats and snapshots).
+  struct PoolUsage {
+    const Pool* pool = nullptr;
+    int64_t segments = 0;
+    int64_t reserved_bytes = 0;
+    int64_t allocations = 0;
+    int64_t allocated_bytes = 0;
+    int64_t requested_bytes = 0;
+    int64_t active_bytes = 0;      // allocated + pending-free
+    int64_t cached_free_bytes = 0;
+    int64_t largest_free_bytes = 0;
+
+    std::vector<std::pair<const char*, int64_t>> fields() const;
+  };
+  std::vector<PoolUsage> pool_usage_locked() const;
+
+  size_t round_size(size_t size) const;
+  Pool& select_pool(size_t rounded, int pool_id);
+  Pool& user_pool(int pool_id);  // created on first use
+  size_t segment_size_for(const Pool& pool, size_t rounded) const;
+  bool should_split(const Pool& pool, size_t remaining) const;
+
+  // Fast-path pieces (device_allocator_inl.hpp).
+  Block* new_block();
+  void delete_block(Block* block);
+  void recycle_block(Block* block);  // delete_block() given spare_room(1)
+  bool spare_room(size_t n) const;
+  void make_spare_room(size_t n);
+  void* take(Pool& pool, Block* block, size_t size, size_t rounded);
+  size_t granule_offset(const Block* block, size_t rounded) const;
+  Block* align_to_granule(Block* block, size_t rounded);
+  void* hand_out(Pool& pool, Block* block, Block* rest, size_t size, size_t rounded);
+  void count_freed(const Block* block);
+  void finish_free(Block* block);
+  bool has_free_neighbour(const Block* block) const;
+  void give_back(Block* block);
+  Block* coalesce(Block* block);                            // merges free neighbours; spare_room(2)
+  void split_into(Block* block, Block* rest, size_t offset);  // `rest` becomes the part after `offset`
+  void absorb_next(Block* block);                           // spare_room(1)
+  void cache_block(Block* block);
+  void* split_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
+  void merge_and_unlock(Block* block);
+  void insert_free(Block* block);
+  void reinsert_free(Block* block);
+  void erase_free(Block* block);
+  void count_cached(StatType t, const Block* block);
+  void uncount_cached(StatType t, const Block* block);
+
+  // Arenas and stitching (Note [Arenas] in arena.cpp).
+  struct Window {
+    bool found = false;
+    uintptr_t lo = 0;     // where the window starts
+    size_t granules = 0;  // granules it needs mapped
+  };
+  bool check_arena(const Segment* arena, std::string* problem) const;  // I9
+  size_t granule();
+  Segment* arena_for(Pool& pool, StreamId stream);  // created on first use
+  Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
+  Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
+  Window best_window(Segment* arena, size_t rounded);
+  Block* fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles);
+  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep);
+  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* keep);
+  bool free_interior(const Block* block, uintptr_t* lo, uintptr_t* hi) const;
+  bool synchronize_stream(const Segment* arena);
+  size_t release_arena_memory(size_t bytes);
+  void release_arena(Segment* arena);
+  template <typename F>
+  void for_each_arena(F fn);
+  Block* split_block(Block* block, size_t offset);
+  Block* split_free(Block* block, size_t offset);
+  Block* carve_free(Block* block, uintptr_t lo, uintptr_t hi);
+  // Shared granules (Note [Shared granules] in arena.cpp).
+  struct SharePlan {
+    static constexpr size_t kNone = SIZE_MAX;
+    bool found = false;
+    uintptr_t lo = 0;                    // the window's start: a hole's start
+    size_t rounded = 0;                  // the request
+    size_t granules = 0;                 // the window's granules
+    size_t fresh = SIZE_MAX;             // of those, the ones that need a handle
+    size_t front = kNone, back = kNone;  // the granules whose free end and free start it maps, or kNone
+    size_t offset = 0;                   // where the request starts in the window's first granule
+    size_t back_own = 0;                 // the length of the free start it maps last
+  };
+  SharePlan plan_share(const Segment* arena, size_t rounded) const;
+  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
+  Block* share_first(Pool& pool, size_t rounded, StreamId stream);
+  bool shares_first(const Pool& pool, size_t rounded) const;
+  size_t granules_taken(const Block* block, size_t rounded) const;
+  std::vector<PhysHandle> new_granules(size_t n);
+  void release_granules(const std::vector<PhysHandle>& handles);
+  void update_share_from();
+  void untwin(Segment* arena, size_t slot);
+  bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
+  Block* block_at(Segment* segment, uintptr_t addr);
+  Block* lent_block(Segment* arena, size_t slot);
+  void lend(Segment* arena, uintptr_t from, uintptr_t to);
+  Block* insert_coalesced(Block* block);
+  void merge_holes(Block* hole);
+
+  // The general path's allocation by the cache: the allocated block, or
+  // nullptr with *status. Callers that keep a number with the block (the
+  // planner, lifetime placement) have it at hand with no live-map lookup.
+  Block* alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void* malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+
+  // Iteration plans (Note [Iteration plans] in plan.cpp).
+  Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void watch_free(Block* block);
+  void observe();  // (re)starts observation
+  bool note_plan_miss(size_t n);
+  bool start_plan_region();
+  Block* carve_planned(size_t offset, size_t rounded);
+  void drop_plan();
+  bool check_plan(std::string* problem) const;  // I10
+  std::vector<Pool*> pools();  // small, large, long, plan, then user pools
+  std::vector<const Pool*> pools() const;
+
+  // Lifetime-aware placement (Note [Lifetime-aware placement] in lifetime.cpp).
+  void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  bool check_lifetimes(std::string* problem) const;  // I11
+
+  // Slow path (Note [Pressure ladder] in device_allocator.cpp).
+  // Called with the lock held; returns with it held (steps 3 and 4 drop it
+  // meanwhile). Returns a free block of `pool` that fits (for take()), or
+  // nullptr with *status.
+  Block* malloc_slow(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  Block* find_or_grow(Pool& pool, size_t rounded, StreamId stream);
+  Block* release_and_retry(Pool& pool, size_t rounded, StreamId stream);  // step 1
+  Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);
+  Block* grow(Pool& pool, size_t rounded, StreamId stream);
+  Segment* alloc_segment(Pool& pool, size_t size, StreamId stream);
+  bool succeeded(const Status& s);  // records a failed backend call's message
+  void reserved_changed() { hooks_.reserved_changed(); }
+  Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
+  void make_pending(Block* block);
+  size_t reclaim_pending(bool synchronize);
+  void synchronize_pending();
+  size_t release_free_segments(size_t bytes);  // plain segments only
+  size_t release_cached_memory(size_t bytes);  // plain segments, then arena granules
+  void release_segment(Segment* segment);
+  void enforce_max_cached();
+  FreeResult classify_bad_free(uintptr_t addr);
+  FreeResult refuse_size_mismatch(Block* block, size_t size);
+  std::string oom_report(size_t size, size_t rounded, StreamId stream, size_t callback_freed,
+                         size_t daemon_freed);
+  size_t reserved_limit();
+  size_t largest_free_block() const;
+  size_t device_total();  // the backend's total bytes, asked once (slow path only)
+
+  // First, so that the fast path reaches the lock at the allocator's own address.
+  DeviceMutex mutex_;
+  // Nonzero sends every call to the general path: kDivertRetired (a
+  // reconfiguration retired this allocator), kDivertPlanner (the planner is
+  // observing, or a plan is in force), kDivertLifetime (lifetime-aware
+  // placement is on).
+  enum : uint8_t { kDivertRetired = 1, kDivertPlanner = 2, kDivertLifetime = 4 };
+  uint8_t divert_ = 0;
+
+  const int device_;
+  Backend* const backend_;
+  DeviceHooks& hooks_;
+  const size_t small_segment_;
+  const size_t large_segment_;
+  const size_t largest_small_;  // the largest request of the small pool: 0 with vmm=shared
+  const VmmMode vmm_;    // which pools grow in arenas (Note [Arenas])
+  const bool planning_;  // iteration plans (Note [Iteration plans])
+  const bool placing_lifetimes_;  // Note [Lifetime-aware placement]
+  size_t granule_ = 0;   // the backend's mapping granularity, asked on first use
+
+  // Runtime-adjustable settings.
+  double memory_fraction_;
+  size_t max_cached_;
+  int round_power2_;
+  bool oom_report_;
+  bool sharing_ = true;  // Note [Shared granules]
+  // Reserved bytes from which a request of more than a granule, not a whole
+  // number of them, may be served from a shared window first (SIZE_MAX: never).
+  size_t share_from_ = SIZE_MAX;
+
+  std::vector<Block*> spare_blocks_;  // recycled Block objects
+  Pool small_pool_;
+  Pool large_pool_;
+  std::vector<std::unique_ptr<Pool>> user_pools_;  // index = pool id - 1
+  Pool plan_pool_;
+  Pool long_pool_;  // predicted long-lived requests
+
+  LifetimeLearner lifetimes_;
+
+  SequenceLearner learner_;
+  std::vector<PlanSlot> plan_;       // empty: observing (or dormant); else the plan in force
+  size_t plan_bytes_ = 0;            // the plan's size
+  size_t plan_pos_ = 0;              // the position the next request should match
+  Segment* plan_region_ = nullptr;   // null until the plan reaches its start position
+  size_t plan_misses_ = 0;           // in the current period
+  size_t plan_run_misses_ = 0;       // in a row
+  uint64_t planner_wait_ = 0;        // dormant: cache misses before observing again
+
+  std::map<uintptr_t, Segment*> segments_;        // by base address
+  PtrMap<Block*> live_;                            // allocated blocks by address
+  std::deque<PendingFree> pending_;
+  size_t cached_free_bytes_ = 0;                   // sum of free block sizes
+  uint64_t next_segment_id_ = 0;
+  uint64_t tick_ = 0;                              // orders segment free times
+  std::string last_backend_error_;
+  size_t device_total_ = 0;  // 0 until device_total() asked the backend
+
+  DeviceStats stats_;
+  TraceRing trace_;
+};
+
+}  // namespace pyalloc

@@ -1,0 +1,411 @@
+// device_allocator_inl.hpp: the fast path of DeviceAllocator, inline.
+//
+// Note [Fast path]
+// pyalloc_malloc and pyalloc_free first try malloc_cached() / free_cached():
+// a request the cache serves (best fit, split, merge) in the default pool.
+// These make no call that returns to them (only tail calls, and the futex
+// wake of a contended unlock), so the C entry points (capi.cpp) need no
+// frame, few saved registers and no exception scope. Whatever would need a
+// call makes them give up before anything has changed, and the entry point
+// takes the general path, malloc() / free() under guarded(), which does the
+// same operation the same way:
+//   - both: a contended lock, a retired allocator, a planner at work or
+//     lifetime-aware placement (divert_), a trace being recorded;
+//   - malloc: a thread in a user pool (capi.cpp), a pending free (active
+//     peaks), no fitting block (the slow path), a live map that must grow, a
+//     split with no spare Block object, a split in an arena that starts the
+//     block on a granule boundary (Note [Whole granules]);
+//   - free: a bad call, a block used on other streams (record_stream), a
+//     free that takes the cache past max_cached, a merge with fewer than two
+//     free slots on the spare-Block stack (a merge recycles up to two Blocks).
+// The state changes are shared: hand_out() and give_back() make no call
+// either, given room in the live map and on the spare-Block stack. The
+// general path makes that room first (it may allocate); the fast path checks
+// that it is there. Splits and merges are tail calls out of line
+// (split_and_unlock, merge_and_unlock), so that a plain hit keeps its
+// registers.
+//
+// A cache hit costs: the lock, best fit in the request's size class (its
+// class computed once: Block::bin_class keeps it for the free), erase from
+// the free set, the live-map insert, five counter updates (Note [Counters]);
+// and on free, the live-map erase, the neighbour checks, insert into the
+// free set (Note [Free sets]: no bitmap write), five counter updates.
+// tools/bench/hotpath.py counts the instructions.
+#pragma once
+
+#include <cassert>
+
+#include "device/device_allocator.hpp"
+#include "blocks/free_set_inl.hpp"
+#include "pyalloc/pyalloc.h"
+
+#define PYALLOC_LIKELY(x) __builtin_expect(!!(x), 1)
+#define PYALLOC_UNLIKELY(x) __builtin_expect(!!(x), 0)
+// The fast path's pieces are written as functions for reading, and inlined.
+#define PYALLOC_INLINE inline __attribute__((always_inline))
+
+namespace pyalloc {
+
+inline size_t round_up_to(size_t n, size_t step) { return (n + step - 1) / step * step; }
+
+PYALLOC_INLINE Block* DeviceAllocator::new_block() {
+  if (spare_blocks_.empty()) return new Block;
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+// Room for `n` more Blocks on the spare stack: recycle_block() needs one.
+PYALLOC_INLINE bool DeviceAllocator::spare_room(size_t n) const {
+  return spare_blocks_.capacity() - spare_blocks_.size() >= n;
+}
+
+PYALLOC_INLINE void DeviceAllocator::make_spare_room(size_t n) {
+  if (!spare_room(n)) spare_blocks_.reserve(2 * spare_blocks_.size() + n);
+}
+
+// delete_block() where spare_room(1): never allocates.
+PYALLOC_INLINE void DeviceAllocator::recycle_block(Block* block) {
+  block->uses.clear();
+  block->bin_prev = block->bin_next = nullptr;
+  block->requested = 0;
+  block->state = BlockState::kFree;
+  block->prev = block->next = nullptr;
+  // Tells the compiler that push_back() will not grow the vector, so that
+  // no call to the growth path is compiled in (Note [Fast path]).
+  assert(spare_room(1));
+  if (spare_blocks_.size() == spare_blocks_.capacity()) __builtin_unreachable();
+  spare_blocks_.push_back(block);
+}
+
+PYALLOC_INLINE void DeviceAllocator::delete_block(Block* block) {
+  make_spare_room(1);
+  recycle_block(block);
+}
+
+PYALLOC_INLINE size_t DeviceAllocator::round_size(size_t size) const {
+  // `size` > 0: sizes up to 512 B round to 512 B either way.
+  if (round_power2_ > 1) {
+    // Round up to one of `round_power2_` steps between adjacent powers of
+    // two: fewer distinct sizes, so freed blocks fit later requests.
+    const size_t floor2 = size_t{1} << (63 - __builtin_clzll(static_cast<unsigned long long>(size)));
+    const size_t step = floor2 / static_cast<size_t>(round_power2_);
+    if (floor2 != size && step > kBlockAlign) return round_up_to(size, step);
+  }
+  return round_up_to(size, kBlockAlign);
+}
+
+PYALLOC_INLINE Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
+  if (PYALLOC_LIKELY(pool_id == 0)) return rounded <= largest_small_ ? small_pool_ : large_pool_;
+  return user_pool(pool_id);
+}
+
+PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remaining) const {
+  // A large-pool remainder of 1 MiB or less could only ever serve small
+  // requests, which the large pool never sees: keep it inside the block.
+  // In an arena that slack would hold physical memory: split.
+  if (pool.kind == PoolKind::kLarge && !pool.in_arenas) return remaining > kLargeSplitMin;
+  return remaining >= kBlockAlign;
+}
+
+// Whether a request of `rounded` bytes in `pool` tries a shared window before
+// the cache (Note [Shared granules]): the device is nearly full, and the
+// request spans more than a granule without being a whole number of them.
+PYALLOC_INLINE bool DeviceAllocator::shares_first(const Pool& pool, size_t rounded) const {
+  return static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + rounded >= share_from_ && pool.in_arenas &&
+         granule_ != 0 && rounded > granule_ && rounded % granule_ != 0;
+}
+
+// Where in `block` (a free block of an arena) a request of `rounded` bytes
+// starts (Note [Whole granules]): 0, its start, unless `rounded` is a whole
+// number of granules and the block's first granule boundary leaves room for
+// it; then the distance to that boundary. An arena exists, so granule_ is
+// known (arena_for).
+PYALLOC_INLINE size_t DeviceAllocator::granule_offset(const Block* block, size_t rounded) const {
+  const size_t g = granule_;
+  assert(g != 0);
+  if (rounded % g != 0) return 0;
+  const size_t into = (block->addr - block->segment->base) % g;
+  if (into == 0 || block->size - rounded < g - into) return 0;
+  return g - into;
+}
+
+// Note [Locals on the fast path]
+// The fast path copies the fields it needs (sizes, stat type) into locals
+// before it writes anything: a store to a size_t counter may alias a Block's
+// size_t fields as far as the compiler knows, and would make it load them
+// again after every counter update.
+
+// ---- the fast path (Note [Fast path]) --------------------------------------------
+
+template <typename Otherwise>
+PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream, Otherwise otherwise) {
+  if (PYALLOC_UNLIKELY(divert_ || trace_.on() || stats_.any_pending() || live_.full())) return otherwise();
+  const size_t rounded = round_size(size);
+  Pool& pool = select_pool(rounded, 0);
+  Block* block = pool.free_blocks.best_fit(stream, rounded);
+  if (PYALLOC_UNLIKELY(block == nullptr)) return otherwise();
+  if (PYALLOC_LIKELY(block->size == rounded || !should_split(pool, block->size - rounded))) {
+    void* p = hand_out(pool, block, nullptr, size, rounded);
+    mutex_.unlock();
+    return p;
+  }
+  if (PYALLOC_UNLIKELY(spare_blocks_.empty())) return otherwise();
+  if (PYALLOC_UNLIKELY(pool.in_arenas) && (granule_offset(block, rounded) != 0 || shares_first(pool, rounded))) {
+    return otherwise();
+  }
+  return split_and_unlock(pool, block, size, rounded);
+}
+
+template <typename Otherwise>
+PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Otherwise otherwise) {
+  if (PYALLOC_UNLIKELY(divert_ || trace_.on())) return otherwise();
+  auto* entry = live_.find(addr);
+  if (PYALLOC_UNLIKELY(entry == nullptr)) return otherwise();
+  Block* block = entry->value;
+  if (PYALLOC_UNLIKELY((size != block->requested && size != kAnySize) || !block->uses.empty() ||
+                       cached_free_bytes_ + block->size > max_cached_)) {
+    return otherwise();
+  }
+  if (PYALLOC_UNLIKELY(has_free_neighbour(block))) {
+    if (!spare_room(2)) return otherwise();
+    count_freed(block);
+    live_.erase(entry);
+    return merge_and_unlock(block);
+  }
+  count_freed(block);
+  live_.erase(entry);
+  cache_block(block);
+  mutex_.unlock();
+}
+
+// ---- the general path ----------------------------------------------------------------
+
+PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int pool_id, int* status) {
+  Lock lock(mutex_);
+  if (PYALLOC_UNLIKELY(divert_ & kDivertRetired)) {
+    *status = PYALLOC_EBUSY;
+    return nullptr;
+  }
+  const size_t rounded = round_size(size);  // reads round_power2_: under the lock
+  Pool& pool = select_pool(rounded, pool_id);
+  // Default-pool requests meet the planner and lifetime placement (both
+  // divert); a user pool is the caller's choice.
+  if (PYALLOC_UNLIKELY(pool_id == 0 && divert_)) {
+    return malloc_default(pool, size, rounded, stream, status);
+  }
+  return malloc_cache(pool, size, rounded, stream, status);
+}
+
+// A request served by the cache: best fit, else the slow path. Near a full
+// device, a shared window first when it takes fewer granules (Note [Shared
+// granules]).
+PYALLOC_INLINE Block* DeviceAllocator::alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream,
+                                                   int* status) {
+  Block* block = nullptr;
+  if (PYALLOC_UNLIKELY(shares_first(pool, rounded))) block = share_first(pool, rounded, stream);
+  if (block == nullptr) block = pool.free_blocks.best_fit(stream, rounded);
+  if (PYALLOC_UNLIKELY(block == nullptr)) {
+    block = malloc_slow(pool, size, rounded, stream, status);
+    if (block == nullptr) return nullptr;
+  }
+  if (pool.in_arenas) block = align_to_granule(block, rounded);
+  take(pool, block, size, rounded);  // the block keeps its object when split: it is the front part
+  return block;
+}
+
+PYALLOC_INLINE void* DeviceAllocator::malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream,
+                                                   int* status) {
+  Block* block = alloc_block(pool, size, rounded, stream, status);
+  return block != nullptr ? reinterpret_cast<void*>(block->addr) : nullptr;
+}
+
+// Hands out `block` (a free block of `pool` of at least `rounded` bytes),
+// splitting off the rest when it is worth keeping.
+PYALLOC_INLINE void* DeviceAllocator::take(Pool& pool, Block* block, size_t size, size_t rounded) {
+  Block* rest = should_split(pool, block->size - rounded) ? new_block() : nullptr;
+  live_.make_room();
+  void* p = hand_out(pool, block, rest, size, rounded);
+  if (PYALLOC_UNLIKELY(stats_.any_pending())) stats_.note_active_peaks();
+  trace_.record(TraceAction::kAlloc, block->addr, block->size, block->stream);
+  return p;
+}
+
+PYALLOC_INLINE FreeResult DeviceAllocator::free(uintptr_t addr, size_t size) {
+  Lock lock(mutex_);
+  if (PYALLOC_UNLIKELY(divert_ & kDivertRetired)) return FreeResult::kRetired;
+  auto* entry = live_.find(addr);
+  if (PYALLOC_UNLIKELY(entry == nullptr)) return classify_bad_free(addr);
+  Block* block = entry->value;
+  if (PYALLOC_UNLIKELY(size != kAnySize && size != block->requested)) return refuse_size_mismatch(block, size);
+  if (PYALLOC_UNLIKELY(divert_ & kDivertPlanner)) watch_free(block);
+  count_freed(block);
+  live_.erase(entry);
+  trace_.record(TraceAction::kFreeRequested, addr, block->size, block->stream);
+
+  if (PYALLOC_UNLIKELY(!block->uses.empty())) {
+    make_pending(block);
+  } else {
+    finish_free(block);
+  }
+  if (PYALLOC_UNLIKELY(cached_free_bytes_ > max_cached_)) enforce_max_cached();
+  return FreeResult::kOk;
+}
+
+// The block becomes free: coalesce with free neighbours and cache it.
+PYALLOC_INLINE void DeviceAllocator::finish_free(Block* block) {
+  trace_.record(TraceAction::kFreeCompleted, block->addr, block->size, block->stream);
+  make_spare_room(2);
+  give_back(block);
+}
+
+// ---- state changes shared by both paths: no call -------------------------------------
+
+// Hands out `block` (a free block of `pool` of at least `rounded` bytes). When
+// `rest` is not null (should_split), it becomes the free remainder. The live
+// map must have room.
+PYALLOC_INLINE void* DeviceAllocator::hand_out(Pool& pool, Block* block, Block* rest, size_t size,
+                                               size_t rounded) {
+  const uintptr_t addr = block->addr;
+  const StatType t = pool.stat;
+  uncount_cached(t, block);
+  pool.free_blocks.erase(block);  // erase_free(), with the pool at hand
+  if (rest != nullptr) {
+    split_into(block, rest, rounded);
+    block->bin_class = FreeSet::size_class(rounded);
+    rest->bin_class = FreeSet::size_class(rest->size);
+    reinsert_free(rest);
+  }
+  const size_t bytes = block->size;
+  block->state = BlockState::kAllocated;
+  block->requested = size;
+  stats_.allocation.increase(t, 1);
+  stats_.allocated_bytes.increase(t, static_cast<int64_t>(bytes));
+  stats_.requested_bytes.increase(t, static_cast<int64_t>(size));
+  live_.place(addr, block);
+  return reinterpret_cast<void*>(addr);
+}
+
+// An allocated block leaves the allocation counters.
+PYALLOC_INLINE void DeviceAllocator::count_freed(const Block* block) {
+  const size_t requested = block->requested;
+  const size_t bytes = block->size;
+  const StatType t = block->pool->stat;
+  stats_.allocation.decrease(t, 1);
+  stats_.allocated_bytes.decrease(t, static_cast<int64_t>(bytes));
+  stats_.requested_bytes.decrease(t, static_cast<int64_t>(requested));
+}
+
+PYALLOC_INLINE bool DeviceAllocator::has_free_neighbour(const Block* block) const {
+  return (block->prev != nullptr && block->prev->is_free()) || (block->next != nullptr && block->next->is_free());
+}
+
+// `block` (no longer allocated or pending) becomes free: it coalesces with
+// its free neighbours and joins the cache. Needs spare_room(2).
+PYALLOC_INLINE void DeviceAllocator::give_back(Block* block) {
+  block = coalesce(block);
+  block->bin_class = FreeSet::size_class(block->size);
+  cache_block(block);
+}
+
+// `block`, out of any free set, absorbs its free neighbours (which leave
+// their free sets); returns the merged block. Needs spare_room(2).
+PYALLOC_INLINE Block* DeviceAllocator::coalesce(Block* block) {
+  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
+    erase_free(prev);
+    absorb_next(prev);
+    block = prev;
+  }
+  if (Block* next = block->next; next != nullptr && next->is_free()) {
+    erase_free(next);
+    absorb_next(block);
+  }
+  return block;
+}
+
+// Splits `block` at `offset` bytes: `rest` (a Block object not in use)
+// becomes the part after, in the same segment, pool and stream.
+PYALLOC_INLINE void DeviceAllocator::split_into(Block* block, Block* rest, size_t offset) {
+  rest->addr = block->addr + offset;
+  rest->size = block->size - offset;
+  rest->segment = block->segment;
+  rest->pool = block->pool;
+  rest->stream = block->stream;
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next != nullptr) block->next->prev = rest;
+  block->next = rest;
+  block->size = offset;
+}
+
+// `block` absorbs the block after it, whose object is recycled. Needs spare_room(1).
+PYALLOC_INLINE void DeviceAllocator::absorb_next(Block* block) {
+  Block* next = block->next;
+  block->size += next->size;
+  block->next = next->next;
+  if (next->next != nullptr) next->next->prev = block;
+  recycle_block(next);
+}
+
+// give_back() for a block with no free neighbour, whose bin_class is still
+// the class of its size (Block::bin_class).
+PYALLOC_INLINE void DeviceAllocator::cache_block(Block* block) {
+  assert(block->bin_class == FreeSet::size_class(block->size));
+  block->state = BlockState::kFree;
+  block->requested = 0;
+  reinsert_free(block);
+  if (block->segment->wholly_free()) block->segment->free_since = ++tick_;
+}
+
+// The rarer halves of malloc_cached() and free_cached(), out of line so that
+// a plain hit keeps its few registers. They release the lock.
+__attribute__((noinline)) inline void* DeviceAllocator::split_and_unlock(Pool& pool, Block* block, size_t size,
+                                                                         size_t rounded) {
+  void* p = hand_out(pool, block, new_block(), size, rounded);
+  mutex_.unlock();
+  return p;
+}
+
+__attribute__((noinline)) inline void DeviceAllocator::merge_and_unlock(Block* block) {
+  give_back(block);
+  mutex_.unlock();
+}
+
+// Free-set membership is where cached-free and inactive-split counters live.
+// A block is split when it does not fill its segment.
+PYALLOC_INLINE void DeviceAllocator::count_cached(StatType t, const Block* block) {
+  const size_t bytes = block->size;
+  cached_free_bytes_ += bytes;
+  if (bytes != block->segment->size) {
+    stats_.inactive_split.increase(t, 1);
+    stats_.inactive_split_bytes.increase(t, static_cast<int64_t>(bytes));
+  }
+}
+
+PYALLOC_INLINE void DeviceAllocator::uncount_cached(StatType t, const Block* block) {
+  const size_t bytes = block->size;
+  cached_free_bytes_ -= bytes;
+  if (bytes != block->segment->size) {
+    stats_.inactive_split.decrease(t, 1);
+    stats_.inactive_split_bytes.decrease(t, static_cast<int64_t>(bytes));
+  }
+}
+
+PYALLOC_INLINE void DeviceAllocator::insert_free(Block* block) {
+  block->pool->free_blocks.insert(block);
+  count_cached(block->pool->stat, block);
+}
+
+// insert_free() for a block whose stream its pool's free set has seen
+// (FreeSet::reinsert): no call.
+PYALLOC_INLINE void DeviceAllocator::reinsert_free(Block* block) {
+  block->pool->free_blocks.reinsert(block);
+  count_cached(block->pool->stat, block);
+}
+
+PYALLOC_INLINE void DeviceAllocator::erase_free(Block* block) {
+  uncount_cached(block->pool->stat, block);
+  block->pool->free_blocks.erase(block);
+}
+
+}  // namespace pyalloc

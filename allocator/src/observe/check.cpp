@@ -1,0 +1,302 @@
+// check.cpp: pyalloc_check(), the full invariant walk of one device.
+//
+// Recomputes everything from the segments' block lists and compares it with
+// the free sets, the live map, the pending list and every counter (types.hpp
+// I1..I12). Reports the first violation; never modifies state.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "device/device_allocator.hpp"
+
+namespace pyalloc {
+
+namespace {
+
+std::string hex(uintptr_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
+  return buf;
+}
+
+struct Sums {
+  int64_t segments[kNumStatTypes] = {};
+  int64_t reserved[kNumStatTypes] = {};
+  int64_t allocations[kNumStatTypes] = {};
+  int64_t allocated[kNumStatTypes] = {};
+  int64_t requested[kNumStatTypes] = {};
+  int64_t active[kNumStatTypes] = {};
+  int64_t active_bytes[kNumStatTypes] = {};
+  int64_t inactive_split[kNumStatTypes] = {};
+  int64_t inactive_split_bytes[kNumStatTypes] = {};
+  int64_t pending[kNumStatTypes] = {};
+  int64_t pending_bytes_by_type[kNumStatTypes] = {};
+  int64_t cached_free = 0;
+  int64_t pending_bytes = 0;
+
+  void add(int64_t (&a)[kNumStatTypes], StatType t, int64_t n) {
+    a[kStatAll] += n;
+    a[t] += n;
+  }
+};
+
+bool compare(const char* name, const StatView& counters, const int64_t (&walked)[kNumStatTypes],
+             std::string* error) {
+  static const char* const types[] = {"all", "small_pool", "large_pool"};
+  for (int t = 0; t < kNumStatTypes; ++t) {
+    if (counters[t].current != walked[t]) {
+      *error = std::string("I7: ") + name + "." + types[t] + ".current is " +
+               std::to_string(counters[t].current) + " but the walk sums " +
+               std::to_string(walked[t]);
+      return false;
+    }
+    if (counters[t].peak < counters[t].current) {
+      *error = std::string("I7: ") + name + "." + types[t] + ".peak is below current";
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+// I9 for one arena: holes granule-aligned and apart, and a granule mapped
+// exactly when a non-hole block overlaps it.
+bool DeviceAllocator::check_arena(const Segment* arena, std::string* problem) const {
+  const size_t g = granule_;
+  if (g == 0 || arena->size % g != 0 || arena->phys.size() != arena->size / g) {
+    *problem = "reservation is not a whole number of granules";
+    return false;
+  }
+  std::vector<bool> needed(arena->phys.size(), false);
+  size_t backed_blocks = 0;
+  size_t lent_bytes = 0;
+  std::unordered_map<size_t, std::pair<size_t, size_t>> lent;  // granule -> its lent piece [lo, hi), offsets
+  const Block* prev = nullptr;
+  for (const Block* b = arena->head; b != nullptr; prev = b, b = b->next) {
+    const size_t lo = b->addr - arena->base;
+    const size_t hi = lo + b->size;
+    if (b->state == BlockState::kLent) {
+      const size_t slot = lo / g;
+      if ((hi - 1) / g != slot || (lo % g != 0 && hi % g != 0) || lent.count(slot) != 0 ||
+          arena->twins.count(slot) == 0) {
+        *problem = "lent block " + hex(b->addr) + " is not the start or end of one twin granule";
+        return false;
+      }
+      lent[slot] = {lo % g, hi - slot * g};
+      lent_bytes += b->size;
+    }
+    if (b->state == BlockState::kHole) {
+      if (lo % g != 0 || hi % g != 0) {
+        *problem = "hole " + hex(b->addr) + " does not start and end on granule boundaries";
+        return false;
+      }
+      if (prev != nullptr && prev->state == BlockState::kHole) {
+        *problem = "two adjacent holes at " + hex(b->addr);
+        return false;
+      }
+      continue;
+    }
+    backed_blocks += b->size;
+    for (size_t i = lo / g; i < (hi + g - 1) / g; ++i) needed[i] = true;
+  }
+  size_t mapped = 0;
+  for (size_t i = 0; i < needed.size(); ++i) {
+    const bool is_mapped = arena->phys[i].value != 0;
+    if (is_mapped != needed[i]) {
+      *problem = "granule " + std::to_string(i) + (is_mapped ? " is mapped under a hole" : " is not mapped under a block");
+      return false;
+    }
+    if (is_mapped) mapped += g;
+  }
+  // I13: twins in pairs, over one physical granule, lending complementary pieces.
+  for (const auto& t : arena->twins) {
+    const size_t i = t.first, j = t.second;
+    const auto back = arena->twins.find(j);
+    if (i == j || j >= arena->phys.size() || back == arena->twins.end() || back->second != i ||
+        arena->phys[i].value == 0 || arena->phys[i].value != arena->phys[j].value) {
+      *problem = "granules " + std::to_string(i) + " and " + std::to_string(j) + " are not twins of one granule";
+      return false;
+    }
+    const auto mine = lent.find(i), theirs = lent.find(j);
+    const bool complementary = mine != lent.end() && theirs != lent.end() &&
+                               (mine->second.first == 0 ? theirs->second == std::make_pair(mine->second.second, g)
+                                                        : theirs->second == std::make_pair(size_t{0}, mine->second.first));
+    if (!complementary) {
+      *problem = "twin granules " + std::to_string(i) + " and " + std::to_string(j) + " do not lend complementary pieces";
+      return false;
+    }
+  }
+  if (arena->doubled != arena->twins.size() / 2 * g || lent_bytes != arena->doubled) {
+    *problem = "doubled bytes " + std::to_string(arena->doubled) + " but " + std::to_string(arena->twins.size()) +
+               " twins lend " + std::to_string(lent_bytes);
+    return false;
+  }
+  if (mapped != arena->mapped || backed_blocks != arena->mapped) {
+    *problem = "mapped bytes " + std::to_string(arena->mapped) + " but granules give " + std::to_string(mapped) +
+               " and non-hole blocks " + std::to_string(backed_blocks);
+    return false;
+  }
+  return true;
+}
+
+bool DeviceAllocator::check(std::string* error) {
+  Lock lock(mutex_);
+  const std::string where = "device " + std::to_string(device_) + ": ";
+  auto fail = [&](const std::string& message) {
+    *error = "pyalloc_check: " + where + message;
+    return false;
+  };
+
+  size_t free_set_entries = 0;
+  for (const Pool* pool : pools()) free_set_entries += pool->free_blocks.size();
+
+  std::unordered_set<const Block*> pending_blocks;
+  for (const PendingFree& p : pending_) pending_blocks.insert(p.block);
+
+  Sums sums;
+  size_t free_blocks_walked = 0;
+  size_t allocated_walked = 0;
+  for (const auto& entry : segments_) {
+    const Segment* seg = entry.second;
+    const std::string sname = "segment " + hex(seg->base);
+    if (entry.first != seg->base) return fail(sname + " is filed under " + hex(entry.first));
+    if (seg->head == nullptr || seg->head->prev != nullptr) return fail(sname + ": bad head block");
+    if (seg->head->addr != seg->base) return fail("I1: " + sname + ": first block does not start at the base");
+    // A pool that serves nothing holds nothing: the long pool with placement
+    // off (I11), the small pool with vmm=shared (I12).
+    if (seg->pool == &long_pool_ && !placing_lifetimes_) {
+      return fail("I11: the long pool holds a segment while lifetime-aware placement is off");
+    }
+    const bool small = seg->pool == &small_pool_;
+    if (small && largest_small_ == 0) return fail("I12: the small pool holds a segment with vmm=shared");
+    const StatType t = seg->pool->stat;
+    sums.add(sums.segments, t, 1);
+    sums.add(sums.reserved, t, static_cast<int64_t>(seg->reserved_bytes()));
+    if (seg->arena) {
+      std::string problem;
+      if (!check_arena(seg, &problem)) return fail("I9: " + sname + ": " + problem);
+    }
+
+    size_t tiled = 0;
+    const Block* prev = nullptr;
+    for (const Block* b = seg->head; b != nullptr; prev = b, b = b->next) {
+      const std::string bname = sname + ": block " + hex(b->addr);
+      if (b->prev != prev) return fail("I1: " + bname + ": prev link is broken");
+      if (b->segment != seg || b->pool != seg->pool || b->stream != seg->stream) {
+        return fail(bname + ": segment, pool or stream differs from its segment's");
+      }
+      if (b->addr != seg->base + tiled) return fail("I1: " + bname + ": blocks do not tile the segment");
+      if (b->size == 0 || b->size % kBlockAlign != 0 || b->addr % kBlockAlign != 0) {
+        return fail("I8: " + bname + ": size or address is not a multiple of 512");
+      }
+      tiled += b->size;
+      if (tiled > seg->size) return fail("I1: " + bname + ": blocks run past the segment end");
+      if (small && b->requested > largest_small_) {
+        return fail("I12: the small pool holds a request of " + std::to_string(b->requested) + " bytes");
+      }
+
+      const bool in_free_set = seg->pool->free_blocks.contains(b);
+      auto* live_entry = live_.find(b->addr);
+      const bool in_live = live_entry != nullptr && live_entry->value == b;
+      const bool in_pending = pending_blocks.count(b) == 1;
+      switch (b->state) {
+        case BlockState::kFree:
+          if (prev != nullptr && prev->is_free()) return fail("I2: " + bname + ": two adjacent free blocks");
+          if (!in_free_set) return fail("I3: " + bname + " is free but not in its pool's free set");
+          if (in_live || in_pending) return fail("I4/I5: " + bname + " is free but listed live or pending");
+          if (b->requested != 0) return fail(bname + ": free block keeps a requested size");
+          ++free_blocks_walked;
+          sums.cached_free += static_cast<int64_t>(b->size);
+          if (b->size != seg->size) {
+            sums.add(sums.inactive_split, t, 1);
+            sums.add(sums.inactive_split_bytes, t, static_cast<int64_t>(b->size));
+          }
+          break;
+        case BlockState::kAllocated:
+          if (!in_live) return fail("I4: " + bname + " is allocated but not in the live map");
+          if (in_free_set || in_pending) return fail("I3/I5: " + bname + " is allocated but listed free or pending");
+          if (b->requested == 0 || b->requested > b->size) return fail(bname + ": requested size out of range");
+          ++allocated_walked;
+          sums.add(sums.allocations, t, 1);
+          sums.add(sums.allocated, t, static_cast<int64_t>(b->size));
+          sums.add(sums.requested, t, static_cast<int64_t>(b->requested));
+          sums.add(sums.active, t, 1);
+          sums.add(sums.active_bytes, t, static_cast<int64_t>(b->size));
+          break;
+        case BlockState::kHole:
+          if (in_free_set || in_live || in_pending) return fail("I9: " + bname + " is a hole but listed free, live or pending");
+          if (b->requested != 0) return fail(bname + ": hole keeps a requested size");
+          break;
+        case BlockState::kLent:
+          if (!seg->arena) return fail("I13: " + bname + " is lent outside an arena");
+          if (in_free_set || in_live || in_pending) return fail("I13: " + bname + " is lent but listed free, live or pending");
+          if (b->requested != 0) return fail(bname + ": lent block keeps a requested size");
+          break;
+        case BlockState::kPendingFree:
+          if (!in_pending) return fail("I5: " + bname + " is pending but not in the pending list");
+          if (in_free_set || in_live) return fail("I3/I4: " + bname + " is pending but listed free or live");
+          sums.pending_bytes += static_cast<int64_t>(b->size);
+          sums.add(sums.pending, t, 1);
+          sums.add(sums.pending_bytes_by_type, t, static_cast<int64_t>(b->size));
+          sums.add(sums.active, t, 1);
+          sums.add(sums.active_bytes, t, static_cast<int64_t>(b->size));
+          break;
+      }
+    }
+    if (tiled != seg->size) return fail("I1: " + sname + ": blocks cover " + std::to_string(tiled) + " of " + std::to_string(seg->size) + " bytes");
+  }
+
+  if (free_blocks_walked != free_set_entries) {
+    return fail("I3: free sets hold " + std::to_string(free_set_entries) + " blocks but the walk found " +
+                std::to_string(free_blocks_walked) + " free blocks");
+  }
+  for (const Pool* pool : pools()) {
+    std::string problem;
+    if (!pool->free_blocks.validate(&problem)) return fail("I3: pool " + pool->name + ": " + problem);
+    pool->free_blocks.for_each([&](const Block* b) {
+      if (!problem.empty()) return;
+      if (b->pool != pool || !b->is_free()) problem = "I3: free set of pool " + pool->name + " holds a foreign or non-free block";
+      auto it = segments_.find(b->segment->base);
+      if (it == segments_.end() || it->second != b->segment) problem = "I3: free set holds a block of an unknown segment";
+    });
+    if (!problem.empty()) return fail(problem);
+  }
+  if (allocated_walked != live_.size()) {
+    return fail("I4: live map holds " + std::to_string(live_.size()) + " entries but the walk found " +
+                std::to_string(allocated_walked) + " allocated blocks");
+  }
+  if (pending_blocks.size() != pending_.size()) return fail("I5: a block is pending twice");
+  if (sums.cached_free != static_cast<int64_t>(cached_free_bytes_)) {
+    return fail("I6: cached free counter is " + std::to_string(cached_free_bytes_) + " but the walk sums " +
+                std::to_string(sums.cached_free));
+  }
+  for (const Pool* pool : pools()) {
+    for (const Segment* a : pool->arenas) {
+      auto it = segments_.find(a->base);
+      if (it == segments_.end() || it->second != a || a->pool != pool || !a->arena) {
+        return fail("I9: pool " + pool->name + " lists an arena that is not one of its segments");
+      }
+    }
+  }
+  if (sums.reserved[kStatAll] != sums.allocated[kStatAll] + sums.pending_bytes + sums.cached_free) {
+    return fail("I6: reserved != allocated + pending_free + cached_free");
+  }
+  if (std::string problem; !check_plan(&problem)) return fail("I10: " + problem);
+  if (std::string problem; !check_lifetimes(&problem)) return fail("I11: " + problem);
+  return compare("segment", stats_.segment.view(), sums.segments, error) &&
+         compare("reserved_bytes", stats_.reserved_bytes.view(), sums.reserved, error) &&
+         compare("allocation", stats_.allocation.view(), sums.allocations, error) &&
+         compare("allocated_bytes", stats_.allocated_bytes.view(), sums.allocated, error) &&
+         compare("requested_bytes", stats_.requested_bytes.view(), sums.requested, error) &&
+         compare("active", stats_.active(), sums.active, error) &&
+         compare("active_bytes", stats_.active_bytes(), sums.active_bytes, error) &&
+         compare("inactive_split", stats_.inactive_split.view(), sums.inactive_split, error) &&
+         compare("inactive_split_bytes", stats_.inactive_split_bytes.view(), sums.inactive_split_bytes, error) &&
+         compare("pending", stats_.pending.view(), sums.pending, error) &&
+         compare("pending_bytes", stats_.pending_bytes.view(), sums.pending_bytes_by_type, error);
+}
+
+}  // namespace pyalloc
