@@ -25,7 +25,7 @@ class PtrMap {
 
   PtrMap() { rehash(1024); }
 
-  Entry* find(uintptr_t key) {
+  Entry* find(uintptr_t key) const {
     Entry* e = home(key);
     while (__builtin_expect(e->key != key, 0)) {
       if (e->key == 0) return nullptr;

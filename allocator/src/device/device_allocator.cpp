@@ -27,37 +27,18 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <utility>
 
 #include "ground/json.hpp"
 #include "pyalloc/pyalloc.h"
 #include "ground/last_error.hpp"
+#include "ground/text.hpp"
+#include "observe/check.hpp"
+#include "observe/snapshot.hpp"
+#include "observe/usage.hpp"
 
 
 namespace pyalloc {
-
-namespace {
-
-std::string format_bytes(size_t n) {
-  static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  char buf[48];
-  if (u == 0) std::snprintf(buf, sizeof buf, "%zu B", n);
-  else std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
-  return buf;
-}
-
-std::string hex(uintptr_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
-  return buf;
-}
-
-}  // namespace
 
 DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* backend,
                                  DeviceHooks& hooks)
@@ -207,7 +188,7 @@ __attribute__((noinline, cold)) Block* DeviceAllocator::malloc_slow(Pool& pool, 
                                                                     StreamId stream, int* status) {
   reclaim_pending(false);
   // A dormant planner watches again once the cache keeps missing.
-  if (planning_ && !(divert_ & kDivertPlanner) && planner_wait_ > 0 && --planner_wait_ == 0) observe();
+  if (planning_ && !(divert_ & kDivertPlanner) && planner_.wake()) observe();
   Block* block = find_or_grow(pool, rounded, stream);
   if (block == nullptr) {  // step 1: nothing changed since find_or_grow failed, so release first
     ++stats_.num_alloc_retries;
@@ -539,6 +520,37 @@ std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId st
   return r;
 }
 
+// ---- the invariant walk ----------------------------------------------------------------
+
+// observe/check.cpp walks the blocks (I1..I9, I13); the pools' rules of this
+// device (I11, I12) travel in the view, and its own invariants follow.
+bool DeviceAllocator::check(std::string* error) {
+  Lock lock(mutex_);
+  HeapView heap;
+  heap.device = device_;
+  heap.granule = granule_;
+  heap.segments = &segments_;
+  heap.pools = std::as_const(*this).pools();
+  heap.live = &live_;
+  for (const PendingFree& p : pending_) heap.pending.push_back(p.block);
+  heap.cached_free_bytes = cached_free_bytes_;
+  heap.stats = &stats_;
+  // A pool that serves nothing holds nothing: the long pool with placement
+  // off (I11), the small pool with vmm=shared (I12).
+  if (!placing_lifetimes_) {
+    heap.rules.push_back({&long_pool_, 0, "I11", "the long pool holds a segment while lifetime-aware placement is off"});
+  }
+  heap.rules.push_back({&small_pool_, largest_small_, "I12", "the small pool holds a segment with vmm=shared"});
+  if (!check_heap(heap, error)) return false;
+  auto fail = [&](const char* invariant, const std::string& problem) {
+    *error = "pyalloc_check: device " + std::to_string(device_) + ": " + invariant + ": " + problem;
+    return false;
+  };
+  if (std::string problem; !check_plan(&problem)) return fail("I10", problem);
+  if (std::string problem; !check_lifetimes(&problem)) return fail("I11", problem);
+  return true;
+}
+
 // ---- stats, snapshots, reconfiguration ---------------------------------------------------
 
 DeviceAllocator::Usage DeviceAllocator::usage() {
@@ -561,55 +573,12 @@ std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_
   JsonWriter w;
   w.begin_object();
   stats_.write_fields(w, num_invalid_device, num_invalid_record_stream);
-  for (const PoolUsage& u : pool_usage_locked()) {
+  for (const PoolUsage& u : pool_usage(std::as_const(*this).pools(), segments_)) {
     const std::string prefix = "pool." + u.pool->name + ".";
     for (const auto& field : u.fields()) w.key((prefix + field.first).c_str()).value(field.second);
   }
   w.end_object();
   return w.str();
-}
-
-// Per-pool figures come from a walk of the segments, not from counters: the
-// fast path pays nothing for them.
-std::vector<DeviceAllocator::PoolUsage> DeviceAllocator::pool_usage_locked() const {
-  // One slot per pool, in pools() order.
-  const std::vector<const Pool*> all = pools();
-  std::vector<PoolUsage> usage(all.size());
-  for (size_t i = 0; i < all.size(); ++i) usage[i].pool = all[i];
-  auto slot = [&](const Pool* pool) { return static_cast<size_t>(std::find(all.begin(), all.end(), pool) - all.begin()); };
-  for (const auto& seg_entry : segments_) {
-    const Segment* seg = seg_entry.second;
-    PoolUsage& u = usage[slot(seg->pool)];
-    u.segments += 1;
-    u.reserved_bytes += static_cast<int64_t>(seg->reserved_bytes());
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      const int64_t size = static_cast<int64_t>(b->size);
-      if (b->state == BlockState::kHole || b->state == BlockState::kLent) continue;
-      if (b->state == BlockState::kFree) {
-        u.cached_free_bytes += size;
-        if (size > u.largest_free_bytes) u.largest_free_bytes = size;
-        continue;
-      }
-      u.active_bytes += size;
-      if (b->state == BlockState::kAllocated) {
-        u.allocations += 1;
-        u.allocated_bytes += size;
-        u.requested_bytes += static_cast<int64_t>(b->requested);
-      }
-    }
-  }
-  return usage;
-}
-
-std::vector<std::pair<const char*, int64_t>> DeviceAllocator::PoolUsage::fields() const {
-  return {{"segments", segments},
-          {"reserved_bytes", reserved_bytes},
-          {"allocations", allocations},
-          {"allocated_bytes", allocated_bytes},
-          {"requested_bytes", requested_bytes},
-          {"active_bytes", active_bytes},
-          {"cached_free_bytes", cached_free_bytes},
-          {"largest_free_bytes", largest_free_bytes}};
 }
 
 void DeviceAllocator::reset_peaks() {
@@ -620,6 +589,16 @@ void DeviceAllocator::reset_peaks() {
 void DeviceAllocator::reset_accumulated() {
   Lock lock(mutex_);
   stats_.reset_accumulated();
+}
+
+void DeviceAllocator::write_segments_json(JsonWriter& w) {
+  Lock lock(mutex_);
+  pyalloc::write_segments_json(w, device_, segments_);
+}
+
+void DeviceAllocator::write_pools_json(JsonWriter& w) {
+  Lock lock(mutex_);
+  pyalloc::write_pools_json(w, device_, pool_usage(std::as_const(*this).pools(), segments_));
 }
 
 void DeviceAllocator::write_trace_json(JsonWriter& w) {

@@ -166,21 +166,6 @@ class DeviceAllocator {
     bool stuck;  // an event could not be recorded: never safe to reuse
   };
 
-  // What a pool holds, summed over its segments (stats and snapshots).
-  struct PoolUsage {
-    const Pool* pool = nullptr;
-    int64_t segments = 0;
-    int64_t reserved_bytes = 0;
-    int64_t allocations = 0;
-    int64_t allocated_bytes = 0;
-    int64_t requested_bytes = 0;
-    int64_t active_bytes = 0;      // allocated + pending-free
-    int64_t cached_free_bytes = 0;
-    int64_t largest_free_bytes = 0;
-
-    std::vector<std::pair<const char*, int64_t>> fields() const;
-  };
-  std::vector<PoolUsage> pool_usage_locked() const;
 
   size_t round_size(size_t size) const;
   Pool& select_pool(size_t rounded, int pool_id);
@@ -220,7 +205,6 @@ class DeviceAllocator {
     uintptr_t lo = 0;     // where the window starts
     size_t granules = 0;  // granules it needs mapped
   };
-  bool check_arena(const Segment* arena, std::string* problem) const;  // I9
   size_t granule();
   Segment* arena_for(Pool& pool, StreamId stream);  // created on first use
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
@@ -272,12 +256,11 @@ class DeviceAllocator {
   Block* alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void* malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
 
-  // Iteration plans (Note [Iteration plans] in plan.cpp).
+  // Iteration plans (Note [Iteration plans] in policy/plan.cpp; device/placement.cpp).
   Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void watch_free(Block* block);
   void observe();  // (re)starts observation
-  bool note_plan_miss(size_t n);
   bool start_plan_region();
   Block* carve_planned(size_t offset, size_t rounded);
   void drop_plan();
@@ -285,7 +268,8 @@ class DeviceAllocator {
   std::vector<Pool*> pools();  // small, large, long, plan, then user pools
   std::vector<const Pool*> pools() const;
 
-  // Lifetime-aware placement (Note [Lifetime-aware placement] in lifetime.cpp).
+  // Lifetime-aware placement (Note [Lifetime-aware placement] in
+  // policy/lifetime.cpp; device/placement.cpp).
   void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   bool check_lifetimes(std::string* problem) const;  // I11
 
@@ -356,14 +340,8 @@ class DeviceAllocator {
 
   LifetimeLearner lifetimes_;
 
-  SequenceLearner learner_;
-  std::vector<PlanSlot> plan_;       // empty: observing (or dormant); else the plan in force
-  size_t plan_bytes_ = 0;            // the plan's size
-  size_t plan_pos_ = 0;              // the position the next request should match
-  Segment* plan_region_ = nullptr;   // null until the plan reaches its start position
-  size_t plan_misses_ = 0;           // in the current period
-  size_t plan_run_misses_ = 0;       // in a row
-  uint64_t planner_wait_ = 0;        // dormant: cache misses before observing again
+  Planner planner_;
+  Segment* plan_region_ = nullptr;   // null until a plan reaches its start position
 
   std::map<uintptr_t, Segment*> segments_;        // by base address
   PtrMap<Block*> live_;                            // allocated blocks by address

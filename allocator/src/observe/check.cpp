@@ -1,25 +1,16 @@
-// check.cpp: pyalloc_check(), the full invariant walk of one device.
-//
-// Recomputes everything from the segments' block lists and compares it with
-// the free sets, the live map, the pending list and every counter (types.hpp
-// I1..I12). Reports the first violation; never modifies state.
+// check.cpp: pyalloc_check's walk of one device's blocks (check.hpp).
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <unordered_map>
 #include <unordered_set>
 
-#include "device/device_allocator.hpp"
+#include "ground/text.hpp"
+#include "observe/check.hpp"
 
 namespace pyalloc {
 
 namespace {
-
-std::string hex(uintptr_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
-  return buf;
-}
 
 struct Sums {
   int64_t segments[kNumStatTypes] = {};
@@ -62,10 +53,9 @@ bool compare(const char* name, const StatView& counters, const int64_t (&walked)
 
 }  // namespace
 
-// I9 for one arena: holes granule-aligned and apart, and a granule mapped
-// exactly when a non-hole block overlaps it.
-bool DeviceAllocator::check_arena(const Segment* arena, std::string* problem) const {
-  const size_t g = granule_;
+bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem) {
+  const Segment* arena = &arena_ref;
+  const size_t g = granule;
   if (g == 0 || arena->size % g != 0 || arena->phys.size() != arena->size / g) {
     *problem = "reservation is not a whole number of granules";
     return false;
@@ -142,42 +132,47 @@ bool DeviceAllocator::check_arena(const Segment* arena, std::string* problem) co
   return true;
 }
 
-bool DeviceAllocator::check(std::string* error) {
-  Lock lock(mutex_);
-  const std::string where = "device " + std::to_string(device_) + ": ";
+namespace {
+
+const PoolRule* rule_for(const HeapView& heap, const Pool* pool) {
+  for (const PoolRule& r : heap.rules) {
+    if (r.pool == pool) return &r;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool check_heap(const HeapView& heap, std::string* error) {
+  const std::string where = "device " + std::to_string(heap.device) + ": ";
   auto fail = [&](const std::string& message) {
     *error = "pyalloc_check: " + where + message;
     return false;
   };
 
   size_t free_set_entries = 0;
-  for (const Pool* pool : pools()) free_set_entries += pool->free_blocks.size();
+  for (const Pool* pool : heap.pools) free_set_entries += pool->free_blocks.size();
 
-  std::unordered_set<const Block*> pending_blocks;
-  for (const PendingFree& p : pending_) pending_blocks.insert(p.block);
+  const std::unordered_set<const Block*> pending_blocks(heap.pending.begin(), heap.pending.end());
 
   Sums sums;
   size_t free_blocks_walked = 0;
   size_t allocated_walked = 0;
-  for (const auto& entry : segments_) {
+  for (const auto& entry : *heap.segments) {
     const Segment* seg = entry.second;
     const std::string sname = "segment " + hex(seg->base);
     if (entry.first != seg->base) return fail(sname + " is filed under " + hex(entry.first));
     if (seg->head == nullptr || seg->head->prev != nullptr) return fail(sname + ": bad head block");
     if (seg->head->addr != seg->base) return fail("I1: " + sname + ": first block does not start at the base");
-    // A pool that serves nothing holds nothing: the long pool with placement
-    // off (I11), the small pool with vmm=shared (I12).
-    if (seg->pool == &long_pool_ && !placing_lifetimes_) {
-      return fail("I11: the long pool holds a segment while lifetime-aware placement is off");
-    }
-    const bool small = seg->pool == &small_pool_;
-    if (small && largest_small_ == 0) return fail("I12: the small pool holds a segment with vmm=shared");
+    // A pool that serves nothing holds nothing (the device's rules: I11, I12).
+    const PoolRule* rule = rule_for(heap, seg->pool);
+    if (rule != nullptr && rule->largest_request == 0) return fail(std::string(rule->invariant) + ": " + rule->what);
     const StatType t = seg->pool->stat;
     sums.add(sums.segments, t, 1);
     sums.add(sums.reserved, t, static_cast<int64_t>(seg->reserved_bytes()));
     if (seg->arena) {
       std::string problem;
-      if (!check_arena(seg, &problem)) return fail("I9: " + sname + ": " + problem);
+      if (!check_arena(*seg, heap.granule, &problem)) return fail("I9: " + sname + ": " + problem);
     }
 
     size_t tiled = 0;
@@ -194,12 +189,13 @@ bool DeviceAllocator::check(std::string* error) {
       }
       tiled += b->size;
       if (tiled > seg->size) return fail("I1: " + bname + ": blocks run past the segment end");
-      if (small && b->requested > largest_small_) {
-        return fail("I12: the small pool holds a request of " + std::to_string(b->requested) + " bytes");
+      if (rule != nullptr && b->requested > rule->largest_request) {
+        return fail(std::string(rule->invariant) + ": the " + seg->pool->name + " pool holds a request of " +
+                    std::to_string(b->requested) + " bytes");
       }
 
       const bool in_free_set = seg->pool->free_blocks.contains(b);
-      auto* live_entry = live_.find(b->addr);
+      const auto* live_entry = heap.live->find(b->addr);
       const bool in_live = live_entry != nullptr && live_entry->value == b;
       const bool in_pending = pending_blocks.count(b) == 1;
       switch (b->state) {
@@ -253,30 +249,30 @@ bool DeviceAllocator::check(std::string* error) {
     return fail("I3: free sets hold " + std::to_string(free_set_entries) + " blocks but the walk found " +
                 std::to_string(free_blocks_walked) + " free blocks");
   }
-  for (const Pool* pool : pools()) {
+  for (const Pool* pool : heap.pools) {
     std::string problem;
     if (!pool->free_blocks.validate(&problem)) return fail("I3: pool " + pool->name + ": " + problem);
     pool->free_blocks.for_each([&](const Block* b) {
       if (!problem.empty()) return;
       if (b->pool != pool || !b->is_free()) problem = "I3: free set of pool " + pool->name + " holds a foreign or non-free block";
-      auto it = segments_.find(b->segment->base);
-      if (it == segments_.end() || it->second != b->segment) problem = "I3: free set holds a block of an unknown segment";
+      auto it = heap.segments->find(b->segment->base);
+      if (it == heap.segments->end() || it->second != b->segment) problem = "I3: free set holds a block of an unknown segment";
     });
     if (!problem.empty()) return fail(problem);
   }
-  if (allocated_walked != live_.size()) {
-    return fail("I4: live map holds " + std::to_string(live_.size()) + " entries but the walk found " +
+  if (allocated_walked != heap.live->size()) {
+    return fail("I4: live map holds " + std::to_string(heap.live->size()) + " entries but the walk found " +
                 std::to_string(allocated_walked) + " allocated blocks");
   }
-  if (pending_blocks.size() != pending_.size()) return fail("I5: a block is pending twice");
-  if (sums.cached_free != static_cast<int64_t>(cached_free_bytes_)) {
-    return fail("I6: cached free counter is " + std::to_string(cached_free_bytes_) + " but the walk sums " +
+  if (pending_blocks.size() != heap.pending.size()) return fail("I5: a block is pending twice");
+  if (sums.cached_free != static_cast<int64_t>(heap.cached_free_bytes)) {
+    return fail("I6: cached free counter is " + std::to_string(heap.cached_free_bytes) + " but the walk sums " +
                 std::to_string(sums.cached_free));
   }
-  for (const Pool* pool : pools()) {
+  for (const Pool* pool : heap.pools) {
     for (const Segment* a : pool->arenas) {
-      auto it = segments_.find(a->base);
-      if (it == segments_.end() || it->second != a || a->pool != pool || !a->arena) {
+      auto it = heap.segments->find(a->base);
+      if (it == heap.segments->end() || it->second != a || a->pool != pool || !a->arena) {
         return fail("I9: pool " + pool->name + " lists an arena that is not one of its segments");
       }
     }
@@ -284,19 +280,18 @@ bool DeviceAllocator::check(std::string* error) {
   if (sums.reserved[kStatAll] != sums.allocated[kStatAll] + sums.pending_bytes + sums.cached_free) {
     return fail("I6: reserved != allocated + pending_free + cached_free");
   }
-  if (std::string problem; !check_plan(&problem)) return fail("I10: " + problem);
-  if (std::string problem; !check_lifetimes(&problem)) return fail("I11: " + problem);
-  return compare("segment", stats_.segment.view(), sums.segments, error) &&
-         compare("reserved_bytes", stats_.reserved_bytes.view(), sums.reserved, error) &&
-         compare("allocation", stats_.allocation.view(), sums.allocations, error) &&
-         compare("allocated_bytes", stats_.allocated_bytes.view(), sums.allocated, error) &&
-         compare("requested_bytes", stats_.requested_bytes.view(), sums.requested, error) &&
-         compare("active", stats_.active(), sums.active, error) &&
-         compare("active_bytes", stats_.active_bytes(), sums.active_bytes, error) &&
-         compare("inactive_split", stats_.inactive_split.view(), sums.inactive_split, error) &&
-         compare("inactive_split_bytes", stats_.inactive_split_bytes.view(), sums.inactive_split_bytes, error) &&
-         compare("pending", stats_.pending.view(), sums.pending, error) &&
-         compare("pending_bytes", stats_.pending_bytes.view(), sums.pending_bytes_by_type, error);
+  const DeviceStats& stats = *heap.stats;
+  return compare("segment", stats.segment.view(), sums.segments, error) &&
+         compare("reserved_bytes", stats.reserved_bytes.view(), sums.reserved, error) &&
+         compare("allocation", stats.allocation.view(), sums.allocations, error) &&
+         compare("allocated_bytes", stats.allocated_bytes.view(), sums.allocated, error) &&
+         compare("requested_bytes", stats.requested_bytes.view(), sums.requested, error) &&
+         compare("active", stats.active(), sums.active, error) &&
+         compare("active_bytes", stats.active_bytes(), sums.active_bytes, error) &&
+         compare("inactive_split", stats.inactive_split.view(), sums.inactive_split, error) &&
+         compare("inactive_split_bytes", stats.inactive_split_bytes.view(), sums.inactive_split_bytes, error) &&
+         compare("pending", stats.pending.view(), sums.pending, error) &&
+         compare("pending_bytes", stats.pending_bytes.view(), sums.pending_bytes_by_type, error);
 }
 
 }  // namespace pyalloc

@@ -1,8 +1,6 @@
-// snapshot.cpp: segments and blocks in the format of torch.cuda.memory._snapshot().
-//
-// PyTorch's tools (python -m torch.cuda._memory_viz) read the pickled dict;
-// the field names and block states below are theirs.
-#include "device/device_allocator.hpp"
+// snapshot.cpp: see snapshot.hpp.
+#include "observe/snapshot.hpp"
+
 #include "ground/json.hpp"
 
 namespace pyalloc {
@@ -27,9 +25,8 @@ const char* block_state_name(BlockState s) {
 // marks its own virtual-memory segments: PyTorch's tools expect every block
 // of a segment to be backed, and a lent block's bytes are another block's
 // (Note [Shared granules]), so the segments sum to reserved.
-void DeviceAllocator::write_segments_json(JsonWriter& w) {
-  Lock lock(mutex_);
-  for (const auto& entry : segments_) {
+void write_segments_json(JsonWriter& w, int device, const std::map<uintptr_t, Segment*>& segments) {
+  for (const auto& entry : segments) {
     const Segment* seg = entry.second;
     const Block* b = seg->head;
     while (b != nullptr) {
@@ -49,7 +46,7 @@ void DeviceAllocator::write_segments_json(JsonWriter& w) {
         }
       }
       w.begin_object();
-      w.key("device").value(device_);
+      w.key("device").value(device);
       w.key("address").value(static_cast<uint64_t>(first->addr));
       w.key("total_size").value(total);
       w.key("allocated_size").value(allocated);
@@ -77,11 +74,10 @@ void DeviceAllocator::write_segments_json(JsonWriter& w) {
   }
 }
 
-void DeviceAllocator::write_pools_json(JsonWriter& w) {
-  Lock lock(mutex_);
-  for (const PoolUsage& u : pool_usage_locked()) {
+void write_pools_json(JsonWriter& w, int device, const std::vector<PoolUsage>& usage) {
+  for (const PoolUsage& u : usage) {
     w.begin_object();
-    w.key("device").value(device_);
+    w.key("device").value(device);
     w.key("pool").value(u.pool->name);
     w.key("pool_id").value(u.pool->id);
     for (const auto& field : u.fields()) w.key(field.first).value(field.second);

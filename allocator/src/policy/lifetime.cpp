@@ -53,9 +53,6 @@
 // before the planner sees them, so a plan holds the short-lived ones.
 #include "policy/lifetime.hpp"
 
-#include "device/device_allocator.hpp"
-#include "device/device_allocator_inl.hpp"
-
 namespace pyalloc {
 
 // ---- LifetimeLearner -------------------------------------------------------------
@@ -101,42 +98,6 @@ bool LifetimeLearner::predicts_long(size_t rounded) const {
   if (const auto it = by_size_.find(key.size); it != by_size_.end()) return it->second.mostly_long();
   const Counts& c = by_class_[coarse_class(rounded)];
   return c.seen() && c.mostly_long();
-}
-
-// ---- the allocator's share -------------------------------------------------------------
-
-// A default-pool request on the general path while lifetimes are placed or
-// the planner is at work.
-void* DeviceAllocator::malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
-  Block* block;
-  if (placing_lifetimes_ && lifetimes_.predicts_long(rounded)) {
-    block = alloc_block(long_pool_, size, rounded, stream, status);
-    if (block != nullptr) ++stats_.lifetime_long;
-  } else if (divert_ & kDivertPlanner) {
-    block = malloc_watched(pool, size, rounded, stream, status);
-  } else {
-    block = alloc_block(pool, size, rounded, stream, status);
-  }
-  if (placing_lifetimes_) {
-    const uintptr_t addr = block != nullptr ? block->addr : 0;
-    const uint64_t number = lifetimes_.record(rounded, addr, [this](uintptr_t a, uint64_t n) {
-      const auto* entry = live_.find(a);
-      return entry != nullptr && entry->value->lifetime_number == n;
-    });
-    if (block != nullptr) block->lifetime_number = number;
-  }
-  return block != nullptr ? reinterpret_cast<void*>(block->addr) : nullptr;
-}
-
-// I11: placement on means every call is diverted (the fast path would place
-// by size alone). Its other half, no long-pool segment with placement off,
-// is checked in check()'s segment walk with the other pools' ownership.
-bool DeviceAllocator::check_lifetimes(std::string* problem) const {
-  if (placing_lifetimes_ && !(divert_ & kDivertLifetime)) {
-    *problem = "lifetime-aware placement is on but the fast path is open";
-    return false;
-  }
-  return true;
 }
 
 }  // namespace pyalloc

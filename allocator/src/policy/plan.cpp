@@ -51,17 +51,13 @@
 
 #include <algorithm>
 
-#include "device/device_allocator.hpp"
-#include "device/device_allocator_inl.hpp"
+#include "blocks/types.hpp"
 
 namespace pyalloc {
 
 namespace {
 
 constexpr size_t kMinPlanBytes = 2 * kMiB;    // smaller sequences are not worth a region
-constexpr size_t kResync = 4;                 // plan positions skipped to find a request
-constexpr size_t kMaxRunMisses = 32;
-constexpr uint64_t kWakeAfterMisses = 1024;   // cache misses before observing again
 
 }  // namespace
 
@@ -214,7 +210,7 @@ size_t plan_offsets(std::vector<PlanSlot>& slots) {
   return total;
 }
 
-// ---- the allocator's side ------------------------------------------------------------
+// ---- Planner ---------------------------------------------------------------------------
 
 namespace {
 
@@ -254,140 +250,77 @@ bool matches(const PlanSlot& slot, size_t rounded, StreamId stream) {
 
 }  // namespace
 
-void DeviceAllocator::observe() {
+void Planner::observe() {
   learner_.reset();
-  divert_ |= kDivertPlanner;
+  plan_.clear();
 }
 
-Block* DeviceAllocator::malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
-  if (!plan_.empty()) return malloc_from_plan(pool, size, rounded, stream, status);
-  const uint64_t number = learner_.on_alloc(rounded, stream);
-  Block* block = alloc_block(pool, size, rounded, stream, status);
-  if (block != nullptr) {
-    block->born = number;
-  } else {
-    learner_.on_free(number);  // a failed request: as if freed at once, so the period still holds
-  }
+Planner::Outcome Planner::after_alloc() {
   if (learner_.ready()) {
     plan_ = learner_.slots();
     plan_bytes_ = plan_offsets(plan_);
     // Matched allocations count down to the quietest position, where the
-    // region is made (start_plan_region): it becomes position 0.
+    // region is made: it becomes position 0.
     const size_t quiet = quietest_position(plan_);
     std::rotate(plan_.begin(), plan_.begin() + static_cast<std::ptrdiff_t>(quiet), plan_.end());
     plan_pos_ = (plan_.size() - quiet) % plan_.size();
-    plan_misses_ = plan_run_misses_ = 0;
-  } else if (learner_.full()) {
-    divert_ &= ~kDivertPlanner;  // dormant until the cache misses often (malloc_slow)
-    planner_wait_ = kWakeAfterMisses;
+    misses_ = run_misses_ = 0;
+    return Outcome::kAdopted;
   }
-  return block;
+  if (learner_.full()) {
+    wait_ = kWakeAfterMisses;
+    return Outcome::kDormant;
+  }
+  return Outcome::kWatching;
 }
 
-void DeviceAllocator::watch_free(Block* block) {
-  const PoolKind kind = block->pool->kind;
-  if (plan_.empty() && kind != PoolKind::kUser && kind != PoolKind::kLong) learner_.on_free(block->born);
-}
+bool Planner::wake() { return wait_ > 0 && --wait_ == 0; }
 
-// Serves a default-pool request while a plan is in force.
-Block* DeviceAllocator::malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status) {
-  const size_t p = plan_.size();
-  if (plan_region_ == nullptr && plan_pos_ == 0 && !start_plan_region()) {
-    drop_plan();
-    return alloc_block(pool, size, rounded, stream, status);
-  }
-  size_t skip = 0;
-  while (skip <= kResync && !matches(plan_[(plan_pos_ + skip) % p], rounded, stream)) ++skip;
-  if (skip > kResync) {  // not in the plan: an inserted request
-    ++plan_run_misses_;
-    if (note_plan_miss(1)) drop_plan();
-    return alloc_block(pool, size, rounded, stream, status);
-  }
-  // One skipped position right after an inserted request was a changed
-  // request (a substitution): one miss, already counted.
-  const bool too_many = skip > 0 && note_plan_miss(plan_run_misses_ > 0 ? skip - 1 : skip);
-  plan_run_misses_ = 0;
-  const PlanSlot slot = plan_[(plan_pos_ + skip) % p];
-  plan_pos_ += skip + 1;
-  const bool period_ends = plan_pos_ >= p;  // the region starts at the first end
-  if (period_ends) {
-    plan_pos_ -= p;
-    plan_misses_ = 0;
-  }
-  if (too_many || (period_ends && plan_region_ == nullptr && !start_plan_region())) {
-    drop_plan();
-    return alloc_block(pool, size, rounded, stream, status);
-  }
-  // Slots before the region's start are served by the cache; after it, the
-  // plan keeps every planned slot's place free when its turn comes.
-  if (slot.planned && plan_region_ != nullptr) {
-    if (Block* b = carve_planned(slot.offset, rounded)) {
-      ++stats_.plan_served;
-      take(plan_pool_, b, size, rounded);
-      return b;
-    }
-    if (note_plan_miss(1)) drop_plan();  // its place is still taken
-  }
-  return alloc_block(pool, size, rounded, stream, status);
-}
-
-// Counts misses; true when the plan should go: more than max(2, period/16)
-// in this period, or more than 32 requests in a row matched nothing.
-bool DeviceAllocator::note_plan_miss(size_t n) {
-  plan_misses_ += n;
-  stats_.plan_misses += static_cast<int64_t>(n);
-  return plan_misses_ > std::max<size_t>(2, plan_.size() / 16) || plan_run_misses_ > kMaxRunMisses;
-}
-
-// The region: a plain segment of the plan pool, made at the quietest
-// position after the cache's wholly free memory is released.
-bool DeviceAllocator::start_plan_region() {
-  release_cached_memory(0);
+StreamId Planner::region_stream() const {
   StreamId stream = 0;
   for (const PlanSlot& slot : plan_) {
     if (slot.planned) stream = slot.stream;
   }
-  plan_region_ = alloc_segment(plan_pool_, round_up_to(plan_bytes_, kLargeRound), stream);
-  if (plan_region_ == nullptr) return false;
-  ++stats_.num_plans;
-  return true;
+  return stream;
 }
 
-// A free block of the region starting at base + offset, at least `rounded`
-// bytes, in the free set (take() splits off the rest); nullptr when part of
-// that range is not free.
-Block* DeviceAllocator::carve_planned(size_t offset, size_t rounded) {
-  const uintptr_t addr = plan_region_->base + offset;
-  Block* b = block_at(plan_region_, addr);  // planned slots lie inside the region (I10)
-  if (!b->is_free() || b->addr + b->size < addr + rounded) return nullptr;
-  // The free memory before the planned place stays free.
-  return addr > b->addr ? split_free(b, addr - b->addr) : b;
-}
-
-// Ends the plan, if any: its region is no longer pinned (released when
-// wholly free, like any segment), and observation starts again.
-void DeviceAllocator::drop_plan() {
-  if (plan_region_ != nullptr) {
-    ++stats_.num_plan_drops;
-    Segment* region = plan_region_;
-    plan_region_ = nullptr;
-    if (region->wholly_free()) release_segment(region);
+Planner::Match Planner::match(size_t rounded, StreamId stream) {
+  const size_t p = plan_.size();
+  Match m;
+  size_t skip = 0;
+  while (skip <= kResync && !matches(plan_[(plan_pos_ + skip) % p], rounded, stream)) ++skip;
+  if (skip > kResync) {  // not in the plan: an inserted request
+    ++run_misses_;
+    m.misses = 1;
+    m.drop = note_miss(1);
+    return m;
   }
-  plan_.clear();
-  if (planning_) observe();
+  // One skipped position right after an inserted request was a changed
+  // request (a substitution): one miss, already counted.
+  if (skip > 0) {
+    m.misses = run_misses_ > 0 ? skip - 1 : skip;
+    m.drop = note_miss(m.misses);
+  }
+  run_misses_ = 0;
+  m.found = true;
+  m.slot = plan_[(plan_pos_ + skip) % p];
+  plan_pos_ += skip + 1;
+  if (plan_pos_ >= p) {  // the region starts at the first end
+    plan_pos_ -= p;
+    misses_ = 0;
+    m.period_ended = true;
+  }
+  return m;
 }
 
-bool DeviceAllocator::check_plan(std::string* problem) const {
-  if (plan_region_ == nullptr) return true;
-  if (plan_region_->pool != &plan_pool_ || plan_region_->arena || plan_.empty()) {
-    *problem = "the plan region is not a plain segment of the plan pool with a plan";
-    return false;
-  }
+bool Planner::note_miss(size_t n) {
+  misses_ += n;
+  return misses_ > std::max<size_t>(2, plan_.size() / 16) || run_misses_ > kMaxRunMisses;
+}
+
+bool Planner::fits(size_t bytes) const {
   for (const PlanSlot& s : plan_) {
-    if (s.planned && s.offset + s.size > plan_region_->size) {
-      *problem = "a planned offset lies outside the plan region";
-      return false;
-    }
+    if (s.planned && s.offset + s.size > bytes) return false;
   }
   return true;
 }
