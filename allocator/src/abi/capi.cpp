@@ -13,7 +13,7 @@
 
 #include "ground/json.hpp"
 #include "pyalloc/pyalloc.h"
-#include "device/device_allocator_inl.hpp"
+#include "device/fast_path.hpp"
 #include "abi/runtime.hpp"
 
 using pyalloc::DeviceAllocator;

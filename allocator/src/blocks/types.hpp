@@ -87,6 +87,9 @@ constexpr size_t kLargeRound = 2 * kMiB;     // big requests get segments rounde
 // from overflow in every rounding computation.
 constexpr size_t kMaxRequest = size_t{1} << 52;
 
+// `n` rounded up to a multiple of `step`.
+inline size_t round_up_to(size_t n, size_t step) { return (n + step - 1) / step * step; }
+
 // kHole and kLent exist only in arenas. A hole is unmapped address space,
 // never handed out as it is, never in a free set. A lent block is mapped, but
 // its bytes belong to the block at the same offsets of its granule's twin

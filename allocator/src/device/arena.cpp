@@ -1,5 +1,6 @@
-// arena.cpp: virtual-memory arenas, and stitching (ladder step 2).
+// arena.cpp: growing in virtual-memory arenas, and stitching (ladder step 2).
 //
+
 // Note [Arenas]
 // With `vmm` on, a pool does not grow by whole segments. It owns one arena
 // per stream: a reservation of address space as large as the device, backed
@@ -35,6 +36,7 @@
 // segment from its creation until release_free_segments finds it all hole
 // and gives the reservation back.
 //
+
 // Note [One arena for small and large]
 // PyTorch keeps requests up to 1 MiB in a pool of their own, carved from
 // 2 MiB segments, so that small blocks do not split the large ones' free
@@ -59,6 +61,7 @@
 // small_pool figures stay zero, as every block counts as large_pool. The
 // fast path is unchanged (the limit is a member instead of a constant).
 //
+
 // Note [Whole granules]
 // Best fit hands out the front of the free block it picks, so blocks pack
 // end to end and a block's start lands wherever the one before it ended. A
@@ -82,75 +85,14 @@
 // that is larger, and does not start on a granule boundary) takes the general
 // path; an exact fit stays on the fast path.
 //
-// Note [Shared granules]
-// Stitching moves whole granules only. What stays behind when blocks of
-// sizes that are not whole granules come and go are slivers: the free part
-// of a granule that a live block also lies over. On interleaved_lifetimes
-// (random sizes, blocks living for hundreds of steps among short-lived
-// ones), at the first failed request 86 MiB of the 116 MiB free was in such
-// slivers, 95 of them, none usable by a request of a few MiB.
-//
-// A sliver at the end of a granule (free from offset o to the end, a live
-// block before it) has the same bytes, physically, as the end of any other
-// address range that maps that granule. So a window taken in a hole of the
-// same arena can map that granule a second time as its first granule, the
-// request starting at offset o there; and a sliver at the start of a granule
-// (free up to offset p, a live block after it) can be its last granule, when
-// the request ends at or before p there (plan_share picks the pair that
-// leaves the fewest granules to find; map_share maps them). The window's
-// other granules are new or stitched. So a request needs up to two granules
-// fewer than it spans.
-//
-// The two mappings are twins (Segment::twins). Each owns the bytes at its
-// own offsets that the other does not: the lender keeps its live part, the
-// window gets the rest, and each marks the other's part as a lent block
-// (BlockState::kLent), which is mapped but never free, handed out, or
-// counted: reserved counts the physical granule once (types.hpp I9, I13).
-// Same arena means same stream, so reusing a free sliver through the second
-// address is ordered after its last use like any cache hit.
-//
-// When: only near a full device, since a window costs backend calls and
-// stitching may synchronize the stream.
-//   - Ladder step 2, after stitching found too few whole granules for the
-//     ordinary window (grow_arena).
-//   - Before the cache (share_first), once reserved memory would pass 95% of
-//     what the allocator may reserve (share_from_), for a request of more
-//     than a granule that is not a whole number of them, when the window
-//     takes fewer granules than the best cached fit would (granules_taken).
-//     Waiting for the ladder is too late: a request that fails falls short
-//     by more than two granules, and by then the slivers have piled up; near
-//     the limit, every such request uses up to two of them instead of
-//     splitting a cached block and leaving one more. (Whole-granule requests
-//     leave no sliver where they start on a boundary, Note [Whole granules].)
-//
-// Twins part again lazily, whenever free granules are gathered (untwin_free:
-// stitching, release, empty_cache, and share_first): a twin whose own part is
-// all free is unmapped (after its stream is synchronized) and becomes a hole,
-// and its lent piece in the other twin becomes free memory there. A twin is
-// never shared again; one granule maps at most twice.
-//
-// Measured on the stress suite (docs/benchmarks/2026-11-22-shared-granules-cpu.md),
-// against share=0: interleaved_lifetimes needs 608 MiB instead of 660 (1.03
-// times its live bytes instead of 1.12), two_stream 920 instead of 948, mlp
-// 132 instead of 134 (what the model of PyTorch's allocator needs),
-// mlp_fixed 148 instead of 150, encoder_padding, seq2seq and size_sweep 2 to
-// 4 MiB less; cnn_multiscale 2 MiB more; the rest the same.
-#include <algorithm>
-#include <cinttypes>
-#include <cstdio>
 
+#include <algorithm>
+
+#include "blocks/arena.hpp"
 #include "device/device_allocator.hpp"
-#include "device/device_allocator_inl.hpp"
+#include "device/fast_path.hpp"
 
 namespace pyalloc {
-
-namespace {
-
-uintptr_t end_of(const Block* b) { return b->addr + b->size; }
-
-bool usable(const Block* b) { return b->state == BlockState::kFree || b->state == BlockState::kHole; }
-
-}  // namespace
 
 size_t DeviceAllocator::granule() {
   if (granule_ == 0) granule_ = backend_->granularity(device_);
@@ -177,6 +119,8 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   pool.arenas.push_back(arena);
   return arena;
 }
+
+// ---- block surgery (arenas, shared windows, plan regions) ---------------------------
 
 // Splits `block` (free but out of its free set, or a hole) at `offset`
 // bytes; the returned second part has the same state.
@@ -232,58 +176,6 @@ void DeviceAllocator::merge_holes(Block* hole) {
   if (hole->next != nullptr && hole->next->state == BlockState::kHole) absorb_next(hole);
 }
 
-// ---- choosing where to grow -------------------------------------------------------
-
-namespace {
-
-// Granules that [lo, hi) needs mapped: the holes it overlaps, widened to
-// granule boundaries (holes are granule-aligned, so the widened overlap
-// stays inside the hole).
-size_t granules_to_map(const Segment* arena, const Block* first, uintptr_t lo, uintptr_t hi, size_t g) {
-  size_t bytes = 0;
-  for (const Block* b = first; b != nullptr && b->addr < hi; b = b->next) {
-    if (b->state != BlockState::kHole) continue;
-    const uintptr_t a = std::max(lo, b->addr) - arena->base;
-    const uintptr_t z = std::min(hi, end_of(b)) - arena->base;
-    if (a < z) bytes += round_up_to(z, g) - a / g * g;
-  }
-  return bytes / g;
-}
-
-}  // namespace
-
-// The window of `rounded` bytes in a run of free blocks and holes that needs
-// the fewest granules mapped (then the lowest address). Candidates start at a
-// block's start or end at a block's end: the cost only changes there.
-DeviceAllocator::Window DeviceAllocator::best_window(Segment* arena, size_t rounded) {
-  const size_t g = granule_;
-  Window best;
-  auto consider = [&](Block* first, uintptr_t lo) {
-    const size_t cost = granules_to_map(arena, first, lo, lo + rounded, g);
-    if (!best.found || cost < best.granules || (cost == best.granules && lo < best.lo)) {
-      best = Window{true, lo, cost};
-    }
-  };
-  for (Block* b = arena->head; b != nullptr; b = b->next) {
-    if (!usable(b)) continue;
-    // Forward from b's start.
-    size_t span = 0;
-    for (const Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->next) span += c->size;
-    if (span >= rounded) consider(b, b->addr);
-    // Backward from b's end.
-    span = 0;
-    Block* first = b;
-    for (Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->prev) {
-      span += c->size;
-      first = c;
-    }
-    if (span >= rounded && b->prev != nullptr) consider(first, end_of(b) - rounded);
-  }
-  return best;
-}
-
-// ---- placing a block in a free block --------------------------------------------
-
 // The block to hand out for a request of `rounded` bytes from `block` (a
 // free block of an arena, in its free set): `block` itself, or the part of
 // it from granule_offset() on, whose front part stays free (Note [Whole
@@ -291,230 +183,6 @@ DeviceAllocator::Window DeviceAllocator::best_window(Segment* arena, size_t roun
 Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
   const size_t offset = granule_offset(block, rounded);
   return offset == 0 ? block : split_free(block, offset);
-}
-
-// ---- shared granules (Note [Shared granules]) --------------------------------------
-
-// The block of `segment` that holds `addr` (inside the segment).
-Block* DeviceAllocator::block_at(Segment* segment, uintptr_t addr) {
-  Block* b = segment->head;
-  while (end_of(b) <= addr) b = b->next;
-  return b;
-}
-
-// The lent block of twin granule `slot`: at its start or at its end (I13),
-// so the walk from the granule's first block reaches it inside the granule.
-Block* DeviceAllocator::lent_block(Segment* arena, size_t slot) {
-  Block* b = block_at(arena, arena->base + slot * granule_);
-  while (b->state != BlockState::kLent) b = b->next;
-  return b;
-}
-
-// Makes [from, to), bytes of one free block, a lent block.
-void DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
-  carve_free(block_at(arena, from), from, to)->state = BlockState::kLent;
-}
-
-// The window for `rounded` bytes in a hole of `arena` whose first granule
-// maps the free end of a granule in use and whose last maps the free start of
-// another, either one, or neither: the choice that needs the fewest granules
-// of its own (SharePlan::fresh). Not found when nothing can be shared.
-DeviceAllocator::SharePlan DeviceAllocator::plan_share(const Segment* arena, size_t rounded) const {
-  const size_t g = granule_;
-  const uintptr_t base = arena->base;
-  // A free block that starts inside a granule and runs to its end can lend
-  // that end (from `offset` on); one that ends inside a granule, running from
-  // its start, can lend that start (up to `offset`). A twin lends nothing.
-  struct Sliver {
-    size_t slot;
-    size_t offset;
-  };
-  std::vector<Sliver> ends, starts;
-  for (const Block* b = arena->head; b != nullptr; b = b->next) {
-    if (!b->is_free()) continue;
-    const size_t lo = b->addr - base;
-    const size_t hi = lo + b->size;
-    if (lo % g != 0 && hi >= round_up_to(lo, g) && arena->twins.count(lo / g) == 0) ends.push_back({lo / g, lo % g});
-    if (hi % g != 0 && lo <= hi / g * g && arena->twins.count(hi / g) == 0) starts.push_back({hi / g, hi % g});
-  }
-  SharePlan best;
-  if (ends.empty() && starts.empty()) return best;
-  std::sort(starts.begin(), starts.end(), [](const Sliver& a, const Sliver& b) { return a.offset < b.offset; });
-
-  // Starting `offset` into a granule that maps ends[i] (or on a boundary),
-  // ending in one that maps the smallest free start that holds its last bytes.
-  auto consider = [&](size_t front, size_t offset) {
-    SharePlan c;
-    c.rounded = rounded;
-    c.front = front;
-    c.offset = offset;
-    c.granules = (offset + rounded + g - 1) / g;
-    const size_t tail = (offset + rounded) % g;
-    if (tail != 0) {
-      auto it = std::lower_bound(starts.begin(), starts.end(), tail,
-                                 [](const Sliver& s, size_t want) { return s.offset < want; });
-      while (it != starts.end() && it->slot == front) ++it;
-      if (it != starts.end()) {
-        c.back = it->slot;
-        c.back_own = it->offset;
-      }
-    }
-    c.fresh = c.granules - (c.front != SharePlan::kNone) - (c.back != SharePlan::kNone);
-    if (c.fresh < best.fresh) best = c;
-  };
-  consider(SharePlan::kNone, 0);
-  for (const Sliver& s : ends) consider(s.slot, s.offset);
-  if (best.front == SharePlan::kNone && best.back == SharePlan::kNone) return SharePlan{};
-
-  // A hole to hold the window, lowest first.
-  const Block* hole = arena->head;
-  while (hole != nullptr && !(hole->state == BlockState::kHole && hole->size >= best.granules * g)) hole = hole->next;
-  if (hole == nullptr) return SharePlan{};
-  best.lo = hole->addr;
-  best.found = true;
-  return best;
-}
-
-// Carries out `plan` (plan_share, on the arena as it is now), taking its
-// fresh granules from the back of `handles`: returns the free block of
-// exactly the planned range, or nullptr (the arena as it was, `handles` as it was) when a map
-// failed.
-Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles) {
-  const size_t g = granule_;
-  const uintptr_t base = arena->base;
-  const uintptr_t lo = plan.lo;
-  const uintptr_t hi = lo + plan.granules * g;
-  assert(handles->size() >= plan.fresh);
-  auto twin_of = [&](size_t i) {
-    if (i == 0 && plan.front != SharePlan::kNone) return plan.front;
-    if (i + 1 == plan.granules && plan.back != SharePlan::kNone) return plan.back;
-    return SharePlan::kNone;
-  };
-
-  // Map first, so that a failure leaves the arena as it was.
-  std::vector<PhysHandle> mapped;
-  for (size_t i = 0; i < plan.granules; ++i) {
-    const size_t twin = twin_of(i);
-    PhysHandle h;
-    if (twin != SharePlan::kNone) {
-      h = arena->phys[twin];
-    } else {
-      h = handles->back();
-      handles->pop_back();
-    }
-    if (!succeeded(backend_->map(device_, lo + i * g, h))) {
-      if (twin == SharePlan::kNone) handles->push_back(h);
-      for (size_t j = 0; j < mapped.size(); ++j) {
-        backend_->unmap(device_, lo + j * g, g);
-        if (twin_of(j) == SharePlan::kNone) handles->push_back(mapped[j]);
-      }
-      return nullptr;
-    }
-    mapped.push_back(h);
-  }
-
-  const size_t first = (lo - base) / g;
-  for (size_t i = 0; i < plan.granules; ++i) arena->phys[first + i] = mapped[i];
-  arena->mapped += plan.granules * g;
-  size_t shared = 0;
-  for (const size_t i : {size_t{0}, plan.granules - 1}) {
-    const size_t twin = twin_of(i);
-    if (twin == SharePlan::kNone) continue;
-    arena->twins[first + i] = twin;
-    arena->twins[twin] = first + i;
-    ++shared;
-  }
-  if (plan.front != SharePlan::kNone) lend(arena, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
-  if (plan.back != SharePlan::kNone) lend(arena, base + plan.back * g, base + plan.back * g + plan.back_own);
-  arena->doubled += shared * g;
-  stats_.num_shared_granules += static_cast<int64_t>(shared);
-  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(plan.fresh * g));
-  trace_.record(TraceAction::kSegmentMap, lo, plan.granules * g, arena->stream);
-
-  // Carve the window out of the hole: [lo, lo + offset) lent to the front
-  // twin, the request's free block, then the back twin's lent end.
-  Block* hole = block_at(arena, lo);
-  assert(hole->state == BlockState::kHole && hole->addr == lo);
-  if (end_of(hole) > hi) split_block(hole, hi - lo);  // the rest stays a hole
-  Block* middle = hole;
-  if (plan.front != SharePlan::kNone) {
-    middle = split_block(hole, plan.offset);
-    hole->state = BlockState::kLent;
-  }
-  if (plan.back != SharePlan::kNone) {
-    Block* tail = split_block(middle, hi - g + plan.back_own - middle->addr);
-    tail->state = BlockState::kLent;
-  }
-  middle->state = BlockState::kFree;
-  Block* block = insert_coalesced(middle);
-  reserved_changed();
-  // The free memory beside the window has joined it: split off what lies
-  // before and after the planned range, so that the request lands on the
-  // granules planned for it (and a whole-granule request stays off a boundary).
-  const uintptr_t at = lo + plan.offset;
-  if (block->addr < at) block = split_free(block, at - block->addr);
-  if (block->size > plan.rounded) split_free(block, plan.rounded);
-  return block;
-}
-
-// Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
-// its bytes back to the other twin, whose lent piece becomes free memory.
-// The arena's stream must be synchronized.
-void DeviceAllocator::untwin(Segment* arena, size_t slot) {
-  const size_t g = granule_;
-  const uintptr_t lo = arena->base + slot * g;
-  const uintptr_t hi = lo + g;
-  const size_t other = arena->twins.at(slot);
-
-  Block* theirs = lent_block(arena, other);
-  theirs->state = BlockState::kFree;
-  insert_coalesced(theirs);
-
-  backend_->unmap(device_, lo, g);
-  trace_.record(TraceAction::kSegmentUnmap, lo, g, arena->stream);
-  arena->phys[slot] = PhysHandle{};
-  arena->twins.erase(slot);
-  arena->twins.erase(other);
-  arena->mapped -= g;
-  arena->doubled -= g;
-
-  // This granule's blocks become one hole: its lent piece and the part of
-  // the free block beside it that lies inside the granule.
-  Block* mine = lent_block(arena, slot);
-  Block* beside = mine->addr == lo ? mine->next : mine->prev;
-  Block* own = carve_free(beside, std::max(beside->addr, lo), std::min(end_of(beside), hi));
-  own->state = BlockState::kHole;
-  mine->state = BlockState::kHole;
-  Block* hole = own->addr < mine->addr ? own : mine;
-  make_spare_room(1);
-  absorb_next(hole);
-  merge_holes(hole);
-  reserved_changed();
-}
-
-// Untwins (untwin) every twin of `arena` whose own part is all free, unless
-// that part overlaps [skip_lo, skip_hi); synchronizes the stream first, once.
-// False when the stream could not be synchronized.
-bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi) {
-  std::vector<size_t> slots;
-  for (const auto& t : arena->twins) slots.push_back(t.first);
-  std::sort(slots.begin(), slots.end());
-  bool synchronized = false;
-  for (size_t slot : slots) {
-    if (arena->twins.count(slot) == 0) continue;  // its twin went first
-    const uintptr_t lo = arena->base + slot * granule_;
-    const uintptr_t hi = lo + granule_;
-    // The granule's own part is the rest of it, beside its lent piece: all
-    // free when the block on that side is free and reaches the granule's edge.
-    const Block* mine = lent_block(arena, slot);
-    const bool lent_first = mine->addr == lo;
-    const Block* own = lent_first ? mine->next : mine->prev;
-    if (!own->is_free() || (lent_first ? end_of(own) < hi : own->addr > lo)) continue;
-    if (own->addr < skip_hi && end_of(own) > skip_lo) continue;
-    if (!synchronized && !(synchronized = synchronize_stream(arena))) return false;
-    untwin(arena, slot);
-  }
-  return true;
 }
 
 // ---- mapping and unmapping -------------------------------------------------------
@@ -588,14 +256,6 @@ bool DeviceAllocator::synchronize_stream(const Segment* arena) {
   return true;
 }
 
-// The granule-aligned interior of a free block of an arena: [*lo, *hi).
-bool DeviceAllocator::free_interior(const Block* b, uintptr_t* lo, uintptr_t* hi) const {
-  const uintptr_t base = b->segment->base;
-  *lo = base + round_up_to(b->addr - base, granule_);
-  *hi = base + (end_of(b) - base) / granule_ * granule_;
-  return *lo < *hi;
-}
-
 template <typename F>
 void DeviceAllocator::for_each_arena(F fn) {
   for (Pool* pool : pools()) {
@@ -614,7 +274,7 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
     bool synchronized = false;
     for (Block* b = arena->head; b != nullptr && done < wanted; b = b->next) {
       uintptr_t lo, hi;
-      if (!b->is_free() || !free_interior(b, &lo, &hi)) continue;
+      if (!b->is_free() || !free_interior(b, granule_, &lo, &hi)) continue;
       if (b->addr < skip_hi && end_of(b) > skip_lo) continue;
       if (!synchronized && !(synchronized = synchronize_stream(arena))) return;
       const size_t n = std::min((hi - lo) / granule_, wanted - done);
@@ -627,55 +287,6 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
     }
   });
   return done;
-}
-
-// ---- growing and stitching ---------------------------------------------------------
-
-// Granules that `block` (free, in an arena) would take from the free memory
-// for `rounded` bytes placed where alloc_block places them: those the range
-// overlaps, less the ones at the block's ends that live blocks use already.
-size_t DeviceAllocator::granules_taken(const Block* block, size_t rounded) const {
-  const size_t g = granule_;
-  const size_t lo = block->addr - block->segment->base;
-  const size_t hi = lo + block->size;
-  const size_t at = lo + granule_offset(block, rounded);
-  const size_t first = at / g;
-  const size_t last = (at + rounded - 1) / g;
-  size_t n = last - first + 1;
-  const bool front_used = lo % g != 0;  // the block before it is in use (I2, I9)
-  const bool back_used = hi % g != 0;
-  if (front_used && first == lo / g) --n;
-  if (back_used && last == (hi - 1) / g && !(front_used && lo / g == (hi - 1) / g)) --n;
-  return n;
-}
-
-// Near a full device (Note [Shared granules]): serves `rounded` bytes from a
-// shared window (plan_share) when it takes fewer granules than the best
-// cached fit would. Twins whose own part is free part first, and the window's
-// fresh granules come from the backend or from free blocks (stitching). The
-// free sets may change even when it returns nullptr.
-Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream) {
-  Segment* arena = arena_for(pool, stream);
-  if (arena == nullptr) return nullptr;
-  if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
-  const SharePlan plan = plan_share(arena, rounded);
-  if (!plan.found) return nullptr;
-  if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
-    if (plan.fresh >= granules_taken(cached, rounded)) return nullptr;
-  }
-  std::vector<PhysHandle> handles = new_granules(plan.fresh);
-  SharePlan now = plan;
-  if (handles.size() < plan.fresh) {
-    unmap_free_granules(plan.fresh - handles.size(), 0, 0, &handles);
-    if (handles.size() < plan.fresh) {
-      release_granules(handles);
-      return nullptr;
-    }
-    now = plan_share(arena, rounded);  // stitching may have split or joined free blocks
-  }
-  Block* block = now.found && now.fresh <= handles.size() ? map_share(arena, now, &handles) : nullptr;
-  release_granules(handles);
-  return block;
 }
 
 // Up to `n` new granules from the backend, within the reserved limit.
@@ -702,13 +313,15 @@ void DeviceAllocator::release_granules(const std::vector<PhysHandle>& handles) {
   }
 }
 
+// ---- growing and stitching ---------------------------------------------------------
+
 // Ladder step 0 for a pool with arenas (stitch false), and step 2 (stitch
 // true: granules may be taken from free blocks elsewhere on the device).
 Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch) {
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
   const size_t g = granule_;
-  const Window w = best_window(arena, rounded);
+  const Window w = best_window(arena, rounded, g);
   if (!w.found) return nullptr;  // the reservation itself is full
   const uintptr_t lo = arena->base + (w.lo - arena->base) / g * g;
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
@@ -725,7 +338,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   }
   Block* shared = nullptr;
   if (handles.size() < w.granules && stitch && sharing_) {
-    const SharePlan plan = plan_share(arena, rounded);
+    const SharePlan plan = plan_share(arena, rounded, g);
     if (plan.found && plan.fresh <= handles.size()) shared = map_share(arena, plan, &handles);  // < w.granules
   }
   if (handles.size() < w.granules || shared != nullptr) {

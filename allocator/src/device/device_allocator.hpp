@@ -45,6 +45,7 @@
 #include "policy/plan.hpp"
 #include "blocks/ptr_map.hpp"
 #include "backends/backend.hpp"
+#include "blocks/arena.hpp"
 #include "ground/config.hpp"
 #include "device/device_mutex.hpp"
 #include "observe/stats.hpp"
@@ -88,7 +89,7 @@ class DeviceAllocator {
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
-  // malloc and free (the general path) are defined in device_allocator_inl.hpp.
+  // malloc and free (the general path) are defined in fast_path.hpp.
   // Returns the block's address, or nullptr with *status (PYALLOC_ENOMEM, or
   // PYALLOC_EBUSY when this allocator was retired by a reconfiguration); an
   // OOM report goes to the thread's last error. `size` must be in
@@ -96,7 +97,7 @@ class DeviceAllocator {
   void* malloc(size_t size, StreamId stream, int pool_id, int* status);
   // A bad call is counted and described in the thread's last error.
   FreeResult free(uintptr_t addr, size_t size);
-  // The fast path (Note [Fast path] in device_allocator_inl.hpp). After
+  // The fast path (Note [Fast path] in fast_path.hpp). After
   // try_lock(), malloc_cached() (default pool) and free_cached() serve the
   // request from the cache and release the lock; a request that needs the
   // general path gets `otherwise()`, called with nothing changed and the lock
@@ -166,126 +167,64 @@ class DeviceAllocator {
     bool stuck;  // an event could not be recorded: never safe to reuse
   };
 
-
-  size_t round_size(size_t size) const;
-  Pool& select_pool(size_t rounded, int pool_id);
+  // Settings, limits and pools (device_allocator.cpp).
+  void update_share_from();
+  size_t reserved_limit();
+  size_t device_total();  // the backend's total bytes, asked once (slow path only)
   Pool& user_pool(int pool_id);  // created on first use
   size_t segment_size_for(const Pool& pool, size_t rounded) const;
-  bool should_split(const Pool& pool, size_t remaining) const;
+  std::vector<Pool*> pools();  // small, large, long, plan, then user pools
+  std::vector<const Pool*> pools() const;
 
-  // Fast-path pieces (device_allocator_inl.hpp).
+  // Block changes, inline (blocks_inl.hpp).
   Block* new_block();
   void delete_block(Block* block);
   void recycle_block(Block* block);  // delete_block() given spare_room(1)
   bool spare_room(size_t n) const;
   void make_spare_room(size_t n);
-  void* take(Pool& pool, Block* block, size_t size, size_t rounded);
+  size_t round_size(size_t size) const;
+  Pool& select_pool(size_t rounded, int pool_id);
+  bool should_split(const Pool& pool, size_t remaining) const;
+  bool shares_first(const Pool& pool, size_t rounded) const;
   size_t granule_offset(const Block* block, size_t rounded) const;
-  Block* align_to_granule(Block* block, size_t rounded);
-  void* hand_out(Pool& pool, Block* block, Block* rest, size_t size, size_t rounded);
-  void count_freed(const Block* block);
-  void finish_free(Block* block);
-  bool has_free_neighbour(const Block* block) const;
   void give_back(Block* block);
   Block* coalesce(Block* block);                            // merges free neighbours; spare_room(2)
   void split_into(Block* block, Block* rest, size_t offset);  // `rest` becomes the part after `offset`
   void absorb_next(Block* block);                           // spare_room(1)
-  void cache_block(Block* block);
-  void* split_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
-  void merge_and_unlock(Block* block);
   void insert_free(Block* block);
   void reinsert_free(Block* block);
   void erase_free(Block* block);
   void count_cached(StatType t, const Block* block);
   void uncount_cached(StatType t, const Block* block);
 
-  // Arenas and stitching (Note [Arenas] in arena.cpp).
-  struct Window {
-    bool found = false;
-    uintptr_t lo = 0;     // where the window starts
-    size_t granules = 0;  // granules it needs mapped
-  };
-  size_t granule();
-  Segment* arena_for(Pool& pool, StreamId stream);  // created on first use
-  Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
-  Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
-  Window best_window(Segment* arena, size_t rounded);
-  Block* fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles);
-  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep);
-  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* keep);
-  bool free_interior(const Block* block, uintptr_t* lo, uintptr_t* hi) const;
-  bool synchronize_stream(const Segment* arena);
-  size_t release_arena_memory(size_t bytes);
-  void release_arena(Segment* arena);
-  template <typename F>
-  void for_each_arena(F fn);
-  Block* split_block(Block* block, size_t offset);
-  Block* split_free(Block* block, size_t offset);
-  Block* carve_free(Block* block, uintptr_t lo, uintptr_t hi);
-  // Shared granules (Note [Shared granules] in arena.cpp).
-  struct SharePlan {
-    static constexpr size_t kNone = SIZE_MAX;
-    bool found = false;
-    uintptr_t lo = 0;                    // the window's start: a hole's start
-    size_t rounded = 0;                  // the request
-    size_t granules = 0;                 // the window's granules
-    size_t fresh = SIZE_MAX;             // of those, the ones that need a handle
-    size_t front = kNone, back = kNone;  // the granules whose free end and free start it maps, or kNone
-    size_t offset = 0;                   // where the request starts in the window's first granule
-    size_t back_own = 0;                 // the length of the free start it maps last
-  };
-  SharePlan plan_share(const Segment* arena, size_t rounded) const;
-  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
-  Block* share_first(Pool& pool, size_t rounded, StreamId stream);
-  bool shares_first(const Pool& pool, size_t rounded) const;
-  size_t granules_taken(const Block* block, size_t rounded) const;
-  std::vector<PhysHandle> new_granules(size_t n);
-  void release_granules(const std::vector<PhysHandle>& handles);
-  void update_share_from();
-  void untwin(Segment* arena, size_t slot);
-  bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
-  Block* block_at(Segment* segment, uintptr_t addr);
-  Block* lent_block(Segment* arena, size_t slot);
-  void lend(Segment* arena, uintptr_t from, uintptr_t to);
-  Block* insert_coalesced(Block* block);
-  void merge_holes(Block* hole);
-
+  // The fast path's state changes and the general path (fast_path.hpp).
+  void* hand_out(Pool& pool, Block* block, Block* rest, size_t size, size_t rounded);
+  void count_freed(const Block* block);
+  bool has_free_neighbour(const Block* block) const;
+  void cache_block(Block* block);
+  void* split_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
+  void merge_and_unlock(Block* block);
   // The general path's allocation by the cache: the allocated block, or
   // nullptr with *status. Callers that keep a number with the block (the
   // planner, lifetime placement) have it at hand with no live-map lookup.
   Block* alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void* malloc_cache(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void* take(Pool& pool, Block* block, size_t size, size_t rounded);
+  void finish_free(Block* block);
 
-  // Iteration plans (Note [Iteration plans] in policy/plan.cpp; device/placement.cpp).
-  Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
-  Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
-  void watch_free(Block* block);
-  void observe();  // (re)starts observation
-  bool start_plan_region();
-  Block* carve_planned(size_t offset, size_t rounded);
-  void drop_plan();
-  bool check_plan(std::string* problem) const;  // I10
-  std::vector<Pool*> pools();  // small, large, long, plan, then user pools
-  std::vector<const Pool*> pools() const;
-
-  // Lifetime-aware placement (Note [Lifetime-aware placement] in
-  // policy/lifetime.cpp; device/placement.cpp).
-  void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
-  bool check_lifetimes(std::string* problem) const;  // I11
-
-  // Slow path (Note [Pressure ladder] in device_allocator.cpp).
-  // Called with the lock held; returns with it held (steps 3 and 4 drop it
-  // meanwhile). Returns a free block of `pool` that fits (for take()), or
-  // nullptr with *status.
+  // The slow path (Note [Pressure ladder] in slow_path.cpp). Called with the
+  // lock held; returns with it held (steps 3 and 4 drop it meanwhile).
+  // Returns a free block of `pool` that fits (for take()), or nullptr with
+  // *status.
   Block* malloc_slow(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* find_or_grow(Pool& pool, size_t rounded, StreamId stream);
   Block* release_and_retry(Pool& pool, size_t rounded, StreamId stream);  // step 1
   Block* retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream);
   Block* grow(Pool& pool, size_t rounded, StreamId stream);
   Segment* alloc_segment(Pool& pool, size_t size, StreamId stream);
+  Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   bool succeeded(const Status& s);  // records a failed backend call's message
   void reserved_changed() { hooks_.reserved_changed(); }
-  Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   void make_pending(Block* block);
   size_t reclaim_pending(bool synchronize);
   void synchronize_pending();
@@ -293,13 +232,57 @@ class DeviceAllocator {
   size_t release_cached_memory(size_t bytes);  // plain segments, then arena granules
   void release_segment(Segment* segment);
   void enforce_max_cached();
+
+  // Arenas and stitching (Note [Arenas] in arena.cpp; the geometry is
+  // blocks/arena.hpp).
+  size_t granule();
+  Segment* arena_for(Pool& pool, StreamId stream);  // created on first use
+  Block* split_block(Block* block, size_t offset);
+  Block* insert_coalesced(Block* block);
+  Block* carve_free(Block* block, uintptr_t lo, uintptr_t hi);
+  Block* split_free(Block* block, size_t offset);
+  void merge_holes(Block* hole);
+  Block* align_to_granule(Block* block, size_t rounded);
+  Block* fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles);
+  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep);
+  bool synchronize_stream(const Segment* arena);
+  template <typename F>
+  void for_each_arena(F fn);
+  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* keep);
+  std::vector<PhysHandle> new_granules(size_t n);
+  void release_granules(const std::vector<PhysHandle>& handles);
+  Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
+  Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
+  size_t release_arena_memory(size_t bytes);
+  void release_arena(Segment* arena);
+
+  // Shared granules (Note [Shared granules] in share.cpp).
+  Block* share_first(Pool& pool, size_t rounded, StreamId stream);
+  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
+  void lend(Segment* arena, uintptr_t from, uintptr_t to);
+  void untwin(Segment* arena, size_t slot);
+  bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
+
+  // Placement policies (placement.cpp): lifetime-aware placement (Note
+  // [Lifetime-aware placement] in policy/lifetime.cpp) and iteration plans
+  // (Note [Iteration plans] in policy/plan.cpp).
+  void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void watch_free(Block* block);
+  void observe();  // (re)starts observation
+  bool start_plan_region();
+  Block* carve_planned(size_t offset, size_t rounded);
+  void drop_plan();
+  bool check_plan(std::string* problem) const;       // I10
+  bool check_lifetimes(std::string* problem) const;  // I11
+
+  // Reports (reports.cpp).
   FreeResult classify_bad_free(uintptr_t addr);
   FreeResult refuse_size_mismatch(Block* block, size_t size);
+  size_t largest_free_block() const;
   std::string oom_report(size_t size, size_t rounded, StreamId stream, size_t callback_freed,
                          size_t daemon_freed);
-  size_t reserved_limit();
-  size_t largest_free_block() const;
-  size_t device_total();  // the backend's total bytes, asked once (slow path only)
 
   // First, so that the fast path reaches the lock at the allocator's own address.
   DeviceMutex mutex_;

@@ -5,7 +5,7 @@
 // routes default-pool requests to them, makes and drops the plan's region,
 // and carves planned blocks out of it.
 #include "device/device_allocator.hpp"
-#include "device/device_allocator_inl.hpp"
+#include "device/fast_path.hpp"
 
 namespace pyalloc {
 

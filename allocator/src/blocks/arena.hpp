@@ -1,0 +1,83 @@
+// arena.hpp: an arena's geometry: where a request fits, which granules a
+// placement takes, which slivers can be shared.
+//
+// An arena is a segment made with the backend's virtual-memory calls
+// (types.hpp): one reservation tiled by blocks, holes among them, a granule
+// mapped under every block that is not a hole (I9), and twins, two granules
+// that map one physical granule and lend each other the part they do not use
+// (I13). Everything here reads an arena and changes nothing. The device
+// allocator maps, unmaps, lends and stitches (Note [Arenas] and Note [Whole
+// granules] in device/arena.cpp, Note [Shared granules] in device/share.cpp).
+//
+// `g` is the arena's granule (the backend's mapping granularity); offsets
+// into granules are relative to the arena's base.
+#pragma once
+
+#include <cassert>
+#include <cstddef>
+#include <cstdint>
+
+#include "blocks/types.hpp"
+#include "ground/compiler.hpp"
+
+namespace pyalloc {
+
+inline uintptr_t end_of(const Block* b) { return b->addr + b->size; }
+
+// Where in `block` (a free block of an arena) a request of `rounded` bytes
+// starts (Note [Whole granules]): 0, its start, unless `rounded` is a whole
+// number of granules and the block's first granule boundary leaves room for
+// it; then the distance to that boundary.
+PYALLOC_INLINE size_t granule_offset(const Block* block, size_t rounded, size_t g) {
+  assert(g != 0);
+  if (rounded % g != 0) return 0;
+  const size_t into = (block->addr - block->segment->base) % g;
+  if (into == 0 || block->size - rounded < g - into) return 0;
+  return g - into;
+}
+
+// Granules that `block` (free, in an arena) would take from the free memory
+// for `rounded` bytes placed at granule_offset: those the range overlaps,
+// less the ones at the block's ends that live blocks use already.
+size_t granules_taken(const Block* block, size_t rounded, size_t g);
+
+// The block of `segment` (plain or arena) that holds `addr`, which must lie
+// inside the segment.
+Block* block_at(const Segment* segment, uintptr_t addr);
+
+// The lent block of twin granule `slot` of `arena`: at its start or at its end (I13).
+Block* lent_block(const Segment* arena, size_t slot, size_t g);
+
+// The granule-aligned interior of a free block of an arena: [*lo, *hi);
+// false when it holds no whole granule.
+bool free_interior(const Block* block, size_t g, uintptr_t* lo, uintptr_t* hi);
+
+// Where an arena grows for a request: the window of `rounded` bytes, in a
+// run of free blocks and holes, that needs the fewest granules mapped (then
+// the lowest address).
+struct Window {
+  bool found = false;
+  uintptr_t lo = 0;     // where the window starts
+  size_t granules = 0;  // granules it needs mapped
+};
+Window best_window(const Segment* arena, size_t rounded, size_t g);
+
+// A shared window (Note [Shared granules]): a window in a hole of the arena
+// whose first granule maps a used granule's free end a second time, and
+// whose last maps another's free start, either one, or neither.
+struct SharePlan {
+  static constexpr size_t kNone = SIZE_MAX;
+  bool found = false;
+  uintptr_t lo = 0;                    // the window's start: a hole's start
+  size_t rounded = 0;                  // the request
+  size_t granules = 0;                 // the window's granules
+  size_t fresh = SIZE_MAX;             // of those, the ones that need a handle
+  size_t front = kNone, back = kNone;  // the granules whose free end and free start it maps, or kNone
+  size_t offset = 0;                   // where the request starts in the window's first granule
+  size_t back_own = 0;                 // the length of the free start it maps last
+};
+// The choice that needs the fewest granules of its own (SharePlan::fresh);
+// not found when nothing can be shared or no hole holds the window.
+SharePlan plan_share(const Segment* arena, size_t rounded, size_t g);
+
+}  // namespace pyalloc

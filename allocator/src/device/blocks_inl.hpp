@@ -1,0 +1,183 @@
+// blocks_inl.hpp: how the device allocator changes blocks, inline: Block
+// objects, sizes and pools, splitting and merging, and free-set membership
+// with the counters that ride on it (Note [Counters] in observe/stats.hpp).
+// The fast path (fast_path.hpp) and the slow paths share these; none of them
+// makes a call, given room on the spare-Block stack where they say so.
+#pragma once
+
+#include <cassert>
+
+#include "blocks/arena.hpp"
+#include "blocks/free_set_inl.hpp"
+#include "device/device_allocator.hpp"
+#include "ground/compiler.hpp"
+
+namespace pyalloc {
+
+// ---- Block objects ------------------------------------------------------------------
+
+PYALLOC_INLINE Block* DeviceAllocator::new_block() {
+  if (spare_blocks_.empty()) return new Block;
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+// Room for `n` more Blocks on the spare stack: recycle_block() needs one.
+PYALLOC_INLINE bool DeviceAllocator::spare_room(size_t n) const {
+  return spare_blocks_.capacity() - spare_blocks_.size() >= n;
+}
+
+PYALLOC_INLINE void DeviceAllocator::make_spare_room(size_t n) {
+  if (!spare_room(n)) spare_blocks_.reserve(2 * spare_blocks_.size() + n);
+}
+
+// delete_block() where spare_room(1): never allocates.
+PYALLOC_INLINE void DeviceAllocator::recycle_block(Block* block) {
+  block->uses.clear();
+  block->bin_prev = block->bin_next = nullptr;
+  block->requested = 0;
+  block->state = BlockState::kFree;
+  block->prev = block->next = nullptr;
+  // Tells the compiler that push_back() will not grow the vector, so that
+  // no call to the growth path is compiled in (Note [Fast path]).
+  assert(spare_room(1));
+  if (spare_blocks_.size() == spare_blocks_.capacity()) __builtin_unreachable();
+  spare_blocks_.push_back(block);
+}
+
+PYALLOC_INLINE void DeviceAllocator::delete_block(Block* block) {
+  make_spare_room(1);
+  recycle_block(block);
+}
+
+// ---- sizes and pools --------------------------------------------------------------
+
+PYALLOC_INLINE size_t DeviceAllocator::round_size(size_t size) const {
+  // `size` > 0: sizes up to 512 B round to 512 B either way.
+  if (round_power2_ > 1) {
+    // Round up to one of `round_power2_` steps between adjacent powers of
+    // two: fewer distinct sizes, so freed blocks fit later requests.
+    const size_t floor2 = size_t{1} << (63 - __builtin_clzll(static_cast<unsigned long long>(size)));
+    const size_t step = floor2 / static_cast<size_t>(round_power2_);
+    if (floor2 != size && step > kBlockAlign) return round_up_to(size, step);
+  }
+  return round_up_to(size, kBlockAlign);
+}
+
+PYALLOC_INLINE Pool& DeviceAllocator::select_pool(size_t rounded, int pool_id) {
+  if (PYALLOC_LIKELY(pool_id == 0)) return rounded <= largest_small_ ? small_pool_ : large_pool_;
+  return user_pool(pool_id);
+}
+
+PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remaining) const {
+  // A large-pool remainder of 1 MiB or less could only ever serve small
+  // requests, which the large pool never sees: keep it inside the block.
+  // In an arena that slack would hold physical memory: split.
+  if (pool.kind == PoolKind::kLarge && !pool.in_arenas) return remaining > kLargeSplitMin;
+  return remaining >= kBlockAlign;
+}
+
+// Whether a request of `rounded` bytes in `pool` tries a shared window before
+// the cache (Note [Shared granules]): the device is nearly full, and the
+// request spans more than a granule without being a whole number of them.
+PYALLOC_INLINE bool DeviceAllocator::shares_first(const Pool& pool, size_t rounded) const {
+  return static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + rounded >= share_from_ && pool.in_arenas &&
+         granule_ != 0 && rounded > granule_ && rounded % granule_ != 0;
+}
+
+// pyalloc::granule_offset (blocks/arena.hpp) in this device's arenas. An
+// arena exists, so granule_ is known (arena_for).
+PYALLOC_INLINE size_t DeviceAllocator::granule_offset(const Block* block, size_t rounded) const {
+  return pyalloc::granule_offset(block, rounded, granule_);
+}
+
+// ---- splitting and merging -----------------------------------------------------------
+
+// `block` (no longer allocated or pending) becomes free: it coalesces with
+// its free neighbours and joins the cache. Needs spare_room(2).
+PYALLOC_INLINE void DeviceAllocator::give_back(Block* block) {
+  block = coalesce(block);
+  block->bin_class = FreeSet::size_class(block->size);
+  cache_block(block);
+}
+
+// `block`, out of any free set, absorbs its free neighbours (which leave
+// their free sets); returns the merged block. Needs spare_room(2).
+PYALLOC_INLINE Block* DeviceAllocator::coalesce(Block* block) {
+  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
+    erase_free(prev);
+    absorb_next(prev);
+    block = prev;
+  }
+  if (Block* next = block->next; next != nullptr && next->is_free()) {
+    erase_free(next);
+    absorb_next(block);
+  }
+  return block;
+}
+
+// Splits `block` at `offset` bytes: `rest` (a Block object not in use)
+// becomes the part after, in the same segment, pool and stream.
+PYALLOC_INLINE void DeviceAllocator::split_into(Block* block, Block* rest, size_t offset) {
+  rest->addr = block->addr + offset;
+  rest->size = block->size - offset;
+  rest->segment = block->segment;
+  rest->pool = block->pool;
+  rest->stream = block->stream;
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next != nullptr) block->next->prev = rest;
+  block->next = rest;
+  block->size = offset;
+}
+
+// `block` absorbs the block after it, whose object is recycled. Needs spare_room(1).
+PYALLOC_INLINE void DeviceAllocator::absorb_next(Block* block) {
+  Block* next = block->next;
+  block->size += next->size;
+  block->next = next->next;
+  if (next->next != nullptr) next->next->prev = block;
+  recycle_block(next);
+}
+
+// ---- free-set membership ----------------------------------------------------------------
+
+// Free-set membership is where cached-free and inactive-split counters live.
+// A block is split when it does not fill its segment.
+PYALLOC_INLINE void DeviceAllocator::count_cached(StatType t, const Block* block) {
+  const size_t bytes = block->size;
+  cached_free_bytes_ += bytes;
+  if (bytes != block->segment->size) {
+    stats_.inactive_split.increase(t, 1);
+    stats_.inactive_split_bytes.increase(t, static_cast<int64_t>(bytes));
+  }
+}
+
+PYALLOC_INLINE void DeviceAllocator::uncount_cached(StatType t, const Block* block) {
+  const size_t bytes = block->size;
+  cached_free_bytes_ -= bytes;
+  if (bytes != block->segment->size) {
+    stats_.inactive_split.decrease(t, 1);
+    stats_.inactive_split_bytes.decrease(t, static_cast<int64_t>(bytes));
+  }
+}
+
+PYALLOC_INLINE void DeviceAllocator::insert_free(Block* block) {
+  block->pool->free_blocks.insert(block);
+  count_cached(block->pool->stat, block);
+}
+
+// insert_free() for a block whose stream its pool's free set has seen
+// (FreeSet::reinsert): no call.
+PYALLOC_INLINE void DeviceAllocator::reinsert_free(Block* block) {
+  block->pool->free_blocks.reinsert(block);
+  count_cached(block->pool->stat, block);
+}
+
+PYALLOC_INLINE void DeviceAllocator::erase_free(Block* block) {
+  uncount_cached(block->pool->stat, block);
+  block->pool->free_blocks.erase(block);
+}
+
+}  // namespace pyalloc

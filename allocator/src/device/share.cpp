@@ -1,0 +1,245 @@
+// share.cpp: shared granules, near a full device.
+//
+
+// Note [Shared granules]
+// Stitching moves whole granules only. What stays behind when blocks of
+// sizes that are not whole granules come and go are slivers: the free part
+// of a granule that a live block also lies over. On interleaved_lifetimes
+// (random sizes, blocks living for hundreds of steps among short-lived
+// ones), at the first failed request 86 MiB of the 116 MiB free was in such
+// slivers, 95 of them, none usable by a request of a few MiB.
+//
+// A sliver at the end of a granule (free from offset o to the end, a live
+// block before it) has the same bytes, physically, as the end of any other
+// address range that maps that granule. So a window taken in a hole of the
+// same arena can map that granule a second time as its first granule, the
+// request starting at offset o there; and a sliver at the start of a granule
+// (free up to offset p, a live block after it) can be its last granule, when
+// the request ends at or before p there (plan_share picks the pair that
+// leaves the fewest granules to find; map_share maps them). The window's
+// other granules are new or stitched. So a request needs up to two granules
+// fewer than it spans.
+//
+// The two mappings are twins (Segment::twins). Each owns the bytes at its
+// own offsets that the other does not: the lender keeps its live part, the
+// window gets the rest, and each marks the other's part as a lent block
+// (BlockState::kLent), which is mapped but never free, handed out, or
+// counted: reserved counts the physical granule once (types.hpp I9, I13).
+// Same arena means same stream, so reusing a free sliver through the second
+// address is ordered after its last use like any cache hit.
+//
+// When: only near a full device, since a window costs backend calls and
+// stitching may synchronize the stream.
+//   - Ladder step 2, after stitching found too few whole granules for the
+//     ordinary window (grow_arena).
+//   - Before the cache (share_first), once reserved memory would pass 95% of
+//     what the allocator may reserve (share_from_), for a request of more
+//     than a granule that is not a whole number of them, when the window
+//     takes fewer granules than the best cached fit would (granules_taken).
+//     Waiting for the ladder is too late: a request that fails falls short
+//     by more than two granules, and by then the slivers have piled up; near
+//     the limit, every such request uses up to two of them instead of
+//     splitting a cached block and leaving one more. (Whole-granule requests
+//     leave no sliver where they start on a boundary, Note [Whole granules].)
+//
+// Twins part again lazily, whenever free granules are gathered (untwin_free:
+// stitching, release, empty_cache, and share_first): a twin whose own part is
+// all free is unmapped (after its stream is synchronized) and becomes a hole,
+// and its lent piece in the other twin becomes free memory there. A twin is
+// never shared again; one granule maps at most twice.
+//
+// Measured on the stress suite (docs/benchmarks/2026-11-22-shared-granules-cpu.md),
+// against share=0: interleaved_lifetimes needs 608 MiB instead of 660 (1.03
+// times its live bytes instead of 1.12), two_stream 920 instead of 948, mlp
+// 132 instead of 134 (what the model of PyTorch's allocator needs),
+// mlp_fixed 148 instead of 150, encoder_padding, seq2seq and size_sweep 2 to
+// 4 MiB less; cnn_multiscale 2 MiB more; the rest the same.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
+#include <algorithm>
+
+#include "blocks/arena.hpp"
+#include "device/device_allocator.hpp"
+#include "device/fast_path.hpp"
+
+namespace pyalloc {
+
+// Near a full device (Note [Shared granules]): serves `rounded` bytes from a
+// shared window (plan_share) when it takes fewer granules than the best
+// cached fit would. Twins whose own part is free part first, and the window's
+// fresh granules come from the backend or from free blocks (stitching). The
+// free sets may change even when it returns nullptr.
+Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream) {
+  Segment* arena = arena_for(pool, stream);
+  if (arena == nullptr) return nullptr;
+  if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
+  const SharePlan plan = plan_share(arena, rounded, granule_);
+  if (!plan.found) return nullptr;
+  if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
+    if (plan.fresh >= granules_taken(cached, rounded, granule_)) return nullptr;
+  }
+  std::vector<PhysHandle> handles = new_granules(plan.fresh);
+  SharePlan now = plan;
+  if (handles.size() < plan.fresh) {
+    unmap_free_granules(plan.fresh - handles.size(), 0, 0, &handles);
+    if (handles.size() < plan.fresh) {
+      release_granules(handles);
+      return nullptr;
+    }
+    now = plan_share(arena, rounded, granule_);  // stitching may have split or joined free blocks
+  }
+  Block* block = now.found && now.fresh <= handles.size() ? map_share(arena, now, &handles) : nullptr;
+  release_granules(handles);
+  return block;
+}
+
+// Carries out `plan` (plan_share, on the arena as it is now), taking its
+// fresh granules from the back of `handles`: returns the free block of
+// exactly the planned range, or nullptr (the arena as it was, `handles` as it was) when a map
+// failed.
+Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles) {
+  const size_t g = granule_;
+  const uintptr_t base = arena->base;
+  const uintptr_t lo = plan.lo;
+  const uintptr_t hi = lo + plan.granules * g;
+  assert(handles->size() >= plan.fresh);
+  auto twin_of = [&](size_t i) {
+    if (i == 0 && plan.front != SharePlan::kNone) return plan.front;
+    if (i + 1 == plan.granules && plan.back != SharePlan::kNone) return plan.back;
+    return SharePlan::kNone;
+  };
+
+  // Map first, so that a failure leaves the arena as it was.
+  std::vector<PhysHandle> mapped;
+  for (size_t i = 0; i < plan.granules; ++i) {
+    const size_t twin = twin_of(i);
+    PhysHandle h;
+    if (twin != SharePlan::kNone) {
+      h = arena->phys[twin];
+    } else {
+      h = handles->back();
+      handles->pop_back();
+    }
+    if (!succeeded(backend_->map(device_, lo + i * g, h))) {
+      if (twin == SharePlan::kNone) handles->push_back(h);
+      for (size_t j = 0; j < mapped.size(); ++j) {
+        backend_->unmap(device_, lo + j * g, g);
+        if (twin_of(j) == SharePlan::kNone) handles->push_back(mapped[j]);
+      }
+      return nullptr;
+    }
+    mapped.push_back(h);
+  }
+
+  const size_t first = (lo - base) / g;
+  for (size_t i = 0; i < plan.granules; ++i) arena->phys[first + i] = mapped[i];
+  arena->mapped += plan.granules * g;
+  size_t shared = 0;
+  for (const size_t i : {size_t{0}, plan.granules - 1}) {
+    const size_t twin = twin_of(i);
+    if (twin == SharePlan::kNone) continue;
+    arena->twins[first + i] = twin;
+    arena->twins[twin] = first + i;
+    ++shared;
+  }
+  if (plan.front != SharePlan::kNone) lend(arena, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
+  if (plan.back != SharePlan::kNone) lend(arena, base + plan.back * g, base + plan.back * g + plan.back_own);
+  arena->doubled += shared * g;
+  stats_.num_shared_granules += static_cast<int64_t>(shared);
+  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(plan.fresh * g));
+  trace_.record(TraceAction::kSegmentMap, lo, plan.granules * g, arena->stream);
+
+  // Carve the window out of the hole: [lo, lo + offset) lent to the front
+  // twin, the request's free block, then the back twin's lent end.
+  Block* hole = block_at(arena, lo);
+  assert(hole->state == BlockState::kHole && hole->addr == lo);
+  if (end_of(hole) > hi) split_block(hole, hi - lo);  // the rest stays a hole
+  Block* middle = hole;
+  if (plan.front != SharePlan::kNone) {
+    middle = split_block(hole, plan.offset);
+    hole->state = BlockState::kLent;
+  }
+  if (plan.back != SharePlan::kNone) {
+    Block* tail = split_block(middle, hi - g + plan.back_own - middle->addr);
+    tail->state = BlockState::kLent;
+  }
+  middle->state = BlockState::kFree;
+  Block* block = insert_coalesced(middle);
+  reserved_changed();
+  // The free memory beside the window has joined it: split off what lies
+  // before and after the planned range, so that the request lands on the
+  // granules planned for it (and a whole-granule request stays off a boundary).
+  const uintptr_t at = lo + plan.offset;
+  if (block->addr < at) block = split_free(block, at - block->addr);
+  if (block->size > plan.rounded) split_free(block, plan.rounded);
+  return block;
+}
+
+// Makes [from, to), bytes of one free block, a lent block.
+void DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
+  carve_free(block_at(arena, from), from, to)->state = BlockState::kLent;
+}
+
+// Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
+// its bytes back to the other twin, whose lent piece becomes free memory.
+// The arena's stream must be synchronized.
+void DeviceAllocator::untwin(Segment* arena, size_t slot) {
+  const size_t g = granule_;
+  const uintptr_t lo = arena->base + slot * g;
+  const uintptr_t hi = lo + g;
+  const size_t other = arena->twins.at(slot);
+
+  Block* theirs = lent_block(arena, other, g);
+  theirs->state = BlockState::kFree;
+  insert_coalesced(theirs);
+
+  backend_->unmap(device_, lo, g);
+  trace_.record(TraceAction::kSegmentUnmap, lo, g, arena->stream);
+  arena->phys[slot] = PhysHandle{};
+  arena->twins.erase(slot);
+  arena->twins.erase(other);
+  arena->mapped -= g;
+  arena->doubled -= g;
+
+  // This granule's blocks become one hole: its lent piece and the part of
+  // the free block beside it that lies inside the granule.
+  Block* mine = lent_block(arena, slot, g);
+  Block* beside = mine->addr == lo ? mine->next : mine->prev;
+  Block* own = carve_free(beside, std::max(beside->addr, lo), std::min(end_of(beside), hi));
+  own->state = BlockState::kHole;
+  mine->state = BlockState::kHole;
+  Block* hole = own->addr < mine->addr ? own : mine;
+  make_spare_room(1);
+  absorb_next(hole);
+  merge_holes(hole);
+  reserved_changed();
+}
+
+// Untwins (untwin) every twin of `arena` whose own part is all free, unless
+// that part overlaps [skip_lo, skip_hi); synchronizes the stream first, once.
+// False when the stream could not be synchronized.
+bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi) {
+  std::vector<size_t> slots;
+  for (const auto& t : arena->twins) slots.push_back(t.first);
+  std::sort(slots.begin(), slots.end());
+  bool synchronized = false;
+  for (size_t slot : slots) {
+    if (arena->twins.count(slot) == 0) continue;  // its twin went first
+    const uintptr_t lo = arena->base + slot * granule_;
+    const uintptr_t hi = lo + granule_;
+    // The granule's own part is the rest of it, beside its lent piece: all
+    // free when the block on that side is free and reaches the granule's edge.
+    const Block* mine = lent_block(arena, slot, granule_);
+    const bool lent_first = mine->addr == lo;
+    const Block* own = lent_first ? mine->next : mine->prev;
+    if (!own->is_free() || (lent_first ? end_of(own) < hi : own->addr > lo)) continue;
+    if (own->addr < skip_hi && end_of(own) > skip_lo) continue;
+    if (!synchronized && !(synchronized = synchronize_stream(arena))) return false;
+    untwin(arena, slot);
+  }
+  return true;
+}
+
+}  // namespace pyalloc
