@@ -8,7 +8,8 @@
 //     make_cuda_backend, not a load failure of libpyalloc.so.
 //   - All memory lives in each device's primary context: the one the CUDA
 //     runtime, and so PyTorch and CuPy, use. Pointers we hand out are
-//     therefore valid in their kernels. See Note [Primary context].
+//     therefore valid in their kernels. See Note [Primary context] in
+//     driver.hpp.
 //   - Plain segments: cuMemAlloc_v2 / cuMemFree_v2. Virtual memory:
 //     cuMemAddressReserve, cuMemCreate (pinned device memory), cuMemMap +
 //     cuMemSetAccess, cuMemUnmap. Events come from a per-device pool of
@@ -34,19 +35,8 @@
 // once and leaked, CudaBackend's destructor makes no driver call, and
 // primary contexts are never released: at process exit the driver may
 // already be gone, and a call into it then crashes (Note [Shutdown] in
-// runtime.cpp). ScopedContext's destructor does call the driver, but it is a
+// abi/runtime.cpp). ScopedContext's destructor does call the driver, but it is a
 // local guard that only lives inside a backend call.
-//
-// Note [Primary context]
-//   Each device's primary context is retained on the device's first use,
-//   not at load: creating a context costs hundreds of MiB of device memory,
-//   and a process (one DDP rank) usually uses one device of many. For the
-//   same reason mem_info() on a device whose primary context is not active
-//   yet reports the total as free instead of creating the context to ask.
-//   Around each driver call the context is made current with
-//   cuCtxPushCurrent and popped after, so the calling thread's current
-//   context is left as it was; when it is already current (the usual case
-//   under PyTorch, which makes it current on its threads) nothing is pushed.
 //
 // Note [Event errors]
 //   cuEventQuery returns CUDA_SUCCESS (done), CUDA_ERROR_NOT_READY (still
@@ -57,9 +47,6 @@
 //   forever on memory it can never get back, and the error is remembered
 //   for diagnostics. CUDA_ERROR_DEINITIALIZED (the process is exiting) is
 //   expected then and not reported.
-
-#include <dlfcn.h>
-
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -70,17 +57,14 @@
 #include <vector>
 
 #include "backends/backend.hpp"
+#include "driver.hpp"
 #include "ground/config.hpp"
-#include "driver_api.hpp"
 
 namespace pyalloc {
 namespace {
 
-// The driver's own names read as in NVIDIA's documentation.
-using namespace cuda_driver;  // NOLINT(google-build-using-namespace)
+using namespace cuda_backend;  // NOLINT(google-build-using-namespace)
 
-// Appended to every error that stops the backend from starting.
-constexpr const char* kNoGpuHint = "use backend=host or backend=sim to run without a GPU";
 // Backend contract: segment addresses are aligned to at least this many bytes.
 // cuMemAlloc aligns far more (2 MiB for segment-sized requests); checked anyway.
 constexpr uintptr_t kSegmentAlign = 512;
@@ -91,191 +75,6 @@ constexpr size_t kMaxIdleEvents = 1024;
 // every NVIDIA GPU so far reports. Never 0, which a caller would divide by;
 // reserve() and phys_create() then fail with a message saying why.
 constexpr size_t kFallbackGranularity = size_t{2} << 20;
-
-// ---- the driver, loaded once ---------------------------------------------------
-
-struct DriverApi {
-#define PYALLOC_DECLARE_FUNCTION(name, symbol, signature) \
-  std::add_pointer_t<signature> name = nullptr;
-  PYALLOC_CUDA_DRIVER_FUNCTIONS(PYALLOC_DECLARE_FUNCTION)
-#undef PYALLOC_DECLARE_FUNCTION
-};
-
-// One device's mutable state. `handle` is set at load and never changes;
-// `context` is written once under `mutex` and read without it.
-struct DeviceState {
-  CUdevice handle = 0;
-  std::atomic<CUcontext> context{nullptr};  // retained primary context; never released
-
-  std::mutex mutex;                 // guards the fields below
-  std::vector<CUevent> idle_events; // recorded-and-released events, ready for reuse
-  size_t granularity = 0;           // 0 until first asked
-  int vmm_supported = -1;           // -1 unknown, 0 no, 1 yes
-  uint64_t unreported_errors = 0;   // driver errors a void method could not return
-  std::string first_error;          // the first of them (printed once), for diagnostics
-};
-
-struct Driver {
-  DriverApi api;
-  int device_count = 0;
-  std::unique_ptr<DeviceState[]> devices;  // [device_count]
-};
-
-struct LoadResult {
-  Driver* driver = nullptr;  // leaked on purpose: lives until process exit
-  std::string error;         // why loading failed, when driver is null
-};
-
-// Keeps a message on one line (dlerror and driver strings are not ours).
-std::string one_line(std::string text) {
-  for (char& c : text) {
-    if (c == '\n' || c == '\r') c = ' ';
-  }
-  return text;
-}
-
-// "CUDA_ERROR_OUT_OF_MEMORY (out of memory)"; the number when the driver
-// has no name for it.
-std::string error_text(const DriverApi& api, CUresult rc) {
-  const char* name = nullptr;
-  if (api.cuGetErrorName == nullptr || api.cuGetErrorName(rc, &name) != CUDA_SUCCESS ||
-      name == nullptr) {
-    return "CUresult " + std::to_string(static_cast<int>(rc));
-  }
-  std::string text = name;
-  const char* description = nullptr;
-  if (api.cuGetErrorString != nullptr && api.cuGetErrorString(rc, &description) == CUDA_SUCCESS &&
-      description != nullptr) {
-    text += " (";
-    text += description;
-    text += ")";
-  }
-  return one_line(text);
-}
-
-LoadResult load_driver() {
-  LoadResult out;
-  const std::string library_name = kDriverLibrary;
-
-  dlerror();  // clear any stale error so the one read below is ours
-  void* library = dlopen(kDriverLibrary, RTLD_NOW | RTLD_LOCAL);
-  if (library == nullptr) {
-    const char* why = dlerror();
-    out.error = one_line("backend=cuda: cannot load " + library_name +
-                         " (no NVIDIA driver on this machine?): " +
-                         (why != nullptr ? why : "dlopen failed") + "; " + kNoGpuHint);
-    return out;
-  }
-  // The library stays loaded for the life of the process, also on failure
-  // below: unloading a driver that may have started threads is not safe.
-
-  auto driver = std::make_unique<Driver>();
-  DriverApi& api = driver->api;
-#define PYALLOC_RESOLVE_FUNCTION(name, symbol, signature)                                   \
-  api.name = reinterpret_cast<std::add_pointer_t<signature>>(dlsym(library, #symbol));    \
-  if (api.name == nullptr) {                                                                \
-    out.error = "backend=cuda: " + library_name + " has no " #symbol                        \
-                " (the NVIDIA driver is too old for pyalloc; update it); " + kNoGpuHint;    \
-    return out;                                                                             \
-  }
-  PYALLOC_CUDA_DRIVER_FUNCTIONS(PYALLOC_RESOLVE_FUNCTION)
-#undef PYALLOC_RESOLVE_FUNCTION
-
-  CUresult rc = api.cuInit(0);
-  if (rc != CUDA_SUCCESS) {
-    out.error = "backend=cuda: cuInit failed: " + error_text(api, rc) + "; " + kNoGpuHint;
-    return out;
-  }
-  int count = 0;
-  rc = api.cuDeviceGetCount(&count);
-  if (rc != CUDA_SUCCESS) {
-    out.error = "backend=cuda: cuDeviceGetCount failed: " + error_text(api, rc) + "; " + kNoGpuHint;
-    return out;
-  }
-  if (count <= 0) {
-    out.error = "backend=cuda: the NVIDIA driver sees no CUDA device (is CUDA_VISIBLE_DEVICES "
-                "empty?); " + std::string(kNoGpuHint);
-    return out;
-  }
-  driver->device_count = count;
-  driver->devices = std::make_unique<DeviceState[]>(static_cast<size_t>(count));
-  for (int i = 0; i < count; ++i) {
-    rc = api.cuDeviceGet(&driver->devices[i].handle, i);
-    if (rc != CUDA_SUCCESS) {
-      out.error = "backend=cuda: cuDeviceGet(" + std::to_string(i) + ") failed: " +
-                  error_text(api, rc) + "; " + kNoGpuHint;
-      return out;
-    }
-  }
-  out.driver = driver.release();
-  return out;
-}
-
-// The outcome of loading, computed on the first call (thread-safe static
-// initialization) and the same for every later one: a backend rebuilt by a
-// reconfiguration shares the driver, its contexts and its event pools.
-const LoadResult& driver_load_result() {
-  static const LoadResult* const result = new LoadResult(load_driver());
-  return *result;
-}
-
-// ---- the current context ------------------------------------------------------------
-
-// Retains the device's primary context on first use (Note [Primary context]).
-CUresult primary_context(const DriverApi& api, DeviceState& state, CUcontext* out) {
-  CUcontext context = state.context.load(std::memory_order_acquire);
-  if (context == nullptr) {
-    std::lock_guard<std::mutex> lock(state.mutex);
-    context = state.context.load(std::memory_order_relaxed);
-    if (context == nullptr) {
-      const CUresult rc = api.cuDevicePrimaryCtxRetain(&context, state.handle);
-      if (rc != CUDA_SUCCESS) return rc;
-      state.context.store(context, std::memory_order_release);
-    }
-  }
-  *out = context;
-  return CUDA_SUCCESS;
-}
-
-// Makes a device's primary context current for the guard's scope and then
-// restores the thread's previous one.
-class ScopedContext {
- public:
-  ScopedContext(const DriverApi& api, DeviceState& state) : api_(api) {
-    CUcontext context = nullptr;
-    result_ = primary_context(api, state, &context);
-    if (result_ != CUDA_SUCCESS) {
-      failed_call_ = "cuDevicePrimaryCtxRetain";
-      return;
-    }
-    CUcontext current = nullptr;
-    if (api.cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == context) return;
-    result_ = api.cuCtxPushCurrent(context);
-    if (result_ != CUDA_SUCCESS) {
-      failed_call_ = "cuCtxPushCurrent_v2";
-      return;
-    }
-    pushed_ = true;
-  }
-  ~ScopedContext() {
-    if (pushed_) {
-      CUcontext popped = nullptr;
-      api_.cuCtxPopCurrent(&popped);
-    }
-  }
-  ScopedContext(const ScopedContext&) = delete;
-  ScopedContext& operator=(const ScopedContext&) = delete;
-
-  bool ok() const { return result_ == CUDA_SUCCESS; }
-  CUresult result() const { return result_; }
-  const char* failed_call() const { return failed_call_; }
-
- private:
-  const DriverApi& api_;
-  CUresult result_ = CUDA_SUCCESS;
-  const char* failed_call_ = "";
-  bool pushed_ = false;
-};
 
 CUstream to_stream(StreamId stream) { return reinterpret_cast<CUstream>(stream); }
 CUevent to_event(EventHandle event) { return reinterpret_cast<CUevent>(event); }

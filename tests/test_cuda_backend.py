@@ -34,7 +34,8 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECK_SOURCE = REPO_ROOT / "tests" / "native" / "cuda_driver_api_check.cpp"
-BACKEND_SOURCE = REPO_ROOT / "cuda" / "backend_cuda.cpp"
+# The cuda backend: the Backend over the driver, and the driver's loading.
+BACKEND_SOURCES = (REPO_ROOT / "cuda" / "backend_cuda.cpp", REPO_ROOT / "cuda" / "driver.cpp")
 LIBRARY_SOURCE_DIRS = (REPO_ROOT / "allocator", REPO_ROOT / "cuda")
 
 # How long a compile or a child process may take before the test fails.
@@ -238,7 +239,7 @@ def test_cuda_backend_compiles_with_gcc_alone() -> None:
     command = [
         cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra",
         f"-I{REPO_ROOT / 'allocator' / 'src'}", f"-I{REPO_ROOT / 'allocator' / 'include'}",
-        str(BACKEND_SOURCE),
+        *map(str, BACKEND_SOURCES),
     ]
     proc = subprocess.run(
         command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, env=env
@@ -247,7 +248,7 @@ def test_cuda_backend_compiles_with_gcc_alone() -> None:
     own_warnings = [
         line
         for line in proc.stderr.splitlines()
-        if "backend_cuda.cpp" in line and "warning:" in line
+        if "/cuda/" in line and "warning:" in line
     ]
     assert not own_warnings, "\n".join(own_warnings)
 
@@ -320,7 +321,7 @@ def test_backend_methods_against_fake_driver(fake_driver: Path, tmp_path: Path) 
         [
             _cxx(), "-std=c++17", "-O1", "-g", "-Wall", "-Wextra",
             f"-I{REPO_ROOT / 'allocator' / 'src'}", f"-I{REPO_ROOT / 'allocator' / 'include'}",
-            str(harness), str(BACKEND_SOURCE), "-ldl", "-lpthread", "-o", str(binary),
+            str(harness), *map(str, BACKEND_SOURCES), "-ldl", "-lpthread", "-o", str(binary),
         ]
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_CUDA_")}
@@ -1104,7 +1105,7 @@ EXPORT const char* fake_cuda_misuse_report() {
 }
 '''
 
-HARNESS_SOURCE = r'''// Drives every method of the cuda backend (cuda/backend_cuda.cpp, compiled
+HARNESS_SOURCE = r'''// Drives every method of the cuda backend (cuda/backend_cuda.cpp and driver.cpp, compiled
 // in) against the fake libcuda.so.1, which counts misuse. Prints one line
 // per failed expectation and "ALL OK" when there is none.
 #include <dlfcn.h>

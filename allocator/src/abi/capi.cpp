@@ -11,10 +11,10 @@
 #include <new>
 #include <string>
 
+#include "abi/runtime.hpp"
+#include "device/fast_path.hpp"
 #include "ground/json.hpp"
 #include "pyalloc/pyalloc.h"
-#include "device/fast_path.hpp"
-#include "abi/runtime.hpp"
 
 using pyalloc::DeviceAllocator;
 using pyalloc::FreeResult;
@@ -156,7 +156,7 @@ __attribute__((noinline)) void unlock_then_free(DeviceAllocator* d, void* ptr, s
 
 extern "C" {
 
-// Note [Fast path] (device_allocator_inl.hpp): a cache hit in the default
+// Note [Fast path] (device/fast_path.hpp): a cache hit in the default
 // pool makes no call; anything else, errors included, ends in one tail call
 // to the general path.
 void* pyalloc_malloc(size_t size, int device, void* stream) {

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "backends/backend.hpp"
+#include "device/device_allocator.hpp"
 #include "ground/config.hpp"
 #include "ground/last_error.hpp"
-#include "device/device_allocator.hpp"
 #include "pyalloc/pyalloc.h"
 
 namespace pyalloc {

@@ -13,7 +13,7 @@
 //     concurrently.
 //   - A backend never calls back into the allocator.
 //   - Destructors make no device call: backends live until process exit and
-//     are intentionally leaked (see Note [Shutdown] in runtime.cpp).
+//     are intentionally leaked (see Note [Shutdown] in abi/runtime.cpp).
 #pragma once
 
 #include <cstddef>

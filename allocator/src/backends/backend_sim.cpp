@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "backends/backend.hpp"
-#include "ground/config.hpp"
 #include "backends/countdown_events.hpp"
+#include "ground/config.hpp"
 
 namespace pyalloc {
 

@@ -27,11 +27,12 @@
 //                granules mapped where blocks need them (Note [Arenas]).
 //   hole         a block of an arena with no physical memory behind it.
 //   twin         one of the two granules of an arena that map the same
-//                physical granule (Note [Shared granules] in arena.cpp).
+//                physical granule (Note [Shared granules], device/share.cpp).
 //   lent         the part of a twin that the other twin uses: mapped here,
 //                but never handed out or cached here.
 //
-// Invariants (checked by DeviceAllocator::check, i.e. pyalloc_check)
+// Invariants (pyalloc_check: I1..I9 and I13 by observe/check.cpp's walk,
+// I10..I12 by the device allocator beside it, device/reports.cpp)
 //   I1  the blocks of a segment tile it: first.addr == base,
 //       b.next.addr == b.addr + b.size, sum(b.size) == segment.size
 //   I2  no two address-adjacent blocks of a segment are both free
@@ -44,21 +45,21 @@
 //   I7  every counter's current value equals what the walk sums, for all,
 //       small-pool and large-pool stat types
 //   I8  block sizes and addresses are multiples of kBlockAlign (512 B)
-//   I9  in an arena (Note [Arenas] in arena.cpp): a hole starts and ends on
-//       granule boundaries, no two holes are adjacent, and a granule is
-//       mapped  <=>  some non-hole block overlaps it; reserved counts
+//   I9  in an arena (Note [Arenas] in device/arena.cpp): a hole starts and
+//       ends on granule boundaries, no two holes are adjacent, and a granule
+//       is mapped  <=>  some non-hole block overlaps it; reserved counts
 //       physical bytes (mapped bytes less one granule per pair of twins), so
 //       reserved == sum of the sizes of blocks neither hole nor lent
 //   I10 the plan region, while a plan holds one (Note [Iteration plans] in
-//       plan.cpp), is a plain segment of the plan pool, and every planned
-//       slot lies inside it
-//   I11 with lifetime-aware placement on (Note [Lifetime-aware placement]
-//       in lifetime.cpp), every call is diverted from the fast path; with it
-//       off, the long pool holds no segment
+//       policy/plan.cpp), is a plain segment of the plan pool, and every
+//       planned slot lies inside it
+//   I11 with lifetime-aware placement on (Note [Lifetime-aware placement] in
+//       policy/lifetime.cpp), every call is diverted from the fast path; with
+//       it off, the long pool holds no segment
 //   I12 the small pool holds only requests of at most kSmallRequest, and
-//       with vmm=shared (Note [One arena for small and large] in arena.cpp)
-//       no segment at all
-//   I13 twins (Note [Shared granules] in arena.cpp) come in pairs of
+//       with vmm=shared (Note [One arena for small and large] in
+//       device/arena.cpp) no segment at all
+//   I13 twins (Note [Shared granules] in device/share.cpp) come in pairs of
 //       granules of one arena that name each other and the same physical
 //       granule; a lent block is one piece of one twin, at its start or its
 //       end, and the two twins' lent pieces are complementary: what one lends,
@@ -93,13 +94,14 @@ inline size_t round_up_to(size_t n, size_t step) { return (n + step - 1) / step 
 // kHole and kLent exist only in arenas. A hole is unmapped address space,
 // never handed out as it is, never in a free set. A lent block is mapped, but
 // its bytes belong to the block at the same offsets of its granule's twin
-// (Note [Shared granules] in arena.cpp): never handed out, cached or counted.
+// (Note [Shared granules] in device/share.cpp): never handed out, cached or
+// counted.
 enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole, kLent };
 
-// kPlan: the region of an iteration plan (Note [Iteration plans] in plan.cpp),
-// never chosen for a request by size.
+// kPlan: the region of an iteration plan (Note [Iteration plans] in
+// policy/plan.cpp), never chosen for a request by size.
 // kLong: requests predicted long-lived (Note [Lifetime-aware placement] in
-// lifetime.cpp).
+// policy/lifetime.cpp).
 enum class PoolKind : uint8_t { kSmall, kLarge, kUser, kPlan, kLong };
 
 // Stat types, as in torch.cuda.memory_stats(): all / small_pool / large_pool.
@@ -143,7 +145,7 @@ struct Segment {
   // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
   // not mapped); `mapped` counts the bytes of backed granules. twins[i] == j
   // and twins[j] == i when granules i and j map the same physical granule
-  // (Note [Shared granules] in arena.cpp); `doubled` counts one granule per
+  // (Note [Shared granules] in device/share.cpp); `doubled` counts one granule per
   // such pair.
   bool arena = false;
   size_t mapped = 0;

@@ -1,6 +1,5 @@
 // arena.cpp: growing in virtual-memory arenas, and stitching (ladder step 2).
 //
-
 // Note [Arenas]
 // With `vmm` on, a pool does not grow by whole segments. It owns one arena
 // per stream: a reservation of address space as large as the device, backed

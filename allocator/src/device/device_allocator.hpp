@@ -9,7 +9,7 @@
 //     that from a segment of their own rounded up to 2 MiB. A thread's current
 //     user pool overrides both. With `lifetime` on, requests predicted to
 //     outlive the next 32 go to the long pool instead (Note [Lifetime-aware
-//     placement] in lifetime.cpp).
+//     placement] in policy/lifetime.cpp).
 //   - With `vmm` on, the large and user pools (and with vmm=all the small
 //     pool) grow in virtual-memory arenas instead: granules mapped where the
 //     request fits best, and stitched from free slivers under pressure
@@ -41,16 +41,16 @@
 #include <unordered_map>
 #include <vector>
 
-#include "policy/lifetime.hpp"
-#include "policy/plan.hpp"
-#include "blocks/ptr_map.hpp"
 #include "backends/backend.hpp"
 #include "blocks/arena.hpp"
-#include "ground/config.hpp"
+#include "blocks/ptr_map.hpp"
+#include "blocks/types.hpp"
 #include "device/device_mutex.hpp"
+#include "ground/config.hpp"
 #include "observe/stats.hpp"
 #include "observe/trace.hpp"
-#include "blocks/types.hpp"
+#include "policy/lifetime.hpp"
+#include "policy/plan.hpp"
 
 namespace pyalloc {
 

@@ -1,19 +1,18 @@
 // fast_path.hpp: the cache-hit path of DeviceAllocator, and the general
 // path's entry points, inline.
 //
-
 // Note [Fast path]
 // pyalloc_malloc and pyalloc_free first try malloc_cached() / free_cached():
 // a request the cache serves (best fit, split, merge) in the default pool.
 // These make no call that returns to them (only tail calls, and the futex
-// wake of a contended unlock), so the C entry points (capi.cpp) need no
+// wake of a contended unlock), so the C entry points (abi/capi.cpp) need no
 // frame, few saved registers and no exception scope. Whatever would need a
 // call makes them give up before anything has changed, and the entry point
 // takes the general path, malloc() / free() under guarded(), which does the
 // same operation the same way:
 //   - both: a contended lock, a retired allocator, a planner at work or
 //     lifetime-aware placement (divert_), a trace being recorded;
-//   - malloc: a thread in a user pool (capi.cpp), a pending free (active
+//   - malloc: a thread in a user pool (abi/capi.cpp), a pending free (active
 //     peaks), no fitting block (the slow path), a live map that must grow, a
 //     split with no spare Block object, a split in an arena that starts the
 //     block on a granule boundary (Note [Whole granules]);

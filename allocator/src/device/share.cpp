@@ -1,6 +1,5 @@
 // share.cpp: shared granules, near a full device.
 //
-
 // Note [Shared granules]
 // Stitching moves whole granules only. What stays behind when blocks of
 // sizes that are not whole granules come and go are slivers: the free part

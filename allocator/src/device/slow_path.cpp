@@ -1,6 +1,5 @@
 // slow_path.cpp: a request the cache cannot serve, and giving memory back.
 //
-
 // Note [Pressure ladder]
 // A request that finds no cached block goes to malloc_slow(), which climbs
 // until one step yields a block:

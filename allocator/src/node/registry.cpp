@@ -35,7 +35,6 @@
 #include <new>
 #include <thread>
 
-
 namespace pyalloc {
 
 namespace {

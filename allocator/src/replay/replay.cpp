@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "replay/native_model.hpp"
-#include "pyalloc/pyalloc.h"
 #include "abi/runtime.hpp"
+#include "pyalloc/pyalloc.h"
+#include "replay/native_model.hpp"
 
 namespace pyalloc {
 
