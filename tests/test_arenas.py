@@ -258,3 +258,21 @@ def test_vmm_is_a_layout_key_with_a_clear_error_for_bad_values() -> None:
     assert pyalloc.config()["vmm"] == "shared"
     pyalloc.configure(fresh_conf("sim"))
     assert pyalloc.config()["vmm"] == "auto"
+
+
+def test_a_small_segment_finds_room_in_arenas_above_a_lowered_memory_fraction(arenas: Allocator) -> None:
+    # Found by the property test: the arena caches 100 MiB on one stream, then
+    # the limit drops to 64 MiB. A small request on another stream needs a
+    # plain 2 MiB segment; stitching gave back only 2 MiB of the arena's free
+    # granules, still over the limit, and the request failed with nothing live.
+    pyalloc.set_memory_fraction(0.5, 0)  # 128 MiB of the 256 MiB device
+    big = arenas.malloc(100 * MiB, stream=0)
+    arenas.free(big)
+    pyalloc.set_memory_fraction(0.25, 0)  # 64 MiB: less than the arena holds
+    assert arenas.stats()["reserved_bytes.all.current"] == 100 * MiB
+    small = arenas.malloc(4096, stream=1)
+    assert small != 0
+    assert arenas.stats()["reserved_bytes.all.current"] <= 64 * MiB
+    if arenas.backend == "host":
+        fill(small, 4096, 0x5A)
+        assert holds(small, 4096, 0x5A)

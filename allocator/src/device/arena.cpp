@@ -368,11 +368,17 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
 }
 
 // Ladder step 2. A pool without arenas grows by plain segments from the
-// backend: the arenas' free granules go back to it first.
+// backend: the arenas' free granules go back to it first, as many as the
+// segment needs, or more when memory_fraction's limit was lowered below what
+// is reserved: enough to bring the segment under it.
 Block* DeviceAllocator::stitch(Pool& pool, size_t rounded, StreamId stream) {
   if (vmm_ == VmmMode::kOff) return nullptr;
   if (pool.in_arenas) return grow_arena(pool, rounded, stream, /*stitch=*/true);
-  if (release_arena_memory(segment_size_for(pool, rounded)) == 0) return nullptr;
+  const size_t size = segment_size_for(pool, rounded);
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  const size_t limit = reserved_limit();
+  const size_t over = limit != SIZE_MAX && reserved + size > limit ? reserved + size - limit : 0;
+  if (release_arena_memory(std::max(size, over)) == 0) return nullptr;
   return grow(pool, rounded, stream);
 }
 
