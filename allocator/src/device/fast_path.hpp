@@ -177,13 +177,20 @@ PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int p
 }
 
 // A request served by the cache: best fit, else the slow path. Near a full
-// device, a shared window first when it takes fewer granules (Note [Shared
-// granules]).
+// device, a request that would split its best fit tries a shared window
+// first, used when it takes fewer granules (Note [Shared granules]); a fit
+// that needs no split is taken as it is, as the fast path takes it, so that
+// the path a request happens to take (a contended lock, a trace being
+// recorded) never changes where it goes.
 PYALLOC_INLINE Block* DeviceAllocator::alloc_block(Pool& pool, size_t size, size_t rounded, StreamId stream,
                                                    int* status) {
-  Block* block = nullptr;
-  if (PYALLOC_UNLIKELY(shares_first(pool, rounded))) block = share_first(pool, rounded, stream);
-  if (block == nullptr) block = pool.free_blocks.best_fit(stream, rounded);
+  Block* block = pool.free_blocks.best_fit(stream, rounded);
+  if (PYALLOC_UNLIKELY(shares_first(pool, rounded)) &&
+      (block == nullptr || should_split(pool, block->size - rounded))) {
+    Block* shared = share_first(pool, rounded, stream);
+    // share_first may change the free sets even when it finds no window.
+    block = shared != nullptr ? shared : pool.free_blocks.best_fit(stream, rounded);
+  }
   if (PYALLOC_UNLIKELY(block == nullptr)) {
     block = malloc_slow(pool, size, rounded, stream, status);
     if (block == nullptr) return nullptr;

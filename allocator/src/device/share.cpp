@@ -35,6 +35,8 @@
 //     what the allocator may reserve (share_from_), for a request of more
 //     than a granule that is not a whole number of them, when the window
 //     takes fewer granules than the best cached fit would (granules_taken).
+//     A cached block that fits with no split is taken as it is, on either
+//     path (alloc_block).
 //     Waiting for the ladder is too late: a request that fails falls short
 //     by more than two granules, and by then the slivers have piled up; near
 //     the limit, every such request uses up to two of them instead of
