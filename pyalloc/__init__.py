@@ -1,4 +1,18 @@
-"""pyalloc: a caching, stream-ordered, fragmentation-aware GPU memory allocator."""
+"""pyalloc: a caching, stream-ordered, fragmentation-aware GPU memory allocator.
+
+This module is the public API. The package, by layer (each subpackage's docstring says what it
+may import and what must never come to it; tests/test_package_layers.py checks):
+
+- the core binding, here at the top: ``_lib`` (loading libpyalloc.so with ctypes), ``core``
+  (configure, malloc, free, stats, pools, snapshots), ``cupy_allocator`` (CuPy's hook) and
+  ``cli`` (the ``pyalloc`` command, which finds the commands of the subpackages by name);
+- ``pytorch``: installing pyalloc into PyTorch, PyTorch's memory API, training-state pools,
+  ``pyalloc run``;
+- ``offloading``: the activation offload manager (``pyalloc.offload``);
+- ``traces``: the trace format, record, replay, the stress suite and its workloads;
+- ``gpumemd``: the node daemon, with the registry reader; it needs neither torch nor the
+  library.
+"""
 
 from __future__ import annotations
 
@@ -28,12 +42,9 @@ from .core import (
     unregister_pressure_callback,
     version,
 )
-from .torch_compat import (
-    install,
-    install_cupy,
-    patch_torch_memory_api,
-    unpatch_torch_memory_api,
-)
+from .cupy_allocator import install_cupy
+from .pytorch.install import install
+from .pytorch.memory_api import patch_torch_memory_api, unpatch_torch_memory_api
 
 __all__ = [
     "PyallocError",
@@ -74,11 +85,11 @@ def __getattr__(name: str) -> object:
     # The offload manager needs torch; import it only when asked for, so that
     # `import pyalloc` (and gpumemd, which never needs torch) stays light.
     if name == "offload":
-        from .offload_manager import offload
+        from .offloading.session import offload
 
         return offload
     if name == "relocate_training_state":
-        from .training_state import relocate_training_state
+        from .pytorch.training_state import relocate_training_state
 
         return relocate_training_state
     raise AttributeError(f"module 'pyalloc' has no attribute {name!r}")

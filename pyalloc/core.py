@@ -5,10 +5,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import pickle
-import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from ._lib import PressureCallback, PyallocError, check_status, last_error, lib, read_json
 
@@ -152,18 +151,28 @@ def memory_stats(device: int = 0) -> "OrderedDict[str, Any]":
     stats = read_json(lib().pyalloc_stats_json, device)
     if "error" in stats:
         raise PyallocError(stats["error"])
-    stats.update(offload_stats())
+    stats.update(extra_stats())
     return OrderedDict(sorted(stats.items()))
 
 
-def offload_stats() -> dict[str, float]:
-    """The counters of the offload session started last, as ``offload.*`` keys; empty if none.
+# Figures other parts of pyalloc add to memory_stats() (the offload session's, as offload.*),
+# by prefix: read at each call. The core never imports those parts.
+_stats_sources: dict[str, Callable[[], Mapping[str, float] | None]] = {}
 
-    Never imports torch: if the offload manager was never imported, no session exists.
-    """
-    manager = sys.modules.get("pyalloc.offload_manager")
-    stats = manager.latest_session_stats() if manager is not None else None
-    return {f"offload.{key}": value for key, value in (stats or {}).items()}
+
+def add_stats_source(prefix: str, source: Callable[[], Mapping[str, float] | None]) -> None:
+    """Adds ``<prefix>.<key>`` figures to :func:`memory_stats`: ``source()`` is called each time
+    and returns the figures, or None when it has none now."""
+    _stats_sources[prefix] = source
+
+
+def extra_stats() -> dict[str, float]:
+    """The figures of every source added with :func:`add_stats_source`, as ``<prefix>.<key>``."""
+    out: dict[str, float] = {}
+    for prefix, source in list(_stats_sources.items()):
+        for key, value in (source() or {}).items():
+            out[f"{prefix}.{key}"] = value
+    return out
 
 
 def reset_peak_memory_stats(device: int = 0) -> None:

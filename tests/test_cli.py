@@ -16,6 +16,7 @@ import pytest
 
 import pyalloc
 from pyalloc import cli
+from pyalloc.pytorch import run as run_command
 
 PACKAGE_ROOT = str(Path(pyalloc.__file__).resolve().parent.parent)
 NO_CUDA_WARNING = "pyalloc: warning: CUDA is not available"
@@ -105,7 +106,7 @@ def test_run_without_cuda_warns_once_and_program_still_runs() -> None:
     result = run_python(
         """
         import torch, pyalloc
-        print("ran", pyalloc.torch_compat.is_installed(), torch.ones(3).sum().item())
+        print("ran", pyalloc.pytorch.install.is_installed(), torch.ones(3).sum().item())
         """
     )
     assert result.returncode == 0, result.stderr
@@ -197,12 +198,12 @@ def test_run_bad_conf_value_names_the_key_and_accepted_form() -> None:
 
 
 def test_child_environment_puts_bootstrap_first_once() -> None:
-    bootstrap = str(cli.BOOTSTRAP_DIR)
-    env = cli.child_environment({"PYTHONPATH": os.pathsep.join(["/a", bootstrap])}, None)
+    bootstrap = str(run_command.BOOTSTRAP_DIR)
+    env = run_command.child_environment({"PYTHONPATH": os.pathsep.join(["/a", bootstrap])}, None)
     assert env["PYTHONPATH"].split(os.pathsep) == [bootstrap, "/a"]
     assert env["PYALLOC_AUTOINSTALL"] == "1"
     assert "PYALLOC_CONF" not in env
-    assert (cli.BOOTSTRAP_DIR / "sitecustomize.py").is_file()
+    assert (run_command.BOOTSTRAP_DIR / "sitecustomize.py").is_file()
 
 
 # ---- pyalloc config --------------------------------------------------------------

@@ -19,3 +19,7 @@ def test_the_offload_manager_is_still_reachable_from_the_package() -> None:
     import pyalloc
 
     assert callable(pyalloc.offload)
+    # Importing the offload manager's modules must not replace the function with a module.
+    import pyalloc.offloading.session  # noqa: F401
+
+    assert callable(pyalloc.offload) and pyalloc.offload.__name__ == "offload"

@@ -17,8 +17,8 @@ import pytest
 
 import pyalloc
 from allocator_fixture import MECHANISM_VARIANTS, Allocator, fresh_allocator, fresh_conf, mechanism_allocator
-from pyalloc.replay import find_min_capacity, replay
-from pyalloc import stress
+from pyalloc.traces.replay import find_min_capacity, replay
+from pyalloc.traces import stress
 
 KiB = 1 << 10
 MiB = 1 << 20

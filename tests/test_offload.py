@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import weakref
 from typing import Callable
 
 import pytest
@@ -11,7 +9,7 @@ import torch
 from torch import nn
 
 import pyalloc
-from pyalloc.offload_manager import ActivationOffload, OffloadError, offload
+from pyalloc.offloading.session import ActivationOffload, OffloadError, offload
 
 
 # ---------------------------------------------------------------------------------------------

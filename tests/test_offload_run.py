@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 import pyalloc
-from pyalloc import cli, offload_process
-from pyalloc.offload_manager import OffloadError, offload
+from pyalloc import cli
+from pyalloc.offloading import process as offload_process
+from pyalloc.pytorch import run as run_command
+from pyalloc.offloading.session import OffloadError, offload
 
 from test_cli import child_env, pyalloc_cli
 
@@ -131,14 +133,14 @@ def test_run_offload_stats_needs_offload(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_run_offload_sets_the_environment_the_bootstrap_reads() -> None:
-    env = cli.child_environment({}, None, "512MiB", "/tmp/s.{pid}.json")
+    env = run_command.child_environment({}, None, "512MiB", "/tmp/s.{pid}.json")
     assert env["PYALLOC_OFFLOAD"] == "512MiB"
     assert env["PYALLOC_OFFLOAD_STATS"] == "/tmp/s.{pid}.json"
-    assert "PYALLOC_OFFLOAD" not in cli.child_environment({}, None)
+    assert "PYALLOC_OFFLOAD" not in run_command.child_environment({}, None)
 
 
 def test_bootstrap_refuses_a_bad_offload_environment_in_one_line() -> None:
-    env = cli.child_environment(child_env(), None, "bogus")
+    env = run_command.child_environment(child_env(), None, "bogus")
     result = _python("import torch; print('ran')", env)
     assert result.returncode == 1
     assert "ran" not in result.stdout
@@ -149,7 +151,7 @@ def test_bootstrap_refuses_a_bad_offload_environment_in_one_line() -> None:
 
 def test_bootstrap_offload_without_budget_on_cpu_warns_and_evicts_nothing(tmp_path: Path) -> None:
     stats_path = tmp_path / "stats.json"
-    env = cli.child_environment(child_env(), None, "auto", str(stats_path))
+    env = run_command.child_environment(child_env(), None, "auto", str(stats_path))
     result = _python(
         """
         import torch

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyalloc import replay, stress
+from pyalloc.traces import replay, stress
 
 MiB = 1 << 20
 STEP = 2 * MiB

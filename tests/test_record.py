@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import pyalloc
-from pyalloc import cli, models, record, replay
-from pyalloc.trace import ALLOC, FREE, MARK, Trace, load, parse_lines, workloads_dir
+from pyalloc import cli
+from pyalloc.traces import models, record, replay
+from pyalloc.traces.trace import ALLOC, FREE, MARK, Trace, load, parse_lines, workloads_dir
 
 MiB = 1 << 20
 SHIPPED = ["transformer_lm", "encoder_padding", "cnn_multiscale", "lstm_varlen", "seq2seq_varlen", "mlp_fixed"]
@@ -30,8 +31,8 @@ SHIPPED = ["transformer_lm", "encoder_padding", "cnn_multiscale", "lstm_varlen",
 def pyalloc_main(*argv: str) -> int:
     """``pyalloc ARGV`` in this process, with ``record`` registered as cli.py will register it."""
     saved = list(cli.COMMAND_MODULES)
-    if "pyalloc.record" not in cli.COMMAND_MODULES:
-        cli.COMMAND_MODULES.append("pyalloc.record")
+    if "pyalloc.traces.record" not in cli.COMMAND_MODULES:
+        cli.COMMAND_MODULES.append("pyalloc.traces.record")
     try:
         return cli.main(list(argv))
     finally:

@@ -17,7 +17,7 @@ import pytest
 
 import pyalloc
 from allocator_fixture import Allocator, fill, fresh_conf, holds, rebuilt
-from pyalloc import replay, stress
+from pyalloc.traces import replay, stress
 
 MiB = 1 << 20
 

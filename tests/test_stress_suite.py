@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 import pyalloc
-from pyalloc import generators, stress
-from pyalloc.generators import KiB, MiB, TraceBuilder
-from pyalloc.replay import configure_for_replay, find_min_capacity, flatten, replay
-from pyalloc.trace import ALLOC, FREE, MARK, Trace
+from pyalloc.traces import generators, stress
+from pyalloc.traces.generators import KiB, MiB, TraceBuilder
+from pyalloc.traces.replay import configure_for_replay, find_min_capacity, flatten, replay
+from pyalloc.traces.trace import ALLOC, FREE, MARK, Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -306,7 +306,7 @@ def test_replay_on_the_configured_backend_matches_replay() -> None:
 def run_stress(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    code = f"from pyalloc import stress; raise SystemExit(stress.main({list(args)!r}))"
+    code = f"from pyalloc.traces import stress; raise SystemExit(stress.main({list(args)!r}))"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120, cwd=ROOT)
 
@@ -361,7 +361,7 @@ def test_stress_refuses_an_unknown_workload_in_one_line_with_exit_1(tmp_path: Pa
 
 def test_stress_picks_up_every_recorded_workload_and_every_generator() -> None:
     names = stress.available_workloads()
-    recorded = {p.name.split(".")[0] for p in (ROOT / "pyalloc" / "workloads").glob("*.jsonl.gz")}
+    recorded = {p.name.split(".")[0] for p in (ROOT / "pyalloc" / "traces" / "workloads").glob("*.jsonl.gz")}
     assert recorded and recorded <= set(names)
     assert set(generators.GENERATORS) <= set(names)
 

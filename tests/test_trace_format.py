@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pyalloc.trace import ALLOC, FREE, MARK, TraceError, load, parse_lines, workloads_dir
+from pyalloc.traces.trace import ALLOC, FREE, MARK, TraceError, load, parse_lines, workloads_dir
 
 HEADER = '{"version": 1, "source": "hand-built"}'
 

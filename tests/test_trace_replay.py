@@ -1,4 +1,4 @@
-"""Replays the sample traces (pyalloc/workloads/{mlp,seq2seq}.jsonl.gz) through the Python binding.
+"""Replays the sample traces (pyalloc/traces/workloads/{mlp,seq2seq}.jsonl.gz) through the Python binding.
 
 On the host backend every block is tagged at its start, middle and end with
 a value derived from its trace id, and the tags are verified when the trace
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import pyalloc
-from pyalloc import trace as trace_format
+from pyalloc.traces import trace as trace_format
 
 DATA = trace_format.workloads_dir()
 MiB = 1 << 20
@@ -56,7 +56,7 @@ class Trace:
 
 
 def load_trace(path: Path) -> Trace:
-    """Reads a trace with pyalloc.trace (which validates every line) and derives the expected figures."""
+    """Reads a trace with pyalloc.traces.trace (which validates every line) and derives the expected figures."""
     parsed = trace_format.load(path)
     trace = Trace(path.name, marks=len(parsed.marks))
     live: dict[int, int] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -12,7 +11,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from .. import registry
+from . import registry
 from . import reaper
 from .model import Collector
 from .table import render

@@ -7,13 +7,12 @@ them; psutil says who it is and whether it is alive. Unknown stays None.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import registry
+from . import registry
 from . import nvml as nvml_collector
 from .procinfo import DEFAULT_SUBREAPERS, ProcessSampler, ProcInfo
 

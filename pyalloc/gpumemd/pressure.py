@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import registry
+from . import registry
 
 MAX_REQUEST_BYTES = 4096
 READ_TIMEOUT_S = 2.0

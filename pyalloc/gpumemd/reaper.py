@@ -305,7 +305,7 @@ def enforce(decisions: list[Decision], grace_s: float) -> None:
     while pending and time.monotonic() < deadline:
         for target in [t for t in pending if _gone(t)]:
             d, fd = pending.pop(target)
-            d.result = f"SIGTERM: exited"
+            d.result = "SIGTERM: exited"
             os.close(fd)
         time.sleep(0.05)
     for target, (d, fd) in pending.items():

@@ -2,7 +2,7 @@
 
 Swap-outs copy on a side stream into pinned buffers and keep the device tensor until the copy's
 event completes; swap-ins (prefetches included) copy on the side stream and the compute stream
-waits for them only at use (pyalloc/offload_manager.py, Note [Copies on CUDA]). A missing wait
+waits for them only at use (pyalloc/offloading/swap.py, Note [Copies on CUDA]). A missing wait
 or a tensor freed under a copy shows here as gradients that differ from a run without offload.
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pyalloc
-from pyalloc.offload_manager import offload
+from pyalloc.offloading.session import offload
 
 
 def make_model():
@@ -134,7 +134,7 @@ def test_run_offload_on_cuda_matches_a_run_without(gpu_python: Callable[..., Any
 _NEIGHBOUR_SCRIPT = """
 import torch
 import pyalloc
-from pyalloc.offload_manager import ActivationOffload
+from pyalloc.offloading.session import ActivationOffload
 
 a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
 b = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")

@@ -73,8 +73,8 @@ with torch.cuda.stream(stream_a):
     z.fill_(2.0)
 torch.cuda.synchronize()
 result["z_ok"] = bool((z == 2.0).all().item())
-import pyalloc.torch_compat
-if pyalloc.torch_compat.is_installed():
+import pyalloc.pytorch.install
+if pyalloc.pytorch.install.is_installed():
     pyalloc.check(0)
 emit(result)
 """

@@ -89,7 +89,7 @@ result = {"mlp": train_mlp(), "transformer": train_transformer()}
 torch.cuda.synchronize()
 try:
     import pyalloc
-    from pyalloc.torch_compat import is_installed
+    from pyalloc.pytorch.install import is_installed
 except ImportError:
     is_installed = lambda: False
 if is_installed():

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from pyalloc import registry
+from pyalloc.gpumemd import registry
 
 
 def publish(args: argparse.Namespace) -> registry.RecordWriter:

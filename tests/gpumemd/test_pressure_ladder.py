@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import pyalloc.registry as registry
+from pyalloc.gpumemd import registry
 
 from .conftest import env
 

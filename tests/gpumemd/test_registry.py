@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pyalloc import registry
+from pyalloc.gpumemd import registry
 
 from .conftest import ROOT
 

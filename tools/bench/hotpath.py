@@ -112,10 +112,10 @@ def build_binary(library: Path, out: Path) -> Path:
 
 
 def write_trace_text(trace_path: Path, out: Path) -> None:
-    """The trace in hotpath.cpp's text format: validated by pyalloc.trace, ids made dense slots."""
+    """The trace in hotpath.cpp's text format: validated by pyalloc.traces.trace, ids made dense slots."""
     sys.path.insert(0, str(ROOT))
-    from pyalloc.replay import flatten  # noqa: E402  (the package in this checkout)
-    from pyalloc.trace import ALLOC, FREE, load_any  # noqa: E402
+    from pyalloc.traces.replay import flatten  # noqa: E402  (the package in this checkout)
+    from pyalloc.traces.trace import ALLOC, FREE, load_any  # noqa: E402
 
     flat = flatten(load_any(trace_path), trace_path.name.split(".")[0])
     lines = []

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pyalloc.offload_manager import offload
+from pyalloc.offloading.session import offload
 
 
 class _Block(nn.Module):

@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import core
-from ._lib import PyallocError, lib
+from .. import core
+from .._lib import PyallocError, lib
 from .trace import ALLOC, FREE, Trace, load, workloads_dir
 
 MiB = 1 << 20

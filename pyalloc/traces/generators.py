@@ -1,8 +1,8 @@
 """Generated adversarial allocation patterns for the fragmentation stress suite.
 
 Recorded workloads show how real models behave; these show where a caching
-allocator breaks. Each generator returns a :class:`pyalloc.trace.Trace`
-built from trace-format JSON lines through :func:`pyalloc.trace.parse_lines`,
+allocator breaks. Each generator returns a :class:`pyalloc.traces.trace.Trace`
+built from trace-format JSON lines through :func:`pyalloc.traces.trace.parse_lines`,
 so a generated trace passes exactly the validation a recorded one does. Each
 is deterministic given its seed (``random.Random(seed)``, no global state),
 marks iteration boundaries with ``{"op": "mark", "name": "iteration"}``, and

@@ -20,7 +20,7 @@ for pyalloc, and running silently without it would mislead.
 ``pyalloc run --offload[=BUDGET]`` also sets ``PYALLOC_OFFLOAD``: then, after
 the install (or the warning: offload works on CPU too), the same hook starts
 the process-wide offload session on the main thread
-(``pyalloc/offload_process.py``, Note [Process-wide session]).
+(``pyalloc/offloading/process.py``, Note [Process-wide session]).
 
 Then it chains to the ``sitecustomize`` this one shadows, if any, so a site's
 or a virtual environment's own customization still runs.
@@ -37,11 +37,12 @@ from types import ModuleType
 from typing import Any, Sequence
 
 AUTOINSTALL_ENV = "PYALLOC_AUTOINSTALL"
-OFFLOAD_ENV = "PYALLOC_OFFLOAD"  # pyalloc.offload_process.OFFLOAD_ENV
+OFFLOAD_ENV = "PYALLOC_OFFLOAD"  # pyalloc.offloading.process.OFFLOAD_ENV
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# The folder holding the pyalloc package that this file belongs to.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(_HERE))
+# The folder holding the pyalloc package that this file belongs to
+# (this file is pyalloc/pytorch/_bootstrap/sitecustomize.py).
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
 
 
 def _import_pyalloc() -> ModuleType:
@@ -73,7 +74,7 @@ def _install_into_torch() -> None:
 
     try:
         pyalloc = _import_pyalloc()
-        reason = pyalloc.torch_compat.cuda_unavailable_reason(torch)
+        reason = importlib.import_module("pyalloc.pytorch.install").cuda_unavailable_reason(torch)
         if reason is not None:
             sys.stderr.write(
                 f"pyalloc: warning: CUDA is not available ({reason}); "
@@ -91,7 +92,7 @@ def _install_into_torch() -> None:
 
 def _start_offload() -> None:
     try:
-        importlib.import_module("pyalloc.offload_process").start_from_environment()
+        importlib.import_module("pyalloc.offloading.process").start_from_environment()
     except Exception as exc:  # a bad $PYALLOC_OFFLOAD (pyalloc run validates --offload)
         sys.stderr.write(f"pyalloc: error: cannot start the offload session: {exc}\n")
         sys.stderr.flush()

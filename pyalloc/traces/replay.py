@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import core
-from ._lib import PyallocError, check_status, lib
+from .. import core
+from .._lib import PyallocError, check_status, lib
 from .trace import ALLOC, FREE, Trace, TraceError, load_any
 
 MiB = 1 << 20

@@ -466,7 +466,7 @@ class MLPFixed(TrainingRun):
 class Workload:
     """A built-in workload: its run class, its full-size and test-size configurations.
 
-    ``stem`` names its recorded trace in ``pyalloc/workloads/``: ``mlp`` and
+    ``stem`` names its recorded trace in ``pyalloc/traces/workloads/``: ``mlp`` and
     ``seq2seq`` are recorded as ``mlp_fixed`` and ``seq2seq_varlen`` because
     ``mlp.jsonl.gz`` and ``seq2seq.jsonl.gz`` are the GPU-scale samples.
     """

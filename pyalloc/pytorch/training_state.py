@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from .core import pool
+from ..core import pool
 
 __all__ = ["RelocatedState", "relocate_training_state"]
 

@@ -7,7 +7,7 @@ address A pairs with the next free at A):
                     to the CPU allocator, with its address and signed size. No GPU needed.
   cuda, native      torch.cuda.memory._record_memory_history + _snapshot() under
                     PyTorch's own caching allocator; its device trace is converted
-                    with pyalloc.trace.from_snapshot.
+                    with pyalloc.traces.trace.from_snapshot.
   cuda, pyalloc     pyalloc installed as PyTorch's allocator, recording into its own
                     trace ring; pyalloc.snapshot() has the same device_traces format.
   --from-snapshot   a snapshot pickle someone recorded elsewhere.
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ._lib import PyallocError
+from .._lib import PyallocError
 from .trace import ALLOC, FREE, MARK, Trace, TraceError, _SnapshotUnpickler, from_snapshot
 
 ITERATION_MARK = "iteration"
@@ -250,10 +250,11 @@ def record_cuda(setup: Callable[[], Step], steps: int, *, allocator: str = "nati
     if not torch.cuda.is_available():
         raise PyallocError("--device cuda needs a GPU and a CUDA build of PyTorch; this process has neither "
                            "(record on the CPU instead: --device cpu)")
-    from . import core
+    from .. import core
 
     if allocator == "pyalloc":
-        from .torch_compat import MAX_HISTORY_ENTRIES, install
+        from ..pytorch.install import install
+        from ..pytorch.memory_api import MAX_HISTORY_ENTRIES
 
         install()  # before anything starts CUDA
         entries = min(max_entries, MAX_HISTORY_ENTRIES)
@@ -299,7 +300,7 @@ def record_cuda(setup: Callable[[], Step], steps: int, *, allocator: str = "nati
 def record_workload(name: str, steps: int = 8, seed: int = 0, device: str = "cpu", *, tiny: bool = False,
                     allocator: str = "native", max_entries: int = DEFAULT_MAX_ENTRIES,
                     progress: bool | None = None) -> RecordedTrace:
-    """Records ``steps`` training steps of a built-in workload (pyalloc.models) on ``device``.
+    """Records ``steps`` training steps of a built-in workload (pyalloc.traces.models) on ``device``.
 
     The trace's ``source`` says what the model and its shape dynamics are,
     and how it was recorded; a GPU recording also carries ``device_capacity``.
@@ -406,7 +407,7 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import UsageError
+    from ..command import UsageError
 
     if (args.model is None) == (args.from_snapshot is None):
         raise UsageError("record: give a MODEL to record or --from-snapshot PICKLE to convert (one of them)")

@@ -2,7 +2,7 @@
 
 Note [Process-wide session]
     ``pyalloc run --offload[=BUDGET]`` sets ``$PYALLOC_OFFLOAD`` (``auto`` or a size); the
-    bootstrap (``pyalloc/_bootstrap/sitecustomize.py``) calls :func:`start_from_environment`
+    bootstrap (``pyalloc/pytorch/_bootstrap/sitecustomize.py``) calls :func:`start_from_environment`
     right after ``import torch`` completes. That enters an :class:`ActivationOffload` session
     on the main thread and never leaves it: its saved-tensor hooks and its call-recording
     ``TorchFunctionMode`` stay on the main thread's stacks for the life of the program.
@@ -32,8 +32,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .core import parse_budget
-from .offload_manager import ActivationOffload
+from ..core import parse_budget
+from .session import ActivationOffload
 
 __all__ = ["OFFLOAD_ENV", "STATS_ENV", "session", "start", "start_from_environment", "stop"]
 
@@ -110,7 +110,7 @@ def start_from_environment(environ: Mapping[str, str] | None = None) -> Activati
         sys.stderr.write("pyalloc: warning: torch was first imported outside the main thread; "
                          "--offload applies to the main thread only and is off\n")
         return None
-    from .torch_compat import is_installed
+    from ..pytorch.install import is_installed
 
     installed = is_installed()
     if budget is None and not installed:

@@ -1,7 +1,7 @@
 """`pyalloc stress`: the fragmentation stress suite.
 
-Runs every workload, the recorded ones shipped in pyalloc/workloads/ and the
-generated adversarial patterns of pyalloc.generators, through each policy
+Runs every workload, the recorded ones shipped in pyalloc/traces/workloads/ and the
+generated adversarial patterns of pyalloc.traces.generators, through each policy
 on the sim backend (fake addresses at GPU scale: 80 GiB unless a trace says
 otherwise), and reports for each: peak live bytes, peak reserved bytes, the
 smallest capacity with no failed allocation (min capacity, 2 MiB steps, and
@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import core, generators
-from ._lib import PyallocError
+from .. import core
+from . import generators
+from .._lib import PyallocError
 from .replay import (
     DEFAULT_CAPACITY,
     POLICIES,
@@ -94,7 +95,7 @@ class Workload:
 
 
 def recorded_workloads() -> dict[str, Path]:
-    """Every ``*.jsonl.gz`` shipped in pyalloc/workloads/, by name (file name up to the first dot)."""
+    """Every ``*.jsonl.gz`` shipped in pyalloc/traces/workloads/, by name (file name up to the first dot)."""
     return {p.name.split(".")[0]: p for p in sorted(workloads_dir().glob("*.jsonl.gz"))}
 
 
@@ -500,7 +501,7 @@ def _run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", metavar="NAME,...",
                         help="workloads to run (default: all recorded and generated: "
-                             "see pyalloc/workloads/ and pyalloc.generators)")
+                             "see pyalloc/traces/workloads/ and pyalloc.traces.generators)")
     parser.add_argument("--policies", metavar="NAME,...", default="pyalloc,pyalloc-small-pool,pyalloc-plain,native",
                         help="policies to compare (default: pyalloc,pyalloc-small-pool,pyalloc-plain,native; "
                              "pyalloc-small-pool is the previous defaults (vmm=on), pyalloc-plain pyalloc "
@@ -531,7 +532,7 @@ def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pyalloc.stress ...``: the same command without the ``pyalloc`` front end."""
+    """``python -m pyalloc.traces.stress ...``: the same command without the ``pyalloc`` front end."""
     parser = argparse.ArgumentParser(prog="pyalloc stress", description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

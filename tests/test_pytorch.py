@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import pyalloc
-from pyalloc import PyallocError, torch_compat
+from pyalloc import PyallocError
+from pyalloc.pytorch import install as torch_install
+from pyalloc.pytorch import memory_api
 from pyalloc._lib import lib
 
 MiB = 1 << 20
@@ -23,10 +25,10 @@ MiB = 1 << 20
 # top of whatever an earlier test left in force.
 HOST_CONF = (
     "backend=host,devices=2,capacity=64MiB,trace=0,event_delay=0,memory_fraction=1,"
-    "max_cached=unlimited,round_power2=0"
+    "max_cached=unlimited,round_power2=0,vmm=auto,plan=0,lifetime=0,share=1"
 )
 
-PATCHED_NAMES = list(torch_compat._REPLACEMENTS)
+PATCHED_NAMES = list(memory_api._REPLACEMENTS)
 
 
 @pytest.fixture
@@ -71,7 +73,7 @@ def test_install_without_cuda_raises_pyalloc_error_naming_the_cause() -> None:
     assert not torch.cuda.is_available()  # this suite runs on a CPU-only machine
     with pytest.raises(PyallocError, match=r"needs CUDA: .*(without CUDA|is_available)"):
         pyalloc.install()
-    assert not torch_compat.is_installed()
+    assert not torch_install.is_installed()
 
 
 class FakePluggable:
@@ -108,10 +110,10 @@ def fake_cuda_torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
         lambda *a: FakePluggable(*a, setters=ALL_SETTERS),
     )
     monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", changed.append)
-    monkeypatch.setattr(torch_compat, "config", lambda: {"backend": "cuda"})
-    monkeypatch.setattr(torch_compat, "device_count", lambda: 1)
-    monkeypatch.setattr(torch_compat, "_installed_allocator", None)
-    monkeypatch.delenv(torch_compat.PATCH_ENV, raising=False)
+    monkeypatch.setattr(torch_install, "config", lambda: {"backend": "cuda"})
+    monkeypatch.setattr(torch_install, "device_count", lambda: 1)
+    monkeypatch.setattr(torch_install, "_installed_allocator", None)
+    monkeypatch.delenv(torch_install.PATCH_ENV, raising=False)
     FakePluggable.instances.clear()
     yield changed
     pyalloc.unpatch_torch_memory_api()
@@ -131,8 +133,8 @@ def test_install_wires_malloc_free_and_every_hook_by_raw_address(fake_cuda_torch
         "set_memory_fraction_fn": _address("pyalloc_set_memory_fraction"),
     }
     assert fake_cuda_torch == [pluggable]
-    assert torch_compat.is_installed()
-    assert torch.cuda.memory_stats is torch_compat.memory_stats  # patched by default
+    assert torch_install.is_installed()
+    assert torch.cuda.memory_stats is memory_api.memory_stats  # patched by default
 
 
 def test_second_install_is_a_no_op(fake_cuda_torch: list[Any]) -> None:
@@ -150,7 +152,7 @@ def test_install_warns_when_torch_cannot_wire_record_stream(
         "CUDAPluggableAllocator",
         lambda *a: FakePluggable(*a, setters=("set_reset_fn", "set_memory_fraction_fn")),
     )
-    with pytest.warns(torch_compat.PyallocWarning, match="record_stream"):
+    with pytest.warns(torch_install.PyallocWarning, match="record_stream"):
         pyalloc.install()
     assert set(FakePluggable.instances[0].wired) == {"set_reset_fn", "set_memory_fraction_fn"}
 
@@ -171,7 +173,7 @@ def test_install_refuses_once_cuda_is_initialized_and_says_how_to_fix(
 def test_install_refuses_a_backend_the_gpu_cannot_use(
     fake_cuda_torch: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch_compat, "config", lambda: {"backend": "host"})
+    monkeypatch.setattr(torch_install, "config", lambda: {"backend": "host"})
     with pytest.raises(PyallocError, match="needs backend=cuda.*backend=host"):
         pyalloc.install()
     assert fake_cuda_torch == []
@@ -180,7 +182,7 @@ def test_install_refuses_a_backend_the_gpu_cannot_use(
 def test_install_refuses_when_the_cuda_backend_did_not_start(
     fake_cuda_torch: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch_compat, "device_count", lambda: 0)
+    monkeypatch.setattr(torch_install, "device_count", lambda: 0)
     with pytest.raises(PyallocError, match="cuda backend did not start"):
         pyalloc.install()
     assert fake_cuda_torch == []
@@ -194,9 +196,9 @@ def test_install_leaves_torch_unpatched_when_opted_out(
     if how == "argument":
         pyalloc.install(patch_torch=False)
     else:
-        monkeypatch.setenv(torch_compat.PATCH_ENV, "0")
+        monkeypatch.setenv(torch_install.PATCH_ENV, "0")
         pyalloc.install()
-    assert torch_compat.is_installed()
+    assert torch_install.is_installed()
     assert torch.cuda.memory_stats is original
 
 
@@ -334,7 +336,7 @@ def test_patched_record_memory_history_sets_trace_ring(patched: None) -> None:
     record(enabled=None)
     assert pyalloc.config()["trace"] == 0
     record()  # PyTorch's default is unbounded: a bounded default instead
-    assert pyalloc.config()["trace"] == torch_compat.DEFAULT_HISTORY_ENTRIES
+    assert pyalloc.config()["trace"] == memory_api.DEFAULT_HISTORY_ENTRIES
     record("state")
     assert pyalloc.config()["trace"] == 0
     record(True, trace_alloc_max_entries=12)  # type: ignore[arg-type]  # legacy boolean form

@@ -1,0 +1,29 @@
+"""The contract between the ``pyalloc`` command (:mod:`pyalloc.cli`) and the modules that add
+subcommands to it.
+
+A module named in ``pyalloc.cli.COMMAND_MODULES`` defines ``register_cli(subparsers)``, which
+adds its parser and sets ``handler`` (``Namespace -> exit code``) on it. A handler raises
+:class:`UsageError` for a mistake in the command line (one line on stderr, exit status 2) or
+``PyallocError`` for a failure (one line, exit status 1).
+
+A module of its own, so that ``python -m pyalloc.cli`` (which runs the CLI as ``__main__``) and
+the command modules see one and the same :class:`UsageError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+Handler = Callable[[argparse.Namespace], int]
+Subparsers = Any  # argparse._SubParsersAction[argparse.ArgumentParser]
+Register = Callable[[Subparsers], None]
+
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 127  # as shells report a command that does not exist
+
+PYALLOC_EINVAL = 1  # enum pyalloc_status in pyalloc.h
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit status 2."""

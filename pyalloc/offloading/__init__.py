@@ -1,0 +1,18 @@
+"""The activation offload manager: swap and recompute of saved activations under pressure.
+
+What lives here: the session behind ``pyalloc.offload`` (``session``: ActivationOffload), the
+torch calls it records and replays (``calls``, Note [Producers and replay]; ``args``: taking
+call arguments apart), the DTR cost model (``cost``, Note [Free neighbours]), host swap
+(``swap``: host buffers and side-stream copies, Note [Copies on CUDA]), the saved-activation
+handle (``saved``), and the process-wide session of ``pyalloc run --offload`` (``process``).
+
+Named ``offloading``, not ``offload``: ``pyalloc.offload`` is the public function, and a
+subpackage of that name would replace it as an attribute of ``pyalloc`` once imported.
+
+May import: torch, the core binding (``pyalloc.core``: pressure callbacks, free neighbours,
+stats), ``pyalloc.pytorch`` (whether pyalloc is PyTorch's allocator).
+
+Must never come here: trace tooling or gpumemd. Nothing in the core binding imports this
+package: the facade does so lazily, and the session's figures reach ``memory_stats()`` through
+``pyalloc.core.add_stats_source``.
+"""

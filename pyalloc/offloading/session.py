@@ -1,0 +1,545 @@
+"""An offload session: swap and recompute of saved activations under memory pressure (issue 6).
+
+``pyalloc.offload(budget=...)`` wraps a training step. Every tensor autograd saves for backward
+becomes a :class:`SavedActivation` the session tracks. When the resident saved bytes go over the
+budget, or the allocator's pressure ladder (step 3) asks for memory, the session evicts the
+activation with the lowest DTR score (:mod:`.cost`) and either copies it to a reusable host buffer
+(swap, :mod:`.swap`) or drops it and regenerates it on use by replaying the call that produced it
+(recompute, :mod:`.calls`).
+
+Limits: tensors smaller than ``min_evict_bytes``, parameters, leaves and non-strided tensors are
+never evicted. Evicting a tensor that something else still references frees no real memory; the
+budget counts the bytes the session itself keeps resident.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+import weakref
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from ..core import add_stats_source
+from . import cost
+from .args import TensorMap
+from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
+from .saved import DROPPED, RESIDENT, SWAPPED, SavedActivation
+from .swap import Copy, HostSwap
+
+__all__ = ["ActivationOffload", "OffloadError", "latest_session_stats", "offload"]
+
+MIN_EVICT_BYTES = 64 << 10
+"""Tensors under 64 KiB are never evicted: bookkeeping would cost more than they free."""
+
+PREFETCH_WINDOW = 64
+"""How many handles back (in pack order) a prefetch looks for swapped ones: backward will reach
+the ones further back later, and a longer scan would cost each unpack time linear in the step."""
+
+MAX_REPLAY_CHAIN = 400
+"""Hard stop for a replay chain (cost.MAX_REPLAY_DEPTH, the estimate's limit, may be exceeded when
+ancestors are evicted later)."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class OffloadError(RuntimeError):
+    """Misuse of the offload session (nesting), or a dropped tensor that can't be regenerated."""
+
+
+_active = threading.local()
+_latest: "weakref.ref[ActivationOffload] | None" = None  # the session last started, for memory_stats()
+
+
+def latest_session_stats() -> dict[str, float] | None:
+    """Stats of the session started last in this process, if it is still alive (for
+    ``pyalloc.memory_stats()``, which reports them as ``offload.*``)."""
+    session = _latest() if _latest is not None else None
+    return session.stats() if session is not None else None
+
+
+add_stats_source("offload", latest_session_stats)
+
+
+class ActivationOffload:
+    """A training-step session that swaps and recomputes saved activations to stay in budget.
+
+    Use as ``with pyalloc.offload(budget="1GiB") as session:`` around forward and backward, or as
+    a decorator. ``session.stats()`` gives the counters.
+    """
+
+    def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
+                 *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
+                 pressure_callback: bool = True) -> None:
+        if isinstance(budget, str):
+            from ..core import parse_size
+
+            budget = parse_size(budget)
+        if budget is not None and budget < 0:
+            raise ValueError(f"budget must be a non-negative number of bytes, got {budget}")
+        self.budget = budget
+        self.swap = swap
+        self.recompute = recompute
+        self.min_evict_bytes = min_evict_bytes
+        self.prefetch = prefetch
+        self.pressure_callback = pressure_callback
+        self._cuda = torch.cuda.is_available()
+        # pyalloc.free_neighbours when pyalloc is the CUDA allocator (Note [Free neighbours]).
+        self._free_neighbours: cost.NeighbourQuery | None = cost.neighbour_query(self._cuda)
+        self._host = HostSwap(pin=self._cuda)
+        self.pool = self._host.pool
+        self._lock = threading.RLock()
+        self._busy = threading.local()
+        self._stack: contextlib.ExitStack | None = None
+        self._replaying = False
+        self._callback_handle: int | None = None
+        self._calls = CallRecorder(self._cuda)
+        self._passthrough = autograd_entry_points()
+        self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offloading.process)
+        self._inert = False  # left behind in a forked child: packs and calls pass through
+        self._clock = 0
+        self._pack_seq = 0
+        self.resident_bytes = 0
+        self.unevictable_bytes = 0
+        self.swapped_bytes = 0
+        self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
+        self._new_step()
+        self._stats: dict[str, float] = {k: 0 for k in (
+            "saved_tensors_total", "swap_outs_total", "swap_ins_total", "drops_total", "recomputed_tensors_total",
+            "replays_total", "prefetches_total", "swap_out_bytes_total", "swap_in_bytes_total", "dropped_bytes_total",
+            "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
+            "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
+            "swap_outs_reverted_total")}
+
+    # -- per-step state --------------------------------------------------------------------
+
+    def _new_step(self) -> None:
+        """Starts a step's bookkeeping. Call records and the pack order are per step (a record
+        that outlived its step would chain every later step's inputs to it); handles that
+        outlive the step (a retained graph, a forward never backpropagated) carry over, still
+        counted and evictable. The clock and the byte counters run on."""
+        live = sorted(self._handles.values(), key=lambda h: h.seq)
+        self._handles = weakref.WeakValueDictionary((id(h), h) for h in live)
+        self._by_tensor = TensorMap()  # tensor -> weakref(handle)
+        self._order: list[weakref.ref] = []  # pack order, for prefetch
+        self._reorder(live)
+        self._calls.new_step()
+
+    def _reorder(self, handles: list[SavedActivation]) -> None:
+        self._order = [weakref.ref(h) for h in handles]
+        for i, h in enumerate(handles):
+            h.pos = i
+        self._order_prune_at = max(1024, 2 * len(self._order))
+
+    def end_step(self) -> None:
+        """A step boundary: reaps finished copies and starts the next step's bookkeeping.
+
+        The ``with`` form does this on exit; the process-wide session of ``pyalloc run
+        --offload`` after each outermost ``backward()`` or ``autograd.grad()``.
+        """
+        with self._lock:
+            self._host.reap(wait=False)
+            self._new_step()
+            self._stats["steps_total"] += 1
+
+    # -- context manager / decorator -------------------------------------------------------
+
+    def __enter__(self) -> "ActivationOffload":
+        global _latest
+        active = getattr(_active, "session", None)
+        if active is not None and active._process_wide:
+            raise OffloadError("`pyalloc run --offload` already runs an offload session in this "
+                               "thread: remove --offload, or the pyalloc.offload() in the program")
+        if active is not None:
+            raise OffloadError("pyalloc.offload is already active in this thread: nested offload "
+                               "sessions are not supported (use one session around the whole step)")
+        with self._lock:
+            self._new_step()
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            if self.recompute:
+                stack.enter_context(CallTracker(self))
+            if self.pressure_callback:
+                self._register_pressure_callback(stack)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        _active.session = self
+        _latest = weakref.ref(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._leave_thread()
+        self.end_step()
+
+    def _leave_thread(self) -> None:
+        """Takes the hooks and the mode off this thread's stacks; touches no device."""
+        _active.session = None
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    def _register_pressure_callback(self, stack: contextlib.ExitStack) -> None:
+        try:
+            from ..core import register_pressure_callback, unregister_pressure_callback
+
+            handle = register_pressure_callback(self.on_pressure)
+        except Exception:  # no library loaded: the budget alone drives eviction
+            return
+        self._callback_handle = handle
+
+        def unregister() -> None:
+            self._callback_handle = None
+            with contextlib.suppress(Exception):
+                unregister_pressure_callback(handle)
+
+        stack.callback(unregister)
+
+    # -- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """The session's counters: ``*_total`` accumulate over steps since the session was made,
+        ``*_peak`` are highs, the rest are current values.
+
+        ``swapped_out_bytes`` is what sits in host buffers now; ``swap_out_bytes_total`` and
+        ``swap_in_bytes_total`` are the copy traffic each way; ``recomputed_tensors_total``
+        counts dropped tensors regenerated (``replays_total`` the calls re-run for them, inputs
+        included); ``evictions_total`` = swap-outs + drops. ``swap_seconds_total`` and
+        ``recompute_seconds_total`` are host time spent in copies and replays (with CUDA's
+        asynchronous copies, the time spent issuing them). ``budget_bytes`` is -1 without a
+        budget.
+        """
+        st = self._stats
+        out = dict(st)
+        out.update(budget_bytes=self.budget if self.budget is not None else -1,
+                   resident_bytes=self.resident_bytes, swapped_out_bytes=self.swapped_bytes,
+                   unevictable_bytes=self.unevictable_bytes,
+                   evictions_total=st["swap_outs_total"] + st["drops_total"],
+                   copies_in_flight=len(self._host),
+                   host_pool_reserved_bytes=self.pool.reserved_bytes,
+                   host_pool_reuses_total=self.pool.reuses)
+        return dict(sorted(out.items()))
+
+    def _note_peak(self) -> None:
+        st = self._stats
+        st["resident_bytes_peak"] = max(st["resident_bytes_peak"], self.resident_bytes)
+        st["evictable_resident_bytes_peak"] = max(
+            st["evictable_resident_bytes_peak"], self.resident_bytes - self.unevictable_bytes)
+
+    # -- pack / unpack ---------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._replaying or self._inert:
+            return t
+        with self._lock:
+            if self._host:
+                self._host.reap(wait=False)
+            self._pack_seq += 1
+            self._clock += 1
+            self._stats["saved_tensors_total"] += 1
+            ref = self._by_tensor.get(t) if isinstance(t, torch.Tensor) else None
+            h = ref() if ref is not None else None
+            if h is not None and h.dtype == t.dtype and h.shape == tuple(t.shape) and h.stride == tuple(t.stride()):
+                if h.state != RESIDENT:
+                    self._make_resident(h, t)  # alive anyway: holding it costs nothing extra
+                h.last_use = self._clock
+                return h
+            h = SavedActivation(self, t, self._clock)
+            self._attribute(h, t)
+            self._handles[id(h)] = h
+            self._by_tensor[t] = weakref.ref(h)  # weak: the handle holds the key tensor
+            h.pos = len(self._order)
+            self._order.append(weakref.ref(h))
+            if len(self._order) > self._order_prune_at:  # a step with no boundary (no backward)
+                self._reorder([x for x in (r() for r in self._order) if x is not None])
+            self.resident_bytes += h.nbytes
+            if not h.evictable:
+                self.unevictable_bytes += h.nbytes
+            self._enforce_budget(exclude=None)
+            self._note_peak()
+            return h
+
+    def _attribute(self, h: SavedActivation, t: torch.Tensor) -> None:
+        """Finds how ``t`` could be regenerated: as a call's output, or a call's internal pack."""
+        if not h.evictable:
+            return
+        prod = self._calls.producers.get(t)
+        if prod is not None and prod[2] == t._version:
+            h.producer = (prod[0], "out", prod[1], prod[2])
+            prod[0].out_handles[prod[1]] = weakref.ref(h)
+            return
+        if self._calls.current:
+            call, inputs = self._calls.current[-1]
+            ptr = t.untyped_storage().data_ptr()
+            if any(x is t or x.untyped_storage().data_ptr() == ptr for x in inputs):
+                return  # an alias of the call's own input: replay would need it first
+            h.producer = (call, "pack", self._pack_seq - call.pack_start - 1, t._version)
+
+    def _unpack(self, h: Any) -> torch.Tensor:
+        if not isinstance(h, SavedActivation):
+            return h
+        with self._lock:
+            if self._host:
+                self._host.reap(wait=False)
+            self._clock += 1
+            h.last_use = self._clock
+            if h.state != RESIDENT:
+                self._materialize(h, depth=0)
+                self._enforce_budget(exclude=h)
+            self._prefetch_before(h)
+            self._note_peak()
+            return self._use(h)
+
+    @staticmethod
+    def _use(h: SavedActivation) -> torch.Tensor:
+        """``h``'s tensor, for use on the current stream (after its swap-in copy, on CUDA)."""
+        t = h.tensor
+        assert t is not None
+        if h.ready is not None:
+            torch.cuda.current_stream(t.device).wait_event(h.ready)
+            h.ready = None
+        return t
+
+    def _forget(self, h: SavedActivation) -> None:
+        with self._lock:
+            if h.state == RESIDENT:
+                self.resident_bytes -= h.nbytes
+                if not h.evictable:
+                    self.unevictable_bytes -= h.nbytes
+            elif h.state == SWAPPED:
+                self.swapped_bytes -= h.nbytes
+            self._host.release_host(h)
+            h.tensor = None
+            h.ready = None
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def _enforce_budget(self, exclude: SavedActivation | None) -> None:
+        if self.budget is None:
+            return
+        while self.resident_bytes - self.unevictable_bytes > self.budget:
+            if not self._evict_one(exclude):
+                break
+
+    def _evict_one(self, exclude: SavedActivation | None) -> int:
+        best: tuple[float, SavedActivation, str] | None = None
+        for h in list(self._handles.values()):
+            if h is exclude or h.state != RESIDENT or not h.evictable:
+                continue
+            score, how = cost.score(h, self._clock, self.swap, self.recompute, self._free_neighbours)
+            if score == float("inf") or (best is not None and score >= best[0]):
+                continue
+            best = (score, h, how)
+        if best is None:
+            return 0
+        _, h, how = best
+        if how == "drop":
+            self._drop(h)
+        else:
+            self._swap_out(h)
+        return h.nbytes
+
+    def _leave_resident(self, h: SavedActivation) -> None:
+        self.resident_bytes -= h.nbytes
+        h.tensor = None
+        h.ready = None  # a swap-in copy still in flight keeps its own reference (Copy.keep)
+
+    def _make_resident(self, h: SavedActivation, t: torch.Tensor) -> None:
+        if h.state == SWAPPED:
+            self.swapped_bytes -= h.nbytes
+            self._host.release_host(h)
+        h.tensor = t
+        h.state = RESIDENT
+        self.resident_bytes += h.nbytes
+
+    def _swap_out(self, h: SavedActivation) -> None:
+        t = h.tensor
+        assert t is not None
+        t0 = time.perf_counter()
+        buf = self.pool.acquire(h.nbytes)
+        flat = torch.as_strided(t, (h.span,), (1,), t.storage_offset())
+        dst = buf[: h.nbytes].view(h.dtype)
+        if t.is_cuda:  # asynchronous; see Note [Copies on CUDA] in swap.py
+            event = self._host.copy(dst, flat, t.device)
+            h.pending = Copy(event, t, [], h.nbytes)
+            self._host.track(h.pending)
+        else:
+            dst.copy_(flat)
+        h.host = buf
+        h.state = SWAPPED
+        self._leave_resident(h)
+        self.swapped_bytes += h.nbytes
+        st = self._stats
+        st["swap_outs_total"] += 1
+        st["swap_out_bytes_total"] += h.nbytes
+        st["swap_seconds_total"] += time.perf_counter() - t0
+
+    def _swap_in(self, h: SavedActivation) -> None:
+        assert h.host is not None
+        pending = h.pending
+        if pending is not None and pending.keep is not None:
+            # The swap-out copy may still run: the device tensor is intact, take it back.
+            self._make_resident(h, pending.keep)
+            self._stats["swap_outs_reverted_total"] += 1
+            return
+        t0 = time.perf_counter()
+        src = h.host[: h.nbytes].view(h.dtype)
+        flat = torch.empty(h.span, dtype=h.dtype, device=h.device)
+        if h.device.type == "cuda":  # asynchronous; see Note [Copies on CUDA] in swap.py
+            event = self._host.copy(flat, src, h.device)
+            self._host.track(Copy(event, flat, [h.host], h.nbytes))
+            h.host = None  # back to the pool when the copy is done
+            h.pending = None
+        else:
+            flat.copy_(src)
+            event = None
+        t = torch.as_strided(flat, h.shape, h.stride, 0)
+        self._make_resident(h, t)
+        h.ready = event
+        st = self._stats
+        st["swap_ins_total"] += 1
+        st["swap_in_bytes_total"] += h.nbytes
+        st["swap_seconds_total"] += time.perf_counter() - t0
+
+    def _drop(self, h: SavedActivation) -> None:
+        h.state = DROPPED
+        self._leave_resident(h)
+        self._stats["drops_total"] += 1
+        self._stats["dropped_bytes_total"] += h.nbytes
+
+    # -- materialize -----------------------------------------------------------------------
+
+    def _materialize(self, h: SavedActivation, depth: int) -> None:
+        if h.state == SWAPPED:
+            self._swap_in(h)
+        elif h.state == DROPPED:
+            assert h.producer is not None
+            call, kind, index, version = h.producer
+            outputs, packs = self._replay(call, depth)
+            t = outputs[index] if kind == "out" else packs[index]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != h.shape or tuple(t.stride()) != h.stride:
+                raise OffloadError(f"replaying {call.name} did not regenerate the dropped tensor "
+                                   f"(shape {h.shape}, stride {h.stride})")
+            self._make_resident(h, t.detach())
+            self._stats["recomputed_tensors_total"] += 1
+
+    def _resolve(self, ref: Any, depth: int) -> Any:
+        if isinstance(ref, Kept):
+            if ref.tensor._version != ref.version:
+                raise OffloadError("a tensor a dropped activation depends on was modified in place")
+            return ref.tensor
+        if isinstance(ref, Produced):
+            t = ref.call.live_output(ref.index, ref.version)
+            h = ref.call.out_handle(ref.index) if t is None else None
+            if h is not None:
+                if h.state != RESIDENT:
+                    self._materialize(h, depth + 1)
+                t = self._use(h)
+            if t is None:
+                outputs, _ = self._replay(ref.call, depth + 1)
+                t = outputs[ref.index]
+            t = t.detach()
+            if ref.requires_grad:
+                t.requires_grad_(True)
+            return t
+        return ref
+
+    def _replay(self, call: ProducerCall, depth: int) -> tuple[list[Any], list[torch.Tensor]]:
+        """Re-runs ``call`` bit for bit: same inputs, grad mode, requires_grad and RNG state."""
+        if not call.replayable or depth > MAX_REPLAY_CHAIN:
+            raise OffloadError(f"cannot replay {call.name} to regenerate a dropped activation")
+        resolved: dict[int, Any] = {}
+        leaves = []
+        for r in call.leaves:
+            if isinstance(r, (Kept, Produced)):
+                if id(r) not in resolved:
+                    resolved[id(r)] = self._resolve(r, depth)
+                leaves.append(resolved[id(r)])
+            else:
+                leaves.append(r)
+        t0 = time.perf_counter()
+        was_replaying, self._replaying = self._replaying, True
+        try:
+            outputs, packs = replay_call(call, leaves)
+        finally:
+            self._replaying = was_replaying
+        self._stats["replays_total"] += 1
+        self._stats["recompute_seconds_total"] += time.perf_counter() - t0
+        return outputs, packs
+
+    def _prefetch_before(self, h: SavedActivation) -> None:
+        """Backward runs in reverse pack order: swap in the next few handles ahead of their use.
+
+        On CUDA the copy would overlap compute on the side stream; on CPU this is bookkeeping
+        plus an early copy, done only while it fits the budget.
+        """
+        pos = h.pos
+        if self.prefetch <= 0 or self.swapped_bytes == 0 or not 0 <= pos < len(self._order) \
+                or self._order[pos]() is not h:
+            return
+        fetched = 0
+        for i in range(pos - 1, max(-1, pos - 1 - PREFETCH_WINDOW), -1):
+            if fetched >= self.prefetch:
+                break
+            other = self._order[i]()
+            if other is None or other.state != SWAPPED:
+                continue
+            if self.budget is not None and \
+                    self.resident_bytes - self.unevictable_bytes + other.nbytes > self.budget:
+                break
+            self._swap_in(other)
+            other.last_use = self._clock
+            self._stats["prefetches_total"] += 1
+            fetched += 1
+
+    # -- allocator pressure ----------------------------------------------------------------
+
+    def on_pressure(self, device: int, bytes_needed: int) -> int:
+        """The allocator's step-3 callback: evicts until ``bytes_needed`` are freed.
+
+        Called outside the allocator lock. Never re-entrant: a call that arrives while this
+        thread is already inside the session (e.g. a swap-in allocating) frees nothing.
+        """
+        if getattr(self._busy, "on", False):
+            return 0
+        if not self._lock.acquire(timeout=1.0):
+            return 0
+        self._busy.on = True
+        try:
+            self._stats["pressure_calls_total"] += 1
+            freed = 0
+            while freed < bytes_needed:
+                n = self._evict_one(exclude=None)
+                if n == 0:
+                    break
+                freed += n
+            if self._host:  # the caller needs the memory now, not when the copies finish
+                self._host.reap(wait=True)
+            self._stats["pressure_freed_bytes_total"] += freed
+            return freed
+        finally:
+            self._busy.on = False
+            self._lock.release()
+
+
+def offload(budget: int | str | None = None, swap: bool = True, recompute: bool = True,
+            **options: Any) -> ActivationOffload:
+    """Swaps and recomputes saved activations to keep them within ``budget`` bytes.
+
+    A context manager around a training step (forward and backward), or a decorator. With
+    ``budget=None`` only the allocator's pressure callback triggers evictions.
+    """
+    return ActivationOffload(budget, swap, recompute, **options)

@@ -1,0 +1,169 @@
+"""Making pyalloc PyTorch's CUDA allocator.
+
+:func:`install` makes PyTorch allocate CUDA memory from libpyalloc.so through
+``torch.cuda.memory.CUDAPluggableAllocator``. It must run before the process's
+first CUDA call: PyTorch refuses to swap an allocator that was already used.
+Call it first thing in the program, run the program under
+``pyalloc run -- python train.py`` (which installs it at interpreter start, in
+every Python process the command starts), or call it from ``sitecustomize``.
+
+It also points PyTorch's memory API at pyalloc's figures
+(:mod:`pyalloc.pytorch.memory_api`), unless ``install(patch_torch=False)`` or
+``PYALLOC_PATCH_TORCH=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from types import ModuleType
+from typing import Any
+
+from .._lib import PyallocError, lib, library_path
+from ..core import config, configure, device_count
+from ..core import snapshot as _pyalloc_snapshot
+from .memory_api import patch_torch_memory_api
+
+__all__ = [
+    "PATCH_ENV",
+    "PyallocWarning",
+    "cuda_unavailable_reason",
+    "install",
+    "is_installed",
+]
+
+PATCH_ENV = "PYALLOC_PATCH_TORCH"
+
+
+class PyallocWarning(RuntimeWarning):
+    """A degraded but working setup (e.g. record_stream not wired). Shown by default."""
+
+
+_lock = threading.RLock()
+_installed_allocator: Any = None  # the CUDAPluggableAllocator; kept alive for the process
+
+
+def is_installed() -> bool:
+    """True once :func:`install` has made pyalloc PyTorch's CUDA allocator."""
+    return _installed_allocator is not None
+
+
+# ---- install ---------------------------------------------------------------
+
+
+def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
+    """Makes pyalloc PyTorch's CUDA allocator for this process.
+
+    ``conf`` (PYALLOC_CONF syntax) is applied on top of the PYALLOC_CONF the
+    library read at load. A second call only applies ``conf`` (and patches
+    the memory API if it was not). Raises PyallocError when torch has no
+    CUDA, when CUDA is already initialized, or when the configuration selects
+    a backend other than ``cuda``.
+    """
+    import torch
+
+    with _lock:
+        if _installed_allocator is not None:
+            if conf:
+                configure(conf)
+            if patch_torch and _patch_enabled_by_env():
+                patch_torch_memory_api()
+            return
+
+        _require_cuda(torch)
+        if torch.cuda.is_initialized():
+            raise PyallocError(
+                "pyalloc.install() must run before the first CUDA call, and CUDA is already "
+                "initialized in this process; call pyalloc.install() first thing (before any "
+                "tensor is put on the GPU), run the program as "
+                "`pyalloc run -- python train.py`, or call it from sitecustomize"
+            )
+        if conf:
+            configure(conf)
+        backend = config().get("backend")
+        if backend != "cuda":
+            raise PyallocError(
+                f"pyalloc.install() needs backend=cuda, but the configuration selects "
+                f"backend={backend} (host and sim hand out pointers the GPU cannot use); "
+                f"fix PYALLOC_CONF"
+            )
+        if device_count() == 0:
+            # Every allocation would fail: refuse now, with the backend's reason.
+            reason = _pyalloc_snapshot().get("error") or "no device found"
+            raise PyallocError(f"pyalloc.install(): the cuda backend did not start: {reason}")
+
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+            library_path(), "pyalloc_malloc", "pyalloc_free"
+        )
+        _wire_optional_hooks(pluggable.allocator())
+        torch.cuda.memory.change_current_allocator(pluggable)
+        _set_installed(pluggable)
+
+        if patch_torch and _patch_enabled_by_env():
+            patch_torch_memory_api()
+
+
+def _set_installed(pluggable: Any) -> None:
+    global _installed_allocator
+    _installed_allocator = pluggable
+
+
+def cuda_unavailable_reason(torch_module: ModuleType) -> str | None:
+    """Why pyalloc cannot be PyTorch's CUDA allocator here, or None if it can."""
+    if not hasattr(torch_module._C, "_cuda_customAllocator"):
+        return (
+            f"torch {torch_module.__version__} is built without CUDA "
+            f"(torch._C._cuda_customAllocator is missing)"
+        )
+    if not torch_module.cuda.is_available():
+        return (
+            "torch.cuda.is_available() is False "
+            "(no GPU or no NVIDIA driver visible to this process)"
+        )
+    return None
+
+
+def _require_cuda(torch_module: ModuleType) -> None:
+    reason = cuda_unavailable_reason(torch_module)
+    if reason is not None:
+        raise PyallocError(f"pyalloc.install() needs CUDA: {reason}")
+
+
+def _function_address(name: str) -> int:
+    """Raw address of a libpyalloc entry point, as PyTorch's set_*_fn setters take it."""
+    address = ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
+    if not address:
+        raise PyallocError(f"{library_path()} does not export {name}")
+    return int(address)
+
+
+# (setter on PyTorch's pluggable allocator, libpyalloc entry point)
+_OPTIONAL_HOOKS: tuple[tuple[str, str], ...] = (
+    ("set_reset_fn", "pyalloc_empty_cache"),
+    ("set_record_stream_fn", "pyalloc_record_stream"),
+    ("set_memory_fraction_fn", "pyalloc_set_memory_fraction"),
+)
+
+
+def _wire_optional_hooks(native: Any) -> None:
+    for setter, symbol in _OPTIONAL_HOOKS:
+        fn = getattr(native, setter, None)
+        if fn is not None:
+            fn(_function_address(symbol))
+        elif setter == "set_record_stream_fn":
+            # Without it Tensor.record_stream is silently a no-op: a block used on
+            # a side stream could be reused while that stream still reads it.
+            warnings.warn(
+                "this PyTorch build cannot pass record_stream to a pluggable allocator "
+                "(no set_record_stream_fn): Tensor.record_stream() will be a no-op under "
+                "pyalloc, so memory used on a second stream may be reused while that "
+                "stream still uses it; synchronize streams before freeing, or upgrade PyTorch",
+                PyallocWarning,
+                stacklevel=3,
+            )
+
+
+def _patch_enabled_by_env() -> bool:
+    return os.environ.get(PATCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
