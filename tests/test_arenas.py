@@ -1,4 +1,4 @@
-"""Virtual-memory arenas and stitching (Note [Arenas] in allocator/src/arena.cpp).
+"""Virtual-memory arenas and stitching (Note [Arenas] in allocator/src/device/arena.cpp).
 
 Run on the host backend, whose granules are real memfd chunks mapped into a
 real reservation, so bytes written through one mapping are read back, and on

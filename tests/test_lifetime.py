@@ -1,4 +1,4 @@
-"""Lifetime-aware placement (Note [Lifetime-aware placement] in allocator/src/lifetime.cpp).
+"""Lifetime-aware placement (Note [Lifetime-aware placement] in allocator/src/policy/lifetime.cpp).
 
 Every default-pool request is judged 32 requests after it was made (long-lived
 if its block is still allocated); requests whose order signature, size or

@@ -1,4 +1,4 @@
-"""Iteration plans (Note [Iteration plans] in allocator/src/plan.cpp).
+"""Iteration plans (Note [Iteration plans] in allocator/src/policy/plan.cpp).
 
 A loop that repeats the same allocation sequence is learned over three
 iterations, planned (offsets packed greedily by size within one region) and

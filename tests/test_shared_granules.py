@@ -1,4 +1,4 @@
-"""Shared granules (Note [Shared granules] in allocator/src/arena.cpp).
+"""Shared granules (Note [Shared granules] in allocator/src/device/share.cpp).
 
 When stitching finds too few whole free granules, the free end of a granule
 that a live block also uses is mapped a second time, as the first or last

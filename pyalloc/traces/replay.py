@@ -23,7 +23,7 @@ Policies:
   pyalloc-plain-lifetime
                  lifetime-aware placement with plain segments (vmm=off)
   native         a MODEL of PyTorch's default CUDACachingAllocator policy
-                 (allocator/src/native_model.hpp says what it models)
+                 (allocator/src/replay/native_model.hpp says what it models)
 """
 
 from __future__ import annotations

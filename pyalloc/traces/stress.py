@@ -20,7 +20,7 @@ Policies:
                  lifetime-aware placement (lifetime=1), with arenas and with
                  plain segments (not run unless named)
   native         a MODEL of PyTorch's default caching allocator, not PyTorch
-                 itself (allocator/src/native_model.hpp says what it models);
+                 itself (allocator/src/replay/native_model.hpp says what it models);
                  labelled "native (model)" in the table and the plot
 
 Outputs: a table on stdout, a JSON report (every figure, per workload and
