@@ -38,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "tools" / "bench" / "hotpath.cpp"
-DEFAULT_TRACE = ROOT / "pyalloc" / "workloads" / "seq2seq.jsonl.gz"
+DEFAULT_TRACE = ROOT / "pyalloc" / "traces" / "workloads" / "seq2seq.jsonl.gz"
 CACHE_HIT_TARGET = 300  # instructions per malloc+free pair on the cache-hit path
 
 # mode -> (N1, N2) under callgrind, N for the timed run. For replay, N counts
