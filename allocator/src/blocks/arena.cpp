@@ -65,14 +65,6 @@ Block* block_at(const Segment* segment, uintptr_t addr) {
   return b;
 }
 
-// The lent block of twin granule `slot`: at its start or at its end (I13),
-// so the walk from the granule's first block reaches it inside the granule.
-Block* lent_block(const Segment* arena, size_t slot, size_t g) {
-  Block* b = block_at(arena, arena->base + slot * g);
-  while (b->state != BlockState::kLent) b = b->next;
-  return b;
-}
-
 // The granule-aligned interior of a free block of an arena: [*lo, *hi).
 bool free_interior(const Block* b, size_t granule, uintptr_t* lo, uintptr_t* hi) {
   const uintptr_t base = b->segment->base;

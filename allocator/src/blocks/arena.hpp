@@ -46,7 +46,7 @@ size_t granules_taken(const Block* block, size_t rounded, size_t g);
 Block* block_at(const Segment* segment, uintptr_t addr);
 
 // The lent block of twin granule `slot` of `arena`: at its start or at its end (I13).
-Block* lent_block(const Segment* arena, size_t slot, size_t g);
+inline Block* lent_block(const Segment* arena, size_t slot) { return arena->twins.at(slot).lent; }
 
 // The granule-aligned interior of a free block of an arena: [*lo, *hi);
 // false when it holds no whole granule.

@@ -63,13 +63,14 @@
 //       granules of one arena that name each other and the same physical
 //       granule; a lent block is one piece of one twin, at its start or its
 //       end, and the two twins' lent pieces are complementary: what one lends,
-//       the other owns, at the same offsets
+//       the other owns, at the same offsets; each twin's record names its
+//       lent piece (Twin::lent)
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "backends/backend.hpp"
@@ -134,6 +135,15 @@ struct Block {
   bool is_free() const { return state == BlockState::kFree; }
 };
 
+// One granule of a pair of twins (Note [Shared granules] in
+// device/share.cpp): the granule that maps the same physical granule, and
+// this granule's lent piece. A lent block is never split, merged or freed
+// while the pair lasts, so the pointer stays good until the twins part.
+struct Twin {
+  size_t other = 0;
+  Block* lent = nullptr;
+};
+
 struct Segment {
   uintptr_t base = 0;
   size_t size = 0;          // an arena's whole reservation
@@ -143,15 +153,15 @@ struct Segment {
   uint64_t id = 0;          // creation order
   uint64_t free_since = 0;  // tick at which it last became wholly free
   // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
-  // not mapped); `mapped` counts the bytes of backed granules. twins[i] == j
-  // and twins[j] == i when granules i and j map the same physical granule
-  // (Note [Shared granules] in device/share.cpp); `doubled` counts one granule per
-  // such pair.
+  // not mapped); `mapped` counts the bytes of backed granules.
+  // twins[i].other == j and twins[j].other == i when granules i and j map
+  // the same physical granule (Note [Shared granules] in device/share.cpp),
+  // in granule order; `doubled` counts one granule per such pair.
   bool arena = false;
   size_t mapped = 0;
   size_t doubled = 0;
   std::vector<PhysHandle> phys;
-  std::unordered_map<size_t, size_t> twins;
+  std::map<size_t, Twin> twins;
 
   bool wholly_free() const { return head->is_free() && head->size == size; }
   size_t reserved_bytes() const { return arena ? mapped - doubled : size; }

@@ -259,7 +259,8 @@ class DeviceAllocator {
   // Shared granules (Note [Shared granules] in share.cpp).
   Block* share_first(Pool& pool, size_t rounded, StreamId stream);
   Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
-  void lend(Segment* arena, uintptr_t from, uintptr_t to);
+  Block* lend(Segment* arena, uintptr_t from, uintptr_t to);
+  void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
 

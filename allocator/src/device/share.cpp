@@ -56,10 +56,7 @@
 // mlp_fixed 148 instead of 150, encoder_padding, seq2seq and size_sweep 2 to
 // 4 MiB less; cnn_multiscale 2 MiB more; the rest the same.
 #include <algorithm>
-#include <cinttypes>
-#include <cstdio>
-
-#include <algorithm>
+#include <vector>
 
 #include "blocks/arena.hpp"
 #include "device/device_allocator.hpp"
@@ -137,16 +134,14 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   const size_t first = (lo - base) / g;
   for (size_t i = 0; i < plan.granules; ++i) arena->phys[first + i] = mapped[i];
   arena->mapped += plan.granules * g;
-  size_t shared = 0;
-  for (const size_t i : {size_t{0}, plan.granules - 1}) {
-    const size_t twin = twin_of(i);
-    if (twin == SharePlan::kNone) continue;
-    arena->twins[first + i] = twin;
-    arena->twins[twin] = first + i;
-    ++shared;
-  }
-  if (plan.front != SharePlan::kNone) lend(arena, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
-  if (plan.back != SharePlan::kNone) lend(arena, base + plan.back * g, base + plan.back * g + plan.back_own);
+  // The lenders' free slivers become their lent pieces.
+  Block* front_lent = plan.front == SharePlan::kNone
+                          ? nullptr
+                          : lend(arena, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
+  Block* back_lent = plan.back == SharePlan::kNone
+                         ? nullptr
+                         : lend(arena, base + plan.back * g, base + plan.back * g + plan.back_own);
+  const size_t shared = (front_lent != nullptr) + (back_lent != nullptr);
   arena->doubled += shared * g;
   stats_.num_shared_granules += static_cast<int64_t>(shared);
   stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(plan.fresh * g));
@@ -158,13 +153,15 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   assert(hole->state == BlockState::kHole && hole->addr == lo);
   if (end_of(hole) > hi) split_block(hole, hi - lo);  // the rest stays a hole
   Block* middle = hole;
-  if (plan.front != SharePlan::kNone) {
+  if (front_lent != nullptr) {
     middle = split_block(hole, plan.offset);
     hole->state = BlockState::kLent;
+    pair_twins(arena, first, hole, plan.front, front_lent);
   }
-  if (plan.back != SharePlan::kNone) {
+  if (back_lent != nullptr) {
     Block* tail = split_block(middle, hi - g + plan.back_own - middle->addr);
     tail->state = BlockState::kLent;
+    pair_twins(arena, first + plan.granules - 1, tail, plan.back, back_lent);
   }
   middle->state = BlockState::kFree;
   Block* block = insert_coalesced(middle);
@@ -178,9 +175,18 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   return block;
 }
 
-// Makes [from, to), bytes of one free block, a lent block.
-void DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
-  carve_free(block_at(arena, from), from, to)->state = BlockState::kLent;
+// Makes [from, to), bytes of one free block, a lent block, and returns it.
+Block* DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
+  Block* lent = carve_free(block_at(arena, from), from, to);
+  lent->state = BlockState::kLent;
+  return lent;
+}
+
+// Granules `a` and `b` of `arena` map one physical granule from now on, each
+// lending the piece named.
+void DeviceAllocator::pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent) {
+  arena->twins[a] = Twin{b, a_lent};
+  arena->twins[b] = Twin{a, b_lent};
 }
 
 // Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
@@ -190,9 +196,10 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
   const size_t g = granule_;
   const uintptr_t lo = arena->base + slot * g;
   const uintptr_t hi = lo + g;
-  const size_t other = arena->twins.at(slot);
+  const size_t other = arena->twins.at(slot).other;
+  Block* mine = lent_block(arena, slot);
 
-  Block* theirs = lent_block(arena, other, g);
+  Block* theirs = lent_block(arena, other);
   theirs->state = BlockState::kFree;
   insert_coalesced(theirs);
 
@@ -206,7 +213,6 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
 
   // This granule's blocks become one hole: its lent piece and the part of
   // the free block beside it that lies inside the granule.
-  Block* mine = lent_block(arena, slot, g);
   Block* beside = mine->addr == lo ? mine->next : mine->prev;
   Block* own = carve_free(beside, std::max(beside->addr, lo), std::min(end_of(beside), hi));
   own->state = BlockState::kHole;
@@ -222,23 +228,25 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
 // that part overlaps [skip_lo, skip_hi); synchronizes the stream first, once.
 // False when the stream could not be synchronized.
 bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi) {
-  std::vector<size_t> slots;
-  for (const auto& t : arena->twins) slots.push_back(t.first);
-  std::sort(slots.begin(), slots.end());
-  bool synchronized = false;
-  for (size_t slot : slots) {
-    if (arena->twins.count(slot) == 0) continue;  // its twin went first
+  std::vector<size_t> ready;
+  for (const auto& [slot, twin] : arena->twins) {
     const uintptr_t lo = arena->base + slot * granule_;
     const uintptr_t hi = lo + granule_;
     // The granule's own part is the rest of it, beside its lent piece: all
     // free when the block on that side is free and reaches the granule's edge.
-    const Block* mine = lent_block(arena, slot, granule_);
+    const Block* mine = twin.lent;
     const bool lent_first = mine->addr == lo;
     const Block* own = lent_first ? mine->next : mine->prev;
     if (!own->is_free() || (lent_first ? end_of(own) < hi : own->addr > lo)) continue;
     if (own->addr < skip_hi && end_of(own) > skip_lo) continue;
-    if (!synchronized && !(synchronized = synchronize_stream(arena))) return false;
-    untwin(arena, slot);
+    ready.push_back(slot);
+  }
+  if (ready.empty()) return true;
+  if (!synchronize_stream(arena)) return false;
+  for (const size_t slot : ready) {
+    // Untwinning gives the other twin's lent piece back to its free memory,
+    // which frees nothing of any other pair: the ones found stay ready.
+    if (arena->twins.count(slot) != 0) untwin(arena, slot);  // else its twin went first
   }
   return true;
 }

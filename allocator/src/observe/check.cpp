@@ -70,9 +70,14 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     const size_t hi = lo + b->size;
     if (b->state == BlockState::kLent) {
       const size_t slot = lo / g;
+      const auto twin = arena->twins.find(slot);
       if ((hi - 1) / g != slot || (lo % g != 0 && hi % g != 0) || lent.count(slot) != 0 ||
-          arena->twins.count(slot) == 0) {
+          twin == arena->twins.end()) {
         *problem = "lent block " + hex(b->addr) + " is not the start or end of one twin granule";
+        return false;
+      }
+      if (twin->second.lent != b) {
+        *problem = "twin granule " + std::to_string(slot) + " names another block than its lent piece " + hex(b->addr);
         return false;
       }
       lent[slot] = {lo % g, hi - slot * g};
@@ -103,9 +108,9 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
   }
   // I13: twins in pairs, over one physical granule, lending complementary pieces.
   for (const auto& t : arena->twins) {
-    const size_t i = t.first, j = t.second;
+    const size_t i = t.first, j = t.second.other;
     const auto back = arena->twins.find(j);
-    if (i == j || j >= arena->phys.size() || back == arena->twins.end() || back->second != i ||
+    if (i == j || j >= arena->phys.size() || back == arena->twins.end() || back->second.other != i ||
         arena->phys[i].value == 0 || arena->phys[i].value != arena->phys[j].value) {
       *problem = "granules " + std::to_string(i) + " and " + std::to_string(j) + " are not twins of one granule";
       return false;
