@@ -172,3 +172,31 @@ def test_shared_granules_bring_interleaved_lifetimes_within_five_percent_of_its_
     with_share = replay.find_min_capacity(flat, "pyalloc", "sim")
     without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0")
     assert with_share <= 1.05 * flat.peak_live_bytes < without
+
+
+def test_the_sliver_index_comes_on_near_a_full_device_and_goes_when_memory_is_given_back() -> None:
+    """Note [Sliver index]: the first request that shares builds the arena's index
+    (num_sliver_indexes) and diverts every call from the fast path; pyalloc_check
+    (I14) compares the index with the blocks after every call, through shares,
+    frees and merges. Once reserved memory is under 90% of the limit again, the
+    next request drops it, and the next time the device fills it is built again."""
+    a = rebuilt("sim", "vmm=shared", "capacity=34MiB")
+    for _ in range(2):
+        # Blocks of 1.5 MiB and 2.5 MiB side by side fill 32 of the 34 MiB;
+        # freeing every other one leaves free granule ends and starts among
+        # live ones.
+        before = a.stats()["num_sliver_indexes"]
+        sizes = [3 * MiB // 2, 5 * MiB // 2] * 8
+        blocks = [a.malloc(s) for s in sizes]
+        for p in blocks[1::2]:
+            a.free(p)
+        for _ in range(4):
+            a.malloc(9 * MiB // 4)  # more than a granule, not a whole number, splits a fit: it may share
+        s = a.stats()
+        assert s["num_sliver_indexes"] == before + 1 and s["num_ooms"] == 0
+        assert s["num_shared_granules"] > 0
+        a.free_all()
+        pyalloc.empty_cache()
+        assert a.stats()["reserved_bytes.all.current"] == 0
+        a.free(a.malloc(MiB))  # a request under 90%: the index goes (I14 checks the fast path is back)
+    assert a.stats()["num_sliver_indexes"] == 2

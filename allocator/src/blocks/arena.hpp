@@ -77,7 +77,8 @@ struct SharePlan {
   size_t back_own = 0;                 // the length of the free start it maps last
 };
 // The choice that needs the fewest granules of its own (SharePlan::fresh);
-// not found when nothing can be shared or no hole holds the window.
+// not found when nothing can be shared or no hole holds the window. Reads the
+// arena's sliver index, which must be on (Note [Sliver index]).
 SharePlan plan_share(const Segment* arena, size_t rounded, size_t g);
 
 }  // namespace pyalloc

@@ -65,6 +65,10 @@
 //       end, and the two twins' lent pieces are complementary: what one lends,
 //       the other owns, at the same offsets; each twin's record names its
 //       lent piece (Twin::lent)
+//   I14 once an arena's sliver index is on, it lists exactly the arena's free
+//       slivers, each under its offset (Note [Sliver index] in
+//       blocks/sliver_index.hpp); an index is on  <=>  every call is diverted
+//       from the fast path
 #pragma once
 
 #include <cstddef>
@@ -75,6 +79,7 @@
 
 #include "backends/backend.hpp"
 #include "blocks/free_set.hpp"
+#include "blocks/sliver_index.hpp"
 
 namespace pyalloc {
 
@@ -131,6 +136,8 @@ struct Block {
   uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
                                // (stale otherwise: SequenceLearner ignores old numbers)
   uint64_t lifetime_number = UINT64_MAX;  // its request number in LifetimeLearner, while learning
+  Block* sliver_prev[2] = {nullptr, nullptr};  // neighbours in its arena's sliver lists, while
+  Block* sliver_next[2] = {nullptr, nullptr};  // free and indexed (Note [Sliver index])
 
   bool is_free() const { return state == BlockState::kFree; }
 };
@@ -158,10 +165,12 @@ struct Segment {
   // the same physical granule (Note [Shared granules] in device/share.cpp),
   // in granule order; `doubled` counts one granule per such pair.
   bool arena = false;
+  bool indexed = false;  // slivers.on(), here beside the fields a cache hit reads
   size_t mapped = 0;
   size_t doubled = 0;
   std::vector<PhysHandle> phys;
   std::map<size_t, Twin> twins;
+  SliverIndex slivers;  // its free slivers, once on (Note [Sliver index])
 
   bool wholly_free() const { return head->is_free() && head->size == size; }
   size_t reserved_bytes() const { return arena ? mapped - doubled : size; }

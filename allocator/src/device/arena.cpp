@@ -337,6 +337,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   }
   Block* shared = nullptr;
   if (handles.size() < w.granules && stitch && sharing_) {
+    index_slivers(arena);
     const SharePlan plan = plan_share(arena, rounded, g);
     if (plan.found && plan.fresh <= handles.size()) shared = map_share(arena, plan, &handles);  // < w.granules
   }

@@ -9,6 +9,7 @@
 
 #include "blocks/arena.hpp"
 #include "blocks/free_set_inl.hpp"
+#include "blocks/sliver_index_inl.hpp"
 #include "device/device_allocator.hpp"
 #include "ground/compiler.hpp"
 
@@ -163,19 +164,35 @@ PYALLOC_INLINE void DeviceAllocator::uncount_cached(StatType t, const Block* blo
   }
 }
 
+// An arena's sliver index, once on, follows free-set membership (Note
+// [Sliver index]). The fast path never meets an indexed arena: indexing
+// diverts every call (kDivertSlivers), so its copies of these operations
+// (kFast) leave the index out and keep its few registers.
+PYALLOC_INLINE void DeviceAllocator::index_in(Block* block) {
+  if (PYALLOC_UNLIKELY(block->segment->indexed)) block->segment->slivers.insert(block);
+}
+
+PYALLOC_INLINE void DeviceAllocator::index_out(Block* block) {
+  if (PYALLOC_UNLIKELY(block->segment->indexed)) block->segment->slivers.erase(block);
+}
+
 PYALLOC_INLINE void DeviceAllocator::insert_free(Block* block) {
   block->pool->free_blocks.insert(block);
   count_cached(block->pool->stat, block);
+  index_in(block);
 }
 
 // insert_free() for a block whose stream its pool's free set has seen
 // (FreeSet::reinsert): no call.
+template <bool kFast>
 PYALLOC_INLINE void DeviceAllocator::reinsert_free(Block* block) {
   block->pool->free_blocks.reinsert(block);
   count_cached(block->pool->stat, block);
+  if constexpr (!kFast) index_in(block);
 }
 
 PYALLOC_INLINE void DeviceAllocator::erase_free(Block* block) {
+  index_out(block);
   uncount_cached(block->pool->stat, block);
   block->pool->free_blocks.erase(block);
 }

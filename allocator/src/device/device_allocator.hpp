@@ -192,15 +192,20 @@ class DeviceAllocator {
   void split_into(Block* block, Block* rest, size_t offset);  // `rest` becomes the part after `offset`
   void absorb_next(Block* block);                           // spare_room(1)
   void insert_free(Block* block);
+  template <bool kFast = false>
   void reinsert_free(Block* block);
   void erase_free(Block* block);
   void count_cached(StatType t, const Block* block);
   void uncount_cached(StatType t, const Block* block);
+  void index_in(Block* block);
+  void index_out(Block* block);
 
   // The fast path's state changes and the general path (fast_path.hpp).
+  template <bool kFast = false>
   void* hand_out(Pool& pool, Block* block, Block* rest, size_t size, size_t rounded);
   void count_freed(const Block* block);
   bool has_free_neighbour(const Block* block) const;
+  template <bool kFast = false>
   void cache_block(Block* block);
   void* split_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
   void merge_and_unlock(Block* block);
@@ -225,6 +230,7 @@ class DeviceAllocator {
   Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   bool succeeded(const Status& s);  // records a failed backend call's message
   void reserved_changed() { hooks_.reserved_changed(); }
+  void drop_sliver_indexes(bool always);
   void make_pending(Block* block);
   size_t reclaim_pending(bool synchronize);
   void synchronize_pending();
@@ -261,6 +267,7 @@ class DeviceAllocator {
   Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
   Block* lend(Segment* arena, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
+  void index_slivers(Segment* arena);
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
 
@@ -290,8 +297,9 @@ class DeviceAllocator {
   // Nonzero sends every call to the general path: kDivertRetired (a
   // reconfiguration retired this allocator), kDivertPlanner (the planner is
   // observing, or a plan is in force), kDivertLifetime (lifetime-aware
-  // placement is on).
-  enum : uint8_t { kDivertRetired = 1, kDivertPlanner = 2, kDivertLifetime = 4 };
+  // placement is on), kDivertSlivers (an arena's sliver index is on: Note
+  // [Sliver index]).
+  enum : uint8_t { kDivertRetired = 1, kDivertPlanner = 2, kDivertLifetime = 4, kDivertSlivers = 8 };
   uint8_t divert_ = 0;
 
   const int device_;

@@ -60,7 +60,7 @@ PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream
   Block* block = pool.free_blocks.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(block == nullptr)) return otherwise();
   if (PYALLOC_LIKELY(block->size == rounded || !should_split(pool, block->size - rounded))) {
-    void* p = hand_out(pool, block, nullptr, size, rounded);
+    void* p = hand_out<true>(pool, block, nullptr, size, rounded);
     mutex_.unlock();
     return p;
   }
@@ -89,7 +89,7 @@ PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Ot
   }
   count_freed(block);
   live_.erase(entry);
-  cache_block(block);
+  cache_block<true>(block);
   mutex_.unlock();
 }
 
@@ -97,18 +97,21 @@ PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Ot
 
 // Hands out `block` (a free block of `pool` of at least `rounded` bytes). When
 // `rest` is not null (should_split), it becomes the free remainder. The live
-// map must have room.
+// map must have room. kFast: on the fast path (no sliver index, index_in).
+template <bool kFast>
 PYALLOC_INLINE void* DeviceAllocator::hand_out(Pool& pool, Block* block, Block* rest, size_t size,
                                                size_t rounded) {
+  assert(!kFast || !block->segment->indexed);
   const uintptr_t addr = block->addr;
   const StatType t = pool.stat;
+  if constexpr (!kFast) index_out(block);
   uncount_cached(t, block);
   pool.free_blocks.erase(block);  // erase_free(), with the pool at hand
   if (rest != nullptr) {
     split_into(block, rest, rounded);
     block->bin_class = FreeSet::size_class(rounded);
     rest->bin_class = FreeSet::size_class(rest->size);
-    reinsert_free(rest);
+    reinsert_free<kFast>(rest);
   }
   const size_t bytes = block->size;
   block->state = BlockState::kAllocated;
@@ -135,12 +138,14 @@ PYALLOC_INLINE bool DeviceAllocator::has_free_neighbour(const Block* block) cons
 }
 
 // give_back() for a block with no free neighbour, whose bin_class is still
-// the class of its size (Block::bin_class).
+// the class of its size (Block::bin_class). kFast: as for hand_out.
+template <bool kFast>
 PYALLOC_INLINE void DeviceAllocator::cache_block(Block* block) {
   assert(block->bin_class == FreeSet::size_class(block->size));
+  assert(!kFast || !block->segment->indexed);
   block->state = BlockState::kFree;
   block->requested = 0;
-  reinsert_free(block);
+  reinsert_free<kFast>(block);
   if (block->segment->wholly_free()) block->segment->free_since = ++tick_;
 }
 
@@ -148,7 +153,7 @@ PYALLOC_INLINE void DeviceAllocator::cache_block(Block* block) {
 // a plain hit keeps its few registers. They release the lock.
 __attribute__((noinline)) inline void* DeviceAllocator::split_and_unlock(Pool& pool, Block* block, size_t size,
                                                                          size_t rounded) {
-  void* p = hand_out(pool, block, new_block(), size, rounded);
+  void* p = hand_out<true>(pool, block, new_block(), size, rounded);
   mutex_.unlock();
   return p;
 }
@@ -166,6 +171,8 @@ PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int p
     *status = PYALLOC_EBUSY;
     return nullptr;
   }
+  // Between requests, never inside one: a plan_share needs its index.
+  if (PYALLOC_UNLIKELY(divert_ & kDivertSlivers)) drop_sliver_indexes(false);
   const size_t rounded = round_size(size);  // reads round_power2_: under the lock
   Pool& pool = select_pool(rounded, pool_id);
   // Default-pool requests meet the planner and lifetime placement (both

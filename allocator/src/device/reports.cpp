@@ -107,8 +107,8 @@ std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId st
 
 // ---- the invariant walk ----------------------------------------------------------------
 
-// observe/check.cpp walks the blocks (I1..I9, I13); the pools' rules of this
-// device (I11, I12) travel in the view, and its own invariants follow.
+// observe/check.cpp walks the blocks (I1..I9, I13, I14); the pools' rules of
+// this device (I11, I12) travel in the view, and its own invariants follow.
 bool DeviceAllocator::check(std::string* error) {
   Lock lock(mutex_);
   HeapView heap;
@@ -133,6 +133,15 @@ bool DeviceAllocator::check(std::string* error) {
   };
   if (std::string problem; !check_plan(&problem)) return fail("I10", problem);
   if (std::string problem; !check_lifetimes(&problem)) return fail("I11", problem);
+  // The fast path never meets an indexed arena (Note [Sliver index]).
+  bool indexed = false;
+  for (const Pool* pool : std::as_const(*this).pools()) {
+    for (const Segment* arena : pool->arenas) indexed = indexed || arena->indexed;
+  }
+  if (indexed != ((divert_ & kDivertSlivers) != 0)) {
+    return fail("I14", indexed ? "an arena's sliver index is on but the fast path is not diverted"
+                               : "the fast path is diverted for sliver indexes but none is on");
+  }
   return true;
 }
 

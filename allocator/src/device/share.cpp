@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "blocks/arena.hpp"
+#include "blocks/sliver_index_inl.hpp"
 #include "device/device_allocator.hpp"
 #include "device/fast_path.hpp"
 
@@ -73,6 +74,7 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
   if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
+  index_slivers(arena);
   const SharePlan plan = plan_share(arena, rounded, granule_);
   if (!plan.found) return nullptr;
   if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
@@ -173,6 +175,38 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   if (block->addr < at) block = split_free(block, at - block->addr);
   if (block->size > plan.rounded) split_free(block, plan.rounded);
   return block;
+}
+
+// Turns on `arena`'s sliver index (Note [Sliver index]) unless it is on:
+// one walk puts its free blocks in; from then on free-set membership keeps
+// it, on the general path only (kDivertSlivers).
+void DeviceAllocator::index_slivers(Segment* arena) {
+  if (arena->indexed) return;
+  arena->slivers.start(granule_);
+  for (Block* b = arena->head; b != nullptr; b = b->next) {
+    if (b->is_free()) arena->slivers.insert(b);
+  }
+  arena->indexed = true;
+  divert_ |= kDivertSlivers;
+  ++stats_.num_sliver_indexes;
+}
+
+// Turns every sliver index off, and the fast path back on, once reserved
+// memory is back under 90% of what the allocator may reserve (a margin below
+// share_from_, so that a device that hovers at the threshold does not build
+// its indexes again and again), or at once when `always`.
+void DeviceAllocator::drop_sliver_indexes(bool always) {
+  if (!always && share_from_ != SIZE_MAX &&
+      static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) >= share_from_ / 19 * 18) {
+    return;
+  }
+  for (Pool* pool : pools()) {
+    for (Segment* arena : pool->arenas) {
+      arena->slivers = SliverIndex{};
+      arena->indexed = false;
+    }
+  }
+  divert_ &= ~kDivertSlivers;
 }
 
 // Makes [from, to), bytes of one free block, a lent block, and returns it.

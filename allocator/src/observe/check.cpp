@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "blocks/sliver_index_inl.hpp"
 #include "ground/text.hpp"
 #include "observe/check.hpp"
 
@@ -52,6 +53,39 @@ bool compare(const char* name, const StatView& counters, const int64_t (&walked)
 }
 
 }  // namespace
+
+// I14: once on, an arena's sliver index holds exactly its free slivers, each
+// in the list of its offset (Note [Sliver index] in blocks/sliver_index.hpp).
+static bool check_sliver_index(const Segment& arena, size_t g, std::string* problem) {
+  if (arena.indexed != arena.slivers.on()) {
+    *problem = "the arena's indexed flag disagrees with its sliver index";
+    return false;
+  }
+  if (!arena.indexed) return true;
+  for (const SliverIndex::Kind kind : {SliverIndex::kEnd, SliverIndex::kStart}) {
+    std::unordered_set<const Block*> expected;
+    for (const Block* b = arena.head; b != nullptr; b = b->next) {
+      if (b->is_free() && SliverIndex::offset(kind, b, g) != 0) expected.insert(b);
+    }
+    size_t found = 0;
+    size_t last = 0;
+    for (const Block* b = arena.slivers.first(kind, 1); b != nullptr; b = arena.slivers.next(kind, b)) {
+      const size_t off = b->segment == &arena ? SliverIndex::offset(kind, b, g) : 0;
+      if (expected.count(b) == 0 || off < last || ++found > expected.size()) {
+        *problem = std::string("the sliver index lists ") + hex(b->addr) + " as a free " +
+                   (kind == SliverIndex::kEnd ? "end" : "start") + " out of place";
+        return false;
+      }
+      last = off;
+    }
+    if (found != expected.size()) {
+      *problem = "the sliver index lists " + std::to_string(found) + " free " +
+                 (kind == SliverIndex::kEnd ? "ends" : "starts") + " of " + std::to_string(expected.size());
+      return false;
+    }
+  }
+  return true;
+}
 
 bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem) {
   const Segment* arena = &arena_ref;
@@ -134,7 +168,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
                " and non-hole blocks " + std::to_string(backed_blocks);
     return false;
   }
-  return true;
+  return check_sliver_index(*arena, g, problem);
 }
 
 namespace {

@@ -47,8 +47,9 @@ struct HeapView {
 // *error ("pyalloc_check: device N: I3: ...", or "I7: ..." for a counter).
 bool check_heap(const HeapView& heap, std::string* error);
 
-// I9 and I13 for one arena: holes granule-aligned and apart, a granule mapped
-// exactly when a non-hole block overlaps it, twins in complementary pairs.
+// I9, I13 and I14 for one arena: holes granule-aligned and apart, a granule
+// mapped exactly when a non-hole block overlaps it, twins in complementary
+// pairs, the sliver index (once on) listing exactly the free slivers.
 bool check_arena(const Segment& arena, size_t granule, std::string* problem);
 
 }  // namespace pyalloc

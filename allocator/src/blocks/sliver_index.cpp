@@ -1,0 +1,39 @@
+// sliver_index.cpp: SliverIndex's queries (Note [Sliver index] in sliver_index.hpp).
+#include "blocks/sliver_index.hpp"
+
+#include "blocks/sliver_index_inl.hpp"
+
+namespace pyalloc {
+
+void SliverIndex::start(size_t granule) {
+  granule_ = granule;
+  const size_t units = granule / kBlockAlign;
+  for (const Kind kind : {kEnd, kStart}) {
+    head_[kind].assign(units, nullptr);
+    bits_[kind].assign((units + 63) / 64, 0);
+  }
+}
+
+const Block* SliverIndex::first_from_unit(Kind kind, size_t unit) const {
+  const std::vector<uint64_t>& bits = bits_[kind];
+  size_t word = unit / 64;
+  if (word >= bits.size()) return nullptr;
+  uint64_t w = bits[word] & (~uint64_t{0} << (unit % 64));
+  while (w == 0) {
+    if (++word == bits.size()) return nullptr;
+    w = bits[word];
+  }
+  return head_[kind][word * 64 + static_cast<size_t>(__builtin_ctzll(w))];
+}
+
+const Block* SliverIndex::first(Kind kind, size_t from) const {
+  if (!on()) return nullptr;
+  return first_from_unit(kind, (from + kBlockAlign - 1) / kBlockAlign);
+}
+
+const Block* SliverIndex::next(Kind kind, const Block* block) const {
+  if (block->sliver_next[kind] != nullptr) return block->sliver_next[kind];
+  return first_from_unit(kind, offset(kind, block, granule_) / kBlockAlign + 1);
+}
+
+}  // namespace pyalloc

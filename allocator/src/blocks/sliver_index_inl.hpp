@@ -1,0 +1,56 @@
+// sliver_index_inl.hpp: SliverIndex's free-set hooks, inline for the fast
+// path (Note [Sliver index] in sliver_index.hpp).
+#pragma once
+
+#include "blocks/sliver_index.hpp"
+#include "blocks/types.hpp"
+
+namespace pyalloc {
+
+
+inline size_t SliverIndex::offset(Kind kind, const Block* block, size_t g) {
+  const size_t lo = block->addr - block->segment->base;
+  const size_t hi = lo + block->size;
+  if (kind == kEnd) {
+    const size_t into = lo % g;
+    return into != 0 && hi >= lo - into + g ? into : 0;
+  }
+  const size_t into = hi % g;
+  return into != 0 && lo <= hi - into ? into : 0;
+}
+
+inline void SliverIndex::link(Kind kind, Block* block, size_t unit) {
+  Block*& head = head_[kind][unit];
+  block->sliver_prev[kind] = nullptr;
+  block->sliver_next[kind] = head;
+  if (head != nullptr) head->sliver_prev[kind] = block;
+  head = block;
+  bits_[kind][unit / 64] |= uint64_t{1} << (unit % 64);
+}
+
+inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
+  Block* prev = block->sliver_prev[kind];
+  Block* next = block->sliver_next[kind];
+  if (next != nullptr) next->sliver_prev[kind] = prev;
+  if (prev != nullptr) {
+    prev->sliver_next[kind] = next;
+  } else {
+    head_[kind][unit] = next;
+    if (next == nullptr) bits_[kind][unit / 64] &= ~(uint64_t{1} << (unit % 64));
+  }
+  block->sliver_prev[kind] = block->sliver_next[kind] = nullptr;
+}
+
+inline void SliverIndex::insert(Block* block) {
+  for (const Kind kind : {kEnd, kStart}) {
+    if (const size_t off = offset(kind, block, granule_)) link(kind, block, off / kBlockAlign);
+  }
+}
+
+inline void SliverIndex::erase(Block* block) {
+  for (const Kind kind : {kEnd, kStart}) {
+    if (const size_t off = offset(kind, block, granule_)) unlink(kind, block, off / kBlockAlign);
+  }
+}
+
+}  // namespace pyalloc
