@@ -31,7 +31,10 @@ size_t granules_to_map(const Segment* arena, const Block* first, uintptr_t lo, u
 
 // The window of `rounded` bytes in a run of free blocks and holes that needs
 // the fewest granules mapped (then the lowest address). Candidates start at a
-// block's start or end at a block's end: the cost only changes there.
+// block's start or end at a block's end: the cost only changes there. Only
+// runs with a hole are walked, found from the hole set: the arena grows only
+// for a request that no free block holds, and a run without a hole is one
+// free block (free neighbours merge), so every window that fits needs a hole.
 Window best_window(const Segment* arena, size_t rounded, size_t g) {
   Window best;
   auto consider = [&](const Block* first, uintptr_t lo) {
@@ -40,20 +43,26 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
       best = Window{true, lo, cost};
     }
   };
-  for (const Block* b = arena->head; b != nullptr; b = b->next) {
-    if (!usable(b)) continue;
-    // Forward from b's start.
-    size_t span = 0;
-    for (const Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->next) span += c->size;
-    if (span >= rounded) consider(b, b->addr);
-    // Backward from b's end.
-    span = 0;
-    const Block* first = b;
-    for (const Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->prev) {
-      span += c->size;
-      first = c;
+  uintptr_t walked_to = arena->base;  // runs end before holes beyond this start
+  for (const Block* hole : arena->holes) {
+    if (hole->addr < walked_to) continue;  // in the run just walked
+    const Block* b = hole;
+    while (b->prev != nullptr && usable(b->prev)) b = b->prev;
+    for (; b != nullptr && usable(b); b = b->next) {
+      // Forward from b's start.
+      size_t span = 0;
+      for (const Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->next) span += c->size;
+      if (span >= rounded) consider(b, b->addr);
+      // Backward from b's end.
+      span = 0;
+      const Block* first = b;
+      for (const Block* c = b; c != nullptr && usable(c) && span < rounded; c = c->prev) {
+        span += c->size;
+        first = c;
+      }
+      if (span >= rounded && b->prev != nullptr) consider(first, end_of(b) - rounded);
     }
-    if (span >= rounded && b->prev != nullptr) consider(first, end_of(b) - rounded);
+    walked_to = b != nullptr ? b->addr : arena->base + arena->size;
   }
   return best;
 }
@@ -64,6 +73,20 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
 Block* block_at(const Segment* segment, uintptr_t addr) {
   Block* b = segment->head;
   while (end_of(b) <= addr) b = b->next;
+  return b;
+}
+
+// The block of `arena` that holds `addr`, found from the holes around it: the
+// hole before it, if that reaches it, else back from the hole after it.
+Block* block_near_holes(const Segment* arena, uintptr_t addr) {
+  const auto after = arena->holes.upper_bound(addr);
+  if (after != arena->holes.begin()) {
+    Block* before = *std::prev(after);
+    if (end_of(before) > addr) return before;
+  }
+  if (after == arena->holes.end()) return block_at(arena, addr);
+  Block* b = *after;
+  while (b->addr > addr) b = b->prev;
   return b;
 }
 
@@ -105,20 +128,22 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
   SharePlan best;
   // Starting `offset` into granule `front` (or on a boundary, kNone), ending
   // in the granule whose smallest free start holds its last bytes.
-  auto consider = [&](size_t front, size_t offset) {
+  auto consider = [&](Block* front_block, size_t front, size_t offset) {
     SharePlan c;
     c.rounded = rounded;
     c.front = front;
     c.offset = offset;
+    c.front_block = front_block;
     c.granules = (offset + rounded + g - 1) / g;
     const size_t tail = (offset + rounded) % g;
     if (tail != 0) {
-      for (const Block* b = slivers.first(SliverIndex::kStart, tail); b != nullptr;
+      for (Block* b = slivers.first(SliverIndex::kStart, tail); b != nullptr;
            b = slivers.next(SliverIndex::kStart, b)) {
         const size_t slot = (end_of(b) - base) / g;
         if (slot == front || !lends(slot)) continue;
         c.back = slot;
         c.back_own = (end_of(b) - base) % g;
+        c.back_block = b;
         break;
       }
     }
@@ -128,24 +153,25 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
       best = c;
     }
   };
-  consider(SharePlan::kNone, 0);
+  consider(nullptr, SharePlan::kNone, 0);
   size_t tried = 0;
-  for (const Block* b = slivers.first(SliverIndex::kEnd, 1); b != nullptr && tried < kFrontsTried;
+  for (Block* b = slivers.first(SliverIndex::kEnd, 1); b != nullptr && tried < kFrontsTried;
        b = slivers.next(SliverIndex::kEnd, b)) {
     const size_t slot = (b->addr - base) / g;
     if (!lends(slot)) continue;
-    consider(slot, (b->addr - base) % g);
+    consider(b, slot, (b->addr - base) % g);
     ++tried;
   }
   if (best.front == SharePlan::kNone && best.back == SharePlan::kNone) return SharePlan{};
 
   // A hole to hold the window, lowest first.
-  const Block* hole = arena->head;
-  while (hole != nullptr && !(hole->state == BlockState::kHole && hole->size >= best.granules * g)) hole = hole->next;
-  if (hole == nullptr) return SharePlan{};
-  best.lo = hole->addr;
-  best.found = true;
-  return best;
+  for (const Block* hole : arena->holes) {
+    if (hole->size < best.granules * g) continue;
+    best.lo = hole->addr;
+    best.found = true;
+    return best;
+  }
+  return SharePlan{};
 }
 
 // Granules that `block` (free, in an arena) would take from the free memory

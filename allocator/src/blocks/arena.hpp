@@ -42,8 +42,12 @@ PYALLOC_INLINE size_t granule_offset(const Block* block, size_t rounded, size_t 
 size_t granules_taken(const Block* block, size_t rounded, size_t g);
 
 // The block of `segment` (plain or arena) that holds `addr`, which must lie
-// inside the segment.
+// inside the segment: a walk from its first block.
 Block* block_at(const Segment* segment, uintptr_t addr);
+
+// block_at() in an arena, from the nearest holes (Segment::holes): cheap when
+// a hole lies at or soon after `addr`, as where an arena grows.
+Block* block_near_holes(const Segment* arena, uintptr_t addr);
 
 // The lent block of twin granule `slot` of `arena`: at its start or at its end (I13).
 inline Block* lent_block(const Segment* arena, size_t slot) { return arena->twins.at(slot).lent; }
@@ -75,6 +79,10 @@ struct SharePlan {
   size_t front = kNone, back = kNone;  // the granules whose free end and free start it maps, or kNone
   size_t offset = 0;                   // where the request starts in the window's first granule
   size_t back_own = 0;                 // the length of the free start it maps last
+  // The free blocks whose end and start it maps, as the arena is now: good
+  // until the arena next changes.
+  Block* front_block = nullptr;
+  Block* back_block = nullptr;
 };
 // The choice that needs the fewest granules of its own (SharePlan::fresh);
 // not found when nothing can be shared or no hole holds the window. Reads the

@@ -14,7 +14,7 @@ void SliverIndex::start(size_t granule) {
   }
 }
 
-const Block* SliverIndex::first_from_unit(Kind kind, size_t unit) const {
+Block* SliverIndex::first_from_unit(Kind kind, size_t unit) const {
   const std::vector<uint64_t>& bits = bits_[kind];
   size_t word = unit / 64;
   if (word >= bits.size()) return nullptr;
@@ -26,12 +26,12 @@ const Block* SliverIndex::first_from_unit(Kind kind, size_t unit) const {
   return head_[kind][word * 64 + static_cast<size_t>(__builtin_ctzll(w))];
 }
 
-const Block* SliverIndex::first(Kind kind, size_t from) const {
+Block* SliverIndex::first(Kind kind, size_t from) const {
   if (!on()) return nullptr;
   return first_from_unit(kind, (from + kBlockAlign - 1) / kBlockAlign);
 }
 
-const Block* SliverIndex::next(Kind kind, const Block* block) const {
+Block* SliverIndex::next(Kind kind, const Block* block) const {
   if (block->sliver_next[kind] != nullptr) return block->sliver_next[kind];
   return first_from_unit(kind, offset(kind, block, granule_) / kBlockAlign + 1);
 }

@@ -50,9 +50,9 @@ class SliverIndex {
 
   // The first sliver of `kind` at an offset of at least `from` bytes, in
   // offset order (lists in insertion order); nullptr when none.
-  const Block* first(Kind kind, size_t from) const;
+  Block* first(Kind kind, size_t from) const;
   // The one after `block` (a sliver of `kind`) in that order.
-  const Block* next(Kind kind, const Block* block) const;
+  Block* next(Kind kind, const Block* block) const;
 
   // The offset of `block` as a sliver of `kind` in its granule, or 0 when it
   // is not one.
@@ -61,7 +61,7 @@ class SliverIndex {
  private:
   void link(Kind kind, Block* block, size_t unit);
   void unlink(Kind kind, Block* block, size_t unit);
-  const Block* first_from_unit(Kind kind, size_t unit) const;
+  Block* first_from_unit(Kind kind, size_t unit) const;
 
   size_t granule_ = 0;
   std::vector<Block*> head_[2];     // per offset unit

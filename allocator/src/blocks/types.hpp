@@ -46,7 +46,8 @@
 //       small-pool and large-pool stat types
 //   I8  block sizes and addresses are multiples of kBlockAlign (512 B)
 //   I9  in an arena (Note [Arenas] in device/arena.cpp): a hole starts and
-//       ends on granule boundaries, no two holes are adjacent, and a granule
+//       ends on granule boundaries, no two holes are adjacent, the arena's
+//       hole set lists exactly its holes, and a granule
 //       is mapped  <=>  some non-hole block overlaps it; reserved counts
 //       physical bytes (mapped bytes less one granule per pair of twins), so
 //       reserved == sum of the sizes of blocks neither hole nor lent
@@ -74,6 +75,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -142,6 +144,15 @@ struct Block {
   bool is_free() const { return state == BlockState::kFree; }
 };
 
+// Blocks by address, and an address, in one order (std::set's transparent
+// lookup): an arena's holes.
+struct ByAddress {
+  using is_transparent = void;
+  bool operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
+  bool operator()(const Block* a, uintptr_t b) const { return a->addr < b; }
+  bool operator()(uintptr_t a, const Block* b) const { return a < b->addr; }
+};
+
 // One granule of a pair of twins (Note [Shared granules] in
 // device/share.cpp): the granule that maps the same physical granule, and
 // this granule's lent piece. A lent block is never split, merged or freed
@@ -170,6 +181,7 @@ struct Segment {
   size_t doubled = 0;
   std::vector<PhysHandle> phys;
   std::map<size_t, Twin> twins;
+  std::set<Block*, ByAddress> holes;  // every hole, by address (I9)
   SliverIndex slivers;  // its free slivers, once on (Note [Sliver index])
 
   bool wholly_free() const { return head->is_free() && head->size == size; }

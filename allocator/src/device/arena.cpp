@@ -86,6 +86,7 @@
 //
 
 #include <algorithm>
+#include <set>
 
 #include "blocks/arena.hpp"
 #include "device/device_allocator.hpp"
@@ -114,6 +115,7 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   if (!succeeded(backend_->reserve(device_, size, &va))) return nullptr;
   Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
   arena->arena = true;
+  arena->holes.insert(arena->head);
   arena->phys.resize(size / g);
   pool.arenas.push_back(arena);
   return arena;
@@ -165,14 +167,21 @@ Block* DeviceAllocator::split_free(Block* block, size_t offset) {
   return rest;
 }
 
-// Merges a hole with the holes beside it.
+// `hole`, a block that has just become a hole, merges with the holes beside
+// it, and the result joins the arena's hole set.
 void DeviceAllocator::merge_holes(Block* hole) {
+  std::set<Block*, ByAddress>& holes = hole->segment->holes;
   make_spare_room(2);
   if (hole->prev != nullptr && hole->prev->state == BlockState::kHole) {
+    holes.erase(hole->prev);
     hole = hole->prev;
     absorb_next(hole);
   }
-  if (hole->next != nullptr && hole->next->state == BlockState::kHole) absorb_next(hole);
+  if (hole->next != nullptr && hole->next->state == BlockState::kHole) {
+    holes.erase(hole->next);
+    absorb_next(hole);
+  }
+  holes.insert(hole);
 }
 
 // The block to hand out for a request of `rounded` bytes from `block` (a
@@ -209,10 +218,15 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::
     mapped_to += g;
   }
   if (mapped_to == lo) return nullptr;
-  // Carve [lo, mapped_to) out of the hole as a free block.
+  // Carve [lo, mapped_to) out of the hole as a free block; what lies before
+  // and after stays a hole.
+  arena->holes.erase(hole);
   Block* middle = hole;
-  if (lo > hole->addr) middle = split_block(hole, lo - hole->addr);
-  if (end_of(middle) > mapped_to) split_block(middle, mapped_to - middle->addr);
+  if (lo > hole->addr) {
+    middle = split_block(hole, lo - hole->addr);
+    arena->holes.insert(hole);
+  }
+  if (end_of(middle) > mapped_to) arena->holes.insert(split_block(middle, mapped_to - middle->addr));
   middle->state = BlockState::kFree;
   Block* merged = insert_coalesced(middle);
   reserved_changed();
@@ -350,7 +364,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   // in this arena, so find the block holding `lo` now; fill_hole
   // coalesces, which may delete the blocks after a hole: go on from the
   // block it returns.
-  Block* b = block_at(arena, lo);
+  Block* b = block_near_holes(arena, lo);
   uintptr_t cursor = lo;
   while (b != nullptr && cursor < hi && !handles.empty()) {
     if (end_of(b) <= cursor) {
@@ -405,7 +419,9 @@ void DeviceAllocator::release_arena(Segment* arena) {
   stats_.segment.decrease(pool.stat, 1);
   backend_->release_reservation(device_, arena->base, arena->size);
   delete_block(arena->head);
+  const bool indexed = arena->indexed;
   delete arena;
+  if (indexed) drop_sliver_indexes(/*always=*/true);  // the next share builds what it needs
 }
 
 }  // namespace pyalloc

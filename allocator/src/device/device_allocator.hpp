@@ -265,7 +265,7 @@ class DeviceAllocator {
   // Shared granules (Note [Shared granules] in share.cpp).
   Block* share_first(Pool& pool, size_t rounded, StreamId stream);
   Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
-  Block* lend(Segment* arena, uintptr_t from, uintptr_t to);
+  Block* lend(Block* block, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
   void index_slivers(Segment* arena);
   void untwin(Segment* arena, size_t slot);

@@ -136,13 +136,15 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   const size_t first = (lo - base) / g;
   for (size_t i = 0; i < plan.granules; ++i) arena->phys[first + i] = mapped[i];
   arena->mapped += plan.granules * g;
-  // The lenders' free slivers become their lent pieces.
-  Block* front_lent = plan.front == SharePlan::kNone
-                          ? nullptr
-                          : lend(arena, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
+  // The lenders' free slivers become their lent pieces: the back one first,
+  // for one free block may hold both (from inside the front granule to inside
+  // the back one), and carving its end leaves its object at its start.
   Block* back_lent = plan.back == SharePlan::kNone
                          ? nullptr
-                         : lend(arena, base + plan.back * g, base + plan.back * g + plan.back_own);
+                         : lend(plan.back_block, base + plan.back * g, base + plan.back * g + plan.back_own);
+  Block* front_lent = plan.front == SharePlan::kNone
+                          ? nullptr
+                          : lend(plan.front_block, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
   const size_t shared = (front_lent != nullptr) + (back_lent != nullptr);
   arena->doubled += shared * g;
   stats_.num_shared_granules += static_cast<int64_t>(shared);
@@ -151,9 +153,12 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
 
   // Carve the window out of the hole: [lo, lo + offset) lent to the front
   // twin, the request's free block, then the back twin's lent end.
-  Block* hole = block_at(arena, lo);
+  const auto found = arena->holes.find(lo);
+  assert(found != arena->holes.end());
+  Block* hole = *found;
   assert(hole->state == BlockState::kHole && hole->addr == lo);
-  if (end_of(hole) > hi) split_block(hole, hi - lo);  // the rest stays a hole
+  arena->holes.erase(found);
+  if (end_of(hole) > hi) arena->holes.insert(split_block(hole, hi - lo));  // the rest stays a hole
   Block* middle = hole;
   if (front_lent != nullptr) {
     middle = split_block(hole, plan.offset);
@@ -209,9 +214,9 @@ void DeviceAllocator::drop_sliver_indexes(bool always) {
   divert_ &= ~kDivertSlivers;
 }
 
-// Makes [from, to), bytes of one free block, a lent block, and returns it.
-Block* DeviceAllocator::lend(Segment* arena, uintptr_t from, uintptr_t to) {
-  Block* lent = carve_free(block_at(arena, from), from, to);
+// Makes [from, to), bytes of the free block `block`, a lent block, and returns it.
+Block* DeviceAllocator::lend(Block* block, uintptr_t from, uintptr_t to) {
+  Block* lent = carve_free(block, from, to);
   lent->state = BlockState::kLent;
   return lent;
 }

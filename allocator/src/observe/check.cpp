@@ -97,6 +97,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
   std::vector<bool> needed(arena->phys.size(), false);
   size_t backed_blocks = 0;
   size_t lent_bytes = 0;
+  size_t holes = 0;
   std::unordered_map<size_t, std::pair<size_t, size_t>> lent;  // granule -> its lent piece [lo, hi), offsets
   const Block* prev = nullptr;
   for (const Block* b = arena->head; b != nullptr; prev = b, b = b->next) {
@@ -118,6 +119,11 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
       lent_bytes += b->size;
     }
     if (b->state == BlockState::kHole) {
+      ++holes;
+      if (arena->holes.count(const_cast<Block*>(b)) == 0) {
+        *problem = "hole " + hex(b->addr) + " is not in the arena's hole set";
+        return false;
+      }
       if (lo % g != 0 || hi % g != 0) {
         *problem = "hole " + hex(b->addr) + " does not start and end on granule boundaries";
         return false;
@@ -130,6 +136,10 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     }
     backed_blocks += b->size;
     for (size_t i = lo / g; i < (hi + g - 1) / g; ++i) needed[i] = true;
+  }
+  if (holes != arena->holes.size()) {
+    *problem = "the hole set lists " + std::to_string(arena->holes.size()) + " holes of " + std::to_string(holes);
+    return false;
   }
   size_t mapped = 0;
   for (size_t i = 0; i < needed.size(); ++i) {
