@@ -1,6 +1,8 @@
 // sliver_index.cpp: SliverIndex's queries (Note [Sliver index] in sliver_index.hpp).
 #include "blocks/sliver_index.hpp"
 
+#include <algorithm>
+
 #include "blocks/sliver_index_inl.hpp"
 
 namespace pyalloc {
@@ -12,6 +14,18 @@ void SliverIndex::start(size_t granule) {
     head_[kind].assign(units, nullptr);
     bits_[kind].assign((units + 63) / 64, 0);
   }
+}
+
+std::vector<size_t> SliverIndex::take_twins_to_check() {
+  std::vector<size_t> slots = std::move(twins_to_check_);
+  twins_to_check_.clear();
+  std::sort(slots.begin(), slots.end());
+  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+  return slots;
+}
+
+bool SliverIndex::noted(size_t slot) const {
+  return std::find(twins_to_check_.begin(), twins_to_check_.end(), slot) != twins_to_check_.end();
 }
 
 Block* SliverIndex::first_from_unit(Kind kind, size_t unit) const {

@@ -19,21 +19,41 @@
 // (Block::sliver_prev/next), and a bitmap of the offsets whose list is not
 // empty.
 //
+// Two more things near a full device would cost a walk of the arena: the
+// free blocks that hold a whole granule, lowest first, which stitching
+// unmaps (`roomy`, by address); and the twins whose own part is all free,
+// which part before free granules are gathered (untwin_free). A twin's own
+// part becomes all free only when a free block arrives beside its lent
+// piece, so the index notes the granule then (twins_to_check), and
+// untwin_free looks at those alone.
+//
 // The index follows free-set membership: a block enters it when it enters
-// its pool's free set and leaves it when it leaves (count_cached and
-// uncount_cached in device/blocks_inl.hpp), geometry unchanged in between.
-// It is off until the first request that shares (DeviceAllocator::
-// index_slivers builds it with one walk) and stays on: before the device is
-// nearly full, a cache hit pays only for the test that it is off.
+// its pool's free set and leaves it when it leaves, geometry unchanged in
+// between (index_in and index_out in device/blocks_inl.hpp). It is off until
+// the first request that shares; then DeviceAllocator::index_slivers builds
+// one for every arena of the device with one walk each, and every call takes
+// the general path (kDivertSlivers), so that the fast path never pays for
+// it. The first request after reserved memory falls under 90% of the limit
+// drops them all (drop_sliver_indexes).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <set>
 #include <vector>
 
 namespace pyalloc {
 
 struct Block;
+
+// Blocks by address, and an address, in one order (transparent lookup);
+// defined in types.hpp, where Block is complete.
+struct ByAddress {
+  using is_transparent = void;
+  inline bool operator()(const Block* a, const Block* b) const;
+  inline bool operator()(const Block* a, uintptr_t b) const;
+  inline bool operator()(uintptr_t a, const Block* b) const;
+};
 
 class SliverIndex {
  public:
@@ -43,8 +63,7 @@ class SliverIndex {
   // Turns the index on, empty, for granules of `granule` bytes.
   void start(size_t granule);
 
-  // A free block of the arena enters or leaves the index (no call made;
-  // sliver_index_inl.hpp).
+  // A free block of the arena enters or leaves the index (sliver_index_inl.hpp).
   inline void insert(Block* block);
   inline void erase(Block* block);
 
@@ -54,9 +73,20 @@ class SliverIndex {
   // The one after `block` (a sliver of `kind`) in that order.
   Block* next(Kind kind, const Block* block) const;
 
+  // The free blocks that hold a whole granule, by address.
+  const std::set<Block*, ByAddress>& roomy() const { return roomy_; }
+
+  // Twin granules to look at: a free block arrived beside their lent piece
+  // since the last call (or the index was built). Each at most once.
+  std::vector<size_t> take_twins_to_check();
+  void check_twin(size_t slot) { twins_to_check_.push_back(slot); }
+  bool noted(size_t slot) const;  // for pyalloc_check: whether check_twin(slot) is pending
+
   // The offset of `block` as a sliver of `kind` in its granule, or 0 when it
   // is not one.
   static inline size_t offset(Kind kind, const Block* block, size_t granule);
+  // Whether `block` holds a whole granule.
+  static inline bool is_roomy(const Block* block, size_t granule);
 
  private:
   void link(Kind kind, Block* block, size_t unit);
@@ -66,6 +96,8 @@ class SliverIndex {
   size_t granule_ = 0;
   std::vector<Block*> head_[2];     // per offset unit
   std::vector<uint64_t> bits_[2];   // bit u: head_[kind][u] != nullptr
+  std::set<Block*, ByAddress> roomy_;
+  std::vector<size_t> twins_to_check_;
 };
 
 }  // namespace pyalloc

@@ -41,9 +41,19 @@ inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
   block->sliver_prev[kind] = block->sliver_next[kind] = nullptr;
 }
 
+inline bool SliverIndex::is_roomy(const Block* block, size_t g) {
+  const size_t lo = block->addr - block->segment->base;
+  return round_up_to(lo, g) + g <= lo + block->size;
+}
+
 inline void SliverIndex::insert(Block* block) {
   for (const Kind kind : {kEnd, kStart}) {
     if (const size_t off = offset(kind, block, granule_)) link(kind, block, off / kBlockAlign);
+  }
+  if (is_roomy(block, granule_)) roomy_.insert(block);
+  const uintptr_t base = block->segment->base;
+  for (const Block* beside : {block->prev, block->next}) {
+    if (beside != nullptr && beside->state == BlockState::kLent) check_twin((beside->addr - base) / granule_);
   }
 }
 
@@ -51,6 +61,7 @@ inline void SliverIndex::erase(Block* block) {
   for (const Kind kind : {kEnd, kStart}) {
     if (const size_t off = offset(kind, block, granule_)) unlink(kind, block, off / kBlockAlign);
   }
+  if (is_roomy(block, granule_)) roomy_.erase(block);
 }
 
 }  // namespace pyalloc

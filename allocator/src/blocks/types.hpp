@@ -144,14 +144,9 @@ struct Block {
   bool is_free() const { return state == BlockState::kFree; }
 };
 
-// Blocks by address, and an address, in one order (std::set's transparent
-// lookup): an arena's holes.
-struct ByAddress {
-  using is_transparent = void;
-  bool operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
-  bool operator()(const Block* a, uintptr_t b) const { return a->addr < b; }
-  bool operator()(uintptr_t a, const Block* b) const { return a < b->addr; }
-};
+inline bool ByAddress::operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
+inline bool ByAddress::operator()(const Block* a, uintptr_t b) const { return a->addr < b; }
+inline bool ByAddress::operator()(uintptr_t a, const Block* b) const { return a < b->addr; }
 
 // One granule of a pair of twins (Note [Shared granules] in
 // device/share.cpp): the granule that maps the same physical granule, and

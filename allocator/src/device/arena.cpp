@@ -118,6 +118,7 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   arena->holes.insert(arena->head);
   arena->phys.resize(size / g);
   pool.arenas.push_back(arena);
+  if (divert_ & kDivertSlivers) index_arena(arena);  // every arena is, while any is
   return arena;
 }
 
@@ -277,26 +278,44 @@ void DeviceAllocator::for_each_arena(F fn) {
 }
 
 // Unmaps up to `wanted` granules wholly inside free blocks of any arena,
-// except blocks overlapping [skip_lo, skip_hi); the handles go to `keep`
-// (or back to the backend when null). Returns the granules unmapped.
+// lowest first, except blocks overlapping [skip_lo, skip_hi); the handles go
+// to `keep` (or back to the backend when null). Returns the granules
+// unmapped. An arena's sliver index, when on, lists those blocks (roomy);
+// else its blocks are walked.
 size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi,
                                             std::vector<PhysHandle>* keep) {
   size_t done = 0;
   for_each_arena([&](Segment* arena) {
     if (!arena->twins.empty() && !untwin_free(arena, skip_lo, skip_hi)) return;
     bool synchronized = false;
+    // Unmaps what it can of the granules inside free block b, which holds
+    // [lo, hi); false when the stream cannot be synchronized. b may be gone
+    // after.
+    auto unmap_from = [&](Block* b, uintptr_t lo, uintptr_t hi) {
+      if (!synchronized && !(synchronized = synchronize_stream(arena))) return false;
+      const size_t n = std::min((hi - lo) / granule_, wanted - done);
+      done += n;
+      unmap_free_range(b, lo, lo + n * granule_, keep);
+      return true;
+    };
+    uintptr_t lo, hi;
+    if (arena->indexed) {
+      const std::set<Block*, ByAddress>& roomy = arena->slivers.roomy();
+      for (auto it = roomy.begin(); it != roomy.end() && done < wanted;) {
+        Block* b = *it;
+        const uintptr_t from = b->addr;
+        const bool skipped = b->addr < skip_hi && end_of(b) > skip_lo;
+        if (!skipped && free_interior(b, granule_, &lo, &hi) && !unmap_from(b, lo, hi)) return;
+        it = skipped ? std::next(it) : roomy.upper_bound(from);  // what is left of b starts past it
+      }
+      return;
+    }
     for (Block* b = arena->head; b != nullptr && done < wanted; b = b->next) {
-      uintptr_t lo, hi;
       if (!b->is_free() || !free_interior(b, granule_, &lo, &hi)) continue;
       if (b->addr < skip_hi && end_of(b) > skip_lo) continue;
-      if (!synchronized && !(synchronized = synchronize_stream(arena))) return;
-      const size_t n = std::min((hi - lo) / granule_, wanted - done);
-      hi = lo + n * granule_;
-      done += n;
       Block* before = b->prev;
-      unmap_free_range(b, lo, hi, keep);
-      // b may be gone: go on from what now precedes the hole.
-      b = before != nullptr ? before : arena->head;
+      if (!unmap_from(b, lo, hi)) return;
+      b = before != nullptr ? before : arena->head;  // b may be gone: go on from what precedes the hole
     }
   });
   return done;
@@ -351,7 +370,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   }
   Block* shared = nullptr;
   if (handles.size() < w.granules && stitch && sharing_) {
-    index_slivers(arena);
+    index_slivers();
     const SharePlan plan = plan_share(arena, rounded, g);
     if (plan.found && plan.fresh <= handles.size()) shared = map_share(arena, plan, &handles);  // < w.granules
   }

@@ -73,8 +73,8 @@ namespace pyalloc {
 Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream) {
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
+  index_slivers();
   if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
-  index_slivers(arena);
   const SharePlan plan = plan_share(arena, rounded, granule_);
   if (!plan.found) return nullptr;
   if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
@@ -182,18 +182,27 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   return block;
 }
 
-// Turns on `arena`'s sliver index (Note [Sliver index]) unless it is on:
-// one walk puts its free blocks in; from then on free-set membership keeps
-// it, on the general path only (kDivertSlivers).
-void DeviceAllocator::index_slivers(Segment* arena) {
-  if (arena->indexed) return;
+// Turns on the sliver index of every arena of the device (Note [Sliver
+// index]) unless they are on: one walk each puts the free blocks in, and
+// every twin is looked at once; from then on free-set membership keeps them,
+// on the general path only (kDivertSlivers). An arena made while they are on
+// is indexed when it is made (arena_for).
+void DeviceAllocator::index_slivers() {
+  if (divert_ & kDivertSlivers) return;
+  for (Pool* pool : pools()) {
+    for (Segment* arena : pool->arenas) index_arena(arena);
+  }
+  divert_ |= kDivertSlivers;
+  ++stats_.num_sliver_indexes;
+}
+
+void DeviceAllocator::index_arena(Segment* arena) {
   arena->slivers.start(granule_);
   for (Block* b = arena->head; b != nullptr; b = b->next) {
     if (b->is_free()) arena->slivers.insert(b);
   }
+  for (const auto& t : arena->twins) arena->slivers.check_twin(t.first);
   arena->indexed = true;
-  divert_ |= kDivertSlivers;
-  ++stats_.num_sliver_indexes;
 }
 
 // Turns every sliver index off, and the fast path back on, once reserved
@@ -265,23 +274,41 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
 
 // Untwins (untwin) every twin of `arena` whose own part is all free, unless
 // that part overlaps [skip_lo, skip_hi); synchronizes the stream first, once.
-// False when the stream could not be synchronized.
+// With the sliver index on, only the twins it has noted are looked at (a
+// skipped one stays noted); else all. False when the stream could not be
+// synchronized.
 bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi) {
+  std::vector<size_t> slots;
+  if (arena->indexed) {
+    slots = arena->slivers.take_twins_to_check();
+  } else {
+    for (const auto& t : arena->twins) slots.push_back(t.first);
+  }
   std::vector<size_t> ready;
-  for (const auto& [slot, twin] : arena->twins) {
+  for (const size_t slot : slots) {
+    const auto twin = arena->twins.find(slot);
+    if (twin == arena->twins.end()) continue;  // parted since it was noted
     const uintptr_t lo = arena->base + slot * granule_;
     const uintptr_t hi = lo + granule_;
     // The granule's own part is the rest of it, beside its lent piece: all
     // free when the block on that side is free and reaches the granule's edge.
-    const Block* mine = twin.lent;
+    const Block* mine = twin->second.lent;
     const bool lent_first = mine->addr == lo;
     const Block* own = lent_first ? mine->next : mine->prev;
     if (!own->is_free() || (lent_first ? end_of(own) < hi : own->addr > lo)) continue;
-    if (own->addr < skip_hi && end_of(own) > skip_lo) continue;
+    if (own->addr < skip_hi && end_of(own) > skip_lo) {
+      if (arena->indexed) arena->slivers.check_twin(slot);
+      continue;
+    }
     ready.push_back(slot);
   }
   if (ready.empty()) return true;
-  if (!synchronize_stream(arena)) return false;
+  if (!synchronize_stream(arena)) {
+    for (const size_t slot : ready) {
+      if (arena->indexed) arena->slivers.check_twin(slot);
+    }
+    return false;
+  }
   for (const size_t slot : ready) {
     // Untwinning gives the other twin's lent piece back to its free memory,
     // which frees nothing of any other pair: the ones found stay ready.

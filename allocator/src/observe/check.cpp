@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "blocks/arena.hpp"
 #include "blocks/sliver_index_inl.hpp"
 #include "ground/text.hpp"
 #include "observe/check.hpp"
@@ -81,6 +82,33 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
     if (found != expected.size()) {
       *problem = "the sliver index lists " + std::to_string(found) + " free " +
                  (kind == SliverIndex::kEnd ? "ends" : "starts") + " of " + std::to_string(expected.size());
+      return false;
+    }
+  }
+  size_t roomy = 0;
+  for (const Block* b = arena.head; b != nullptr; b = b->next) {
+    if (!b->is_free() || !SliverIndex::is_roomy(b, g)) continue;
+    ++roomy;
+    if (arena.slivers.roomy().count(const_cast<Block*>(b)) == 0) {
+      *problem = "free block " + hex(b->addr) + " holds a whole granule but is not listed as roomy";
+      return false;
+    }
+  }
+  if (roomy != arena.slivers.roomy().size()) {
+    *problem = "the sliver index lists " + std::to_string(arena.slivers.roomy().size()) + " roomy blocks of " +
+               std::to_string(roomy);
+    return false;
+  }
+  // A twin whose own part is all free must be noted, or untwin_free would
+  // never part it.
+  for (const auto& [slot, twin] : arena.twins) {
+    const Block* mine = twin.lent;
+    const bool lent_first = (mine->addr - arena.base) % g == 0;
+    const Block* own = lent_first ? mine->next : mine->prev;
+    const uintptr_t lo = arena.base + slot * g;
+    const bool free = own->is_free() && (lent_first ? end_of(own) >= lo + g : own->addr <= lo);
+    if (free && !arena.slivers.noted(slot)) {
+      *problem = "twin granule " + std::to_string(slot) + " has its own part free but is not noted for untwinning";
       return false;
     }
   }
