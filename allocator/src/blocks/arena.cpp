@@ -44,7 +44,7 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
     }
   };
   uintptr_t walked_to = arena->base;  // runs end before holes beyond this start
-  for (const Block* hole : arena->holes) {
+  for (const Block* hole : arena->holes.by_address()) {
     if (hole->addr < walked_to) continue;  // in the run just walked
     const Block* b = hole;
     while (b->prev != nullptr && usable(b->prev)) b = b->prev;
@@ -79,12 +79,13 @@ Block* block_at(const Segment* segment, uintptr_t addr) {
 // The block of `arena` that holds `addr`, found from the holes around it: the
 // hole before it, if that reaches it, else back from the hole after it.
 Block* block_near_holes(const Segment* arena, uintptr_t addr) {
-  const auto after = arena->holes.upper_bound(addr);
-  if (after != arena->holes.begin()) {
+  const Holes::ByAddressSet& holes = arena->holes.by_address();
+  const auto after = holes.upper_bound(addr);
+  if (after != holes.begin()) {
     Block* before = *std::prev(after);
     if (end_of(before) > addr) return before;
   }
-  if (after == arena->holes.end()) return block_at(arena, addr);
+  if (after == holes.end()) return block_at(arena, addr);
   Block* b = *after;
   while (b->addr > addr) b = b->prev;
   return b;
@@ -122,8 +123,6 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
   assert(arena->slivers.on());
   const uintptr_t base = arena->base;
   const SliverIndex& slivers = arena->slivers;
-  // A twin lends nothing: its slivers are passed over.
-  auto lends = [&](size_t slot) { return arena->twins.count(slot) == 0; };
 
   SharePlan best;
   // Starting `offset` into granule `front` (or on a boundary, kNone), ending
@@ -140,7 +139,7 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
       for (Block* b = slivers.first(SliverIndex::kStart, tail); b != nullptr;
            b = slivers.next(SliverIndex::kStart, b)) {
         const size_t slot = (end_of(b) - base) / g;
-        if (slot == front || !lends(slot)) continue;
+        if (slot == front) continue;  // one granule cannot be both
         c.back = slot;
         c.back_own = (end_of(b) - base) % g;
         c.back_block = b;
@@ -157,21 +156,17 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
   size_t tried = 0;
   for (Block* b = slivers.first(SliverIndex::kEnd, 1); b != nullptr && tried < kFrontsTried;
        b = slivers.next(SliverIndex::kEnd, b)) {
-    const size_t slot = (b->addr - base) / g;
-    if (!lends(slot)) continue;
-    consider(b, slot, (b->addr - base) % g);
+    consider(b, (b->addr - base) / g, (b->addr - base) % g);
     ++tried;
   }
   if (best.front == SharePlan::kNone && best.back == SharePlan::kNone) return SharePlan{};
 
   // A hole to hold the window, lowest first.
-  for (const Block* hole : arena->holes) {
-    if (hole->size < best.granules * g) continue;
-    best.lo = hole->addr;
-    best.found = true;
-    return best;
-  }
-  return SharePlan{};
+  const Block* hole = arena->holes.lowest_fitting(best.granules * g);
+  if (hole == nullptr) return SharePlan{};
+  best.lo = hole->addr;
+  best.found = true;
+  return best;
 }
 
 // Granules that `block` (free, in an arena) would take from the free memory

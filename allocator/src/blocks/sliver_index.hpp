@@ -87,6 +87,9 @@ class SliverIndex {
   static inline size_t offset(Kind kind, const Block* block, size_t granule);
   // Whether `block` holds a whole granule.
   static inline bool is_roomy(const Block* block, size_t granule);
+  // Whether the granule in which `block` is a sliver of `kind` may lend it:
+  // it is no twin.
+  static inline bool lends(Kind kind, const Block* block, size_t granule);
 
  private:
   void link(Kind kind, Block* block, size_t unit);

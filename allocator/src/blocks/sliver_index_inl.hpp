@@ -46,10 +46,23 @@ inline bool SliverIndex::is_roomy(const Block* block, size_t g) {
   return round_up_to(lo, g) + g <= lo + block->size;
 }
 
+// A twin lends nothing: its granule's slivers are not listed.
+inline bool SliverIndex::lends(Kind kind, const Block* block, size_t g) {
+  const size_t lo = block->addr - block->segment->base;
+  return !block->segment->twinned[(kind == kEnd ? lo : lo + block->size) / g];
+}
+
+// `block` is not listed (its sliver_kinds may be stale from an index dropped
+// since: it is set here, not added to).
 inline void SliverIndex::insert(Block* block) {
+  uint8_t kinds = 0;
   for (const Kind kind : {kEnd, kStart}) {
-    if (const size_t off = offset(kind, block, granule_)) link(kind, block, off / kBlockAlign);
+    const size_t off = offset(kind, block, granule_);
+    if (off == 0 || !lends(kind, block, granule_)) continue;
+    link(kind, block, off / kBlockAlign);
+    kinds |= static_cast<uint8_t>(1u << kind);
   }
+  block->sliver_kinds = kinds;
   if (is_roomy(block, granule_)) roomy_.insert(block);
   const uintptr_t base = block->segment->base;
   for (const Block* beside : {block->prev, block->next}) {
@@ -59,8 +72,10 @@ inline void SliverIndex::insert(Block* block) {
 
 inline void SliverIndex::erase(Block* block) {
   for (const Kind kind : {kEnd, kStart}) {
-    if (const size_t off = offset(kind, block, granule_)) unlink(kind, block, off / kBlockAlign);
+    if (!(block->sliver_kinds & (1u << kind))) continue;
+    unlink(kind, block, offset(kind, block, granule_) / kBlockAlign);
   }
+  block->sliver_kinds = 0;
   if (is_roomy(block, granule_)) roomy_.erase(block);
 }
 

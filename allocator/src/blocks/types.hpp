@@ -81,6 +81,7 @@
 
 #include "backends/backend.hpp"
 #include "blocks/free_set.hpp"
+#include "blocks/holes.hpp"
 #include "blocks/sliver_index.hpp"
 
 namespace pyalloc {
@@ -130,6 +131,7 @@ struct Block {
   Block* prev = nullptr;     // address-order neighbours in the segment
   Block* next = nullptr;
   BlockState state = BlockState::kFree;
+  uint8_t sliver_kinds = 0;  // bit k: listed as a sliver of kind k (Note [Sliver index])
   std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
   Block* bin_prev = nullptr;   // neighbours in its free-set class list, while free
   Block* bin_next = nullptr;
@@ -176,7 +178,8 @@ struct Segment {
   size_t doubled = 0;
   std::vector<PhysHandle> phys;
   std::map<size_t, Twin> twins;
-  std::set<Block*, ByAddress> holes;  // every hole, by address (I9)
+  std::vector<bool> twinned;  // per granule: a key of `twins` (a lookup without the map's walk)
+  Holes holes;          // every hole, by address and size (I9)
   SliverIndex slivers;  // its free slivers, once on (Note [Sliver index])
 
   bool wholly_free() const { return head->is_free() && head->size == size; }

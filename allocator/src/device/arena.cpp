@@ -115,8 +115,10 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   if (!succeeded(backend_->reserve(device_, size, &va))) return nullptr;
   Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
   arena->arena = true;
+  arena->holes.start(g);
   arena->holes.insert(arena->head);
   arena->phys.resize(size / g);
+  arena->twinned.resize(size / g);
   pool.arenas.push_back(arena);
   if (divert_ & kDivertSlivers) index_arena(arena);  // every arena is, while any is
   return arena;
@@ -171,7 +173,7 @@ Block* DeviceAllocator::split_free(Block* block, size_t offset) {
 // `hole`, a block that has just become a hole, merges with the holes beside
 // it, and the result joins the arena's hole set.
 void DeviceAllocator::merge_holes(Block* hole) {
-  std::set<Block*, ByAddress>& holes = hole->segment->holes;
+  Holes& holes = hole->segment->holes;
   make_spare_room(2);
   if (hole->prev != nullptr && hole->prev->state == BlockState::kHole) {
     holes.erase(hole->prev);

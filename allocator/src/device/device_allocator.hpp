@@ -268,6 +268,7 @@ class DeviceAllocator {
   Block* lend(Block* block, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
   void index_slivers();
+  void relist_granule(Segment* arena, size_t slot, Block* inside);
   void index_arena(Segment* arena);
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);

@@ -153,11 +153,9 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
 
   // Carve the window out of the hole: [lo, lo + offset) lent to the front
   // twin, the request's free block, then the back twin's lent end.
-  const auto found = arena->holes.find(lo);
-  assert(found != arena->holes.end());
-  Block* hole = *found;
-  assert(hole->state == BlockState::kHole && hole->addr == lo);
-  arena->holes.erase(found);
+  Block* hole = arena->holes.at(lo);
+  assert(hole != nullptr && hole->state == BlockState::kHole);
+  arena->holes.erase(hole);
   if (end_of(hole) > hi) arena->holes.insert(split_block(hole, hi - lo));  // the rest stays a hole
   Block* middle = hole;
   if (front_lent != nullptr) {
@@ -235,6 +233,26 @@ Block* DeviceAllocator::lend(Block* block, uintptr_t from, uintptr_t to) {
 void DeviceAllocator::pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent) {
   arena->twins[a] = Twin{b, a_lent};
   arena->twins[b] = Twin{a, b_lent};
+  arena->twinned[a] = arena->twinned[b] = true;
+  relist_granule(arena, a, a_lent);
+  relist_granule(arena, b, b_lent);
+}
+
+// The free blocks of granule `slot` of `arena` (one of them, or a block
+// beside them in the granule: `inside`) are listed in the sliver index anew,
+// after the granule became a twin or stopped being one.
+void DeviceAllocator::relist_granule(Segment* arena, size_t slot, Block* inside) {
+  if (!arena->indexed) return;
+  const uintptr_t lo = arena->base + slot * granule_;
+  const uintptr_t hi = lo + granule_;
+  Block* b = inside;
+  while (b->prev != nullptr && b->addr > lo) b = b->prev;
+  for (; b != nullptr && b->addr < hi; b = b->next) {
+    if (!b->is_free()) continue;
+    assert(b->pool->free_blocks.contains(b));
+    arena->slivers.erase(b);
+    arena->slivers.insert(b);
+  }
 }
 
 // Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
@@ -249,13 +267,15 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
 
   Block* theirs = lent_block(arena, other);
   theirs->state = BlockState::kFree;
-  insert_coalesced(theirs);
+  theirs = insert_coalesced(theirs);
 
   backend_->unmap(device_, lo, g);
   trace_.record(TraceAction::kSegmentUnmap, lo, g, arena->stream);
   arena->phys[slot] = PhysHandle{};
   arena->twins.erase(slot);
   arena->twins.erase(other);
+  arena->twinned[slot] = arena->twinned[other] = false;
+  relist_granule(arena, other, theirs);  // this one becomes a hole below
   arena->mapped -= g;
   arena->doubled -= g;
 

@@ -66,7 +66,7 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
   for (const SliverIndex::Kind kind : {SliverIndex::kEnd, SliverIndex::kStart}) {
     std::unordered_set<const Block*> expected;
     for (const Block* b = arena.head; b != nullptr; b = b->next) {
-      if (b->is_free() && SliverIndex::offset(kind, b, g) != 0) expected.insert(b);
+      if (b->is_free() && SliverIndex::offset(kind, b, g) != 0 && SliverIndex::lends(kind, b, g)) expected.insert(b);
     }
     size_t found = 0;
     size_t last = 0;
@@ -148,7 +148,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     }
     if (b->state == BlockState::kHole) {
       ++holes;
-      if (arena->holes.count(const_cast<Block*>(b)) == 0) {
+      if (!arena->holes.contains(const_cast<Block*>(b))) {
         *problem = "hole " + hex(b->addr) + " is not in the arena's hole set";
         return false;
       }
@@ -165,7 +165,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     backed_blocks += b->size;
     for (size_t i = lo / g; i < (hi + g - 1) / g; ++i) needed[i] = true;
   }
-  if (holes != arena->holes.size()) {
+  if (holes != arena->holes.size() || !arena->holes.classes_agree()) {
     *problem = "the hole set lists " + std::to_string(arena->holes.size()) + " holes of " + std::to_string(holes);
     return false;
   }
@@ -195,6 +195,19 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
       *problem = "twin granules " + std::to_string(i) + " and " + std::to_string(j) + " do not lend complementary pieces";
       return false;
     }
+  }
+  size_t twinned = 0;
+  for (size_t i = 0; i < arena->twinned.size(); ++i) {
+    if (!arena->twinned[i]) continue;
+    ++twinned;
+    if (arena->twins.count(i) == 0) {
+      *problem = "granule " + std::to_string(i) + " is flagged a twin but has no twin";
+      return false;
+    }
+  }
+  if (twinned != arena->twins.size()) {
+    *problem = std::to_string(arena->twins.size()) + " twins but " + std::to_string(twinned) + " flagged";
+    return false;
   }
   if (arena->doubled != arena->twins.size() / 2 * g || lent_bytes != arena->doubled) {
     *problem = "doubled bytes " + std::to_string(arena->doubled) + " but " + std::to_string(arena->twins.size()) +
