@@ -48,11 +48,13 @@ class Holes {
 
  private:
   static constexpr size_t kExactClasses = 64;  // 1 .. 63 granules, one class each
+  static constexpr size_t kClasses = 128;
   size_t size_class(size_t bytes) const;
 
   size_t granule_ = 0;
   ByAddressSet all_;
   std::vector<ByAddressSet> by_class_;
+  uint64_t nonempty_[2] = {0, 0};  // bit c: by_class_[c] holds a hole
 };
 
 }  // namespace pyalloc

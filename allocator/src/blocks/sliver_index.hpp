@@ -99,6 +99,7 @@ class SliverIndex {
   size_t granule_ = 0;
   std::vector<Block*> head_[2];     // per offset unit
   std::vector<uint64_t> bits_[2];   // bit u: head_[kind][u] != nullptr
+  std::vector<uint64_t> words_[2];  // bit w: bits_[kind][w] != 0
   std::set<Block*, ByAddress> roomy_;
   std::vector<size_t> twins_to_check_;
 };

@@ -26,6 +26,7 @@ inline void SliverIndex::link(Kind kind, Block* block, size_t unit) {
   if (head != nullptr) head->sliver_prev[kind] = block;
   head = block;
   bits_[kind][unit / 64] |= uint64_t{1} << (unit % 64);
+  words_[kind][unit / 4096] |= uint64_t{1} << (unit / 64 % 64);
 }
 
 inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
@@ -36,7 +37,11 @@ inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
     prev->sliver_next[kind] = next;
   } else {
     head_[kind][unit] = next;
-    if (next == nullptr) bits_[kind][unit / 64] &= ~(uint64_t{1} << (unit % 64));
+    if (next == nullptr) {
+      uint64_t& word = bits_[kind][unit / 64];
+      word &= ~(uint64_t{1} << (unit % 64));
+      if (word == 0) words_[kind][unit / 4096] &= ~(uint64_t{1} << (unit / 64 % 64));
+    }
   }
   block->sliver_prev[kind] = block->sliver_next[kind] = nullptr;
 }
