@@ -316,7 +316,7 @@ def test_stress_prints_the_table_and_writes_a_json_report_and_a_png(tmp_path: Pa
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "peak live" in out and "min cap" in out and "ns/op" in out
-    assert "native (model)" in out
+    assert "native (model)" in out and "expandable (model)" in out
     table_rows = {line.split()[0] for line in out.splitlines() if line.strip()}
     assert {"mlp", "size_sweep"} <= table_rows
 
@@ -324,9 +324,11 @@ def test_stress_prints_the_table_and_writes_a_json_report_and_a_png(tmp_path: Pa
     assert set(report["workloads"]) == {"mlp", "size_sweep"}
     assert report["pyalloc_version"] and report["date"] and report["machine"]["cpu_count"]
     assert report["policies"]["native"]["label"] == "native (model)"
+    assert report["policies"]["native-expandable"]["label"] == "expandable (model)"
     for name, workload in report["workloads"].items():
         live = workload["peak_live_bytes"]
-        assert set(workload["policies"]) == {"pyalloc", "pyalloc-small-pool", "pyalloc-plain", "native"}
+        assert set(workload["policies"]) == {"pyalloc", "pyalloc-small-pool", "pyalloc-plain", "native",
+                                             "native-expandable"}
         for policy, figures in workload["policies"].items():
             assert figures["peak_reserved_bytes"] >= live > 0, (name, policy)
             assert figures["min_capacity_bytes"] >= live, (name, policy)
@@ -372,7 +374,8 @@ def test_register_cli_adds_the_stress_command() -> None:
     args = parser.parse_args(["stress", "--workloads", "mlp", "--quick", "--no-min-capacity"])
     assert args.handler is stress.run
     assert args.workloads == "mlp" and args.quick and args.no_min_capacity
-    assert args.policies == "pyalloc,pyalloc-small-pool,pyalloc-plain,native" and args.out == "stress-report"
+    assert args.policies == "pyalloc,pyalloc-small-pool,pyalloc-plain,native,native-expandable"
+    assert args.out == "stress-report"
 
 
 def test_table_labels_the_native_policy_as_a_model() -> None:

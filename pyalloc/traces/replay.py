@@ -24,6 +24,9 @@ Policies:
                  lifetime-aware placement with plain segments (vmm=off)
   native         a MODEL of PyTorch's default CUDACachingAllocator policy
                  (allocator/src/replay/native_model.hpp says what it models)
+  native-expandable
+                 a MODEL of PyTorch's policy with expandable_segments:True
+                 (allocator/src/replay/expandable_model.hpp says what it models)
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ POLICIES = {
     "pyalloc-lifetime": "the pyalloc allocator with lifetime-aware placement (lifetime=1)",
     "pyalloc-plain-lifetime": "lifetime-aware placement with plain segments only (vmm=off,lifetime=1)",
     "native": "a model of PyTorch's default caching allocator (a model, not PyTorch)",
+    "native-expandable": "a model of PyTorch's caching allocator with expandable_segments:True (a model, not PyTorch)",
 }
 # The PYALLOC_CONF keys each pyalloc policy adds (a --conf given by the user
-# comes after them, so it wins); "native" is not the allocator at all.
+# comes after them, so it wins); the native models are not the allocator at all.
 POLICY_CONF = {"pyalloc": "", "pyalloc-small-pool": "vmm=on", "pyalloc-plain": "vmm=off", "pyalloc-plan": "plan=1",
                "pyalloc-lifetime": "lifetime=1", "pyalloc-plain-lifetime": "vmm=off,lifetime=1"}
 

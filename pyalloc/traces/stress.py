@@ -22,6 +22,11 @@ Policies:
   native         a MODEL of PyTorch's default caching allocator, not PyTorch
                  itself (allocator/src/replay/native_model.hpp says what it models);
                  labelled "native (model)" in the table and the plot
+  native-expandable
+                 a MODEL of PyTorch's caching allocator with
+                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, what a user
+                 fighting fragmentation sets (allocator/src/replay/expandable_model.hpp);
+                 labelled "expandable (model)"
 
 Outputs: a table on stdout, a JSON report (every figure, per workload and
 policy, with the date, the pyalloc version and the machine) and a PNG of
@@ -66,6 +71,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 CURVE_POINTS = 400
 QUICK_CURVE_POINTS = 100
+DEFAULT_POLICIES = ("pyalloc", "pyalloc-small-pool", "pyalloc-plain", "native", "native-expandable")
 TIMED_REPEATS = 3  # replays per workload and policy; ns/op is the best of them
 DEFAULT_OUT = Path("stress-report")
 REPORT_NAME = "stress-report.json"
@@ -73,8 +79,8 @@ PLOT_NAME = "stress-memory.png"
 
 
 def policy_label(policy: str) -> str:
-    """How a policy is named in every output: the native policy is a model, and says so."""
-    return "native (model)" if policy == "native" else policy
+    """How a policy is named in every output: the native policies are models, and say so."""
+    return {"native": "native (model)", "native-expandable": "expandable (model)"}.get(policy, policy)
 
 
 class StressError(Exception):
@@ -290,6 +296,8 @@ def format_table(runs: list[WorkloadRun], policies: list[str]) -> str:
                  "ns/op: allocator time per malloc or free, sim backend, best of " + str(TIMED_REPEATS) + " replays")
     if "native" in policies:
         lines.append("native (model): a model of PyTorch's default caching allocator policy, not PyTorch itself")
+    if "native-expandable" in policies:
+        lines.append("expandable (model): a model of PyTorch's policy with expandable_segments:True, not PyTorch itself")
     return "\n".join(lines)
 
 
@@ -397,7 +405,8 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
               "pyalloc-plan": {"color": "tab:green", "linestyle": ":"},
               "pyalloc-lifetime": {"color": "tab:red", "linestyle": ":"},
               "pyalloc-plain-lifetime": {"color": "tab:brown", "linestyle": ":"},
-              "native": {"color": "tab:orange", "linestyle": "--"}}
+              "native": {"color": "tab:orange", "linestyle": "--"},
+              "native-expandable": {"color": "tab:olive", "linestyle": "--"}}
     for ax, run in zip(axes.flat, runs):
         w = run.workload
         x = [k * w.events // curve_points for k in range(curve_points)]
@@ -422,7 +431,7 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
         ax.legend(fontsize=7, loc="upper left")
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
-    fig.suptitle("pyalloc stress: memory over time (sim backend; native = a model of PyTorch's default allocator)",
+    fig.suptitle("pyalloc stress: memory over time (sim backend; native, expandable = models of PyTorch's allocator)",
                  fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -502,10 +511,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", metavar="NAME,...",
                         help="workloads to run (default: all recorded and generated: "
                              "see pyalloc/traces/workloads/ and pyalloc.traces.generators)")
-    parser.add_argument("--policies", metavar="NAME,...", default="pyalloc,pyalloc-small-pool,pyalloc-plain,native",
-                        help="policies to compare (default: pyalloc,pyalloc-small-pool,pyalloc-plain,native; "
+    parser.add_argument("--policies", metavar="NAME,...", default=",".join(DEFAULT_POLICIES),
+                        help=f"policies to compare (default: {','.join(DEFAULT_POLICIES)}; "
                              "pyalloc-small-pool is the previous defaults (vmm=on), pyalloc-plain pyalloc "
-                             "without arenas, native a model of PyTorch's)")
+                             "without arenas, native a model of PyTorch's default, native-expandable of PyTorch "
+                             "with expandable_segments:True)")
     parser.add_argument("--no-min-capacity", action="store_true",
                         help="skip the search for the smallest capacity that works (a bisection of replays)")
     parser.add_argument("--json", metavar="PATH",

@@ -8,7 +8,9 @@
 //      free block at the peak of live bytes, and sampled curves.
 // Policies: "pyalloc" is this process's allocator through the same C ABI
 // PyTorch calls (device 0, as configured; replays use backend=sim or host);
-// "native" is NativeModel, a model of PyTorch's default policy.
+// "native" is NativeModel, a model of PyTorch's default policy;
+// "native-expandable" is ExpandableModel, a model of PyTorch's policy with
+// expandable_segments:True.
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -17,6 +19,7 @@
 
 #include "abi/runtime.hpp"
 #include "pyalloc/pyalloc.h"
+#include "replay/expandable_model.hpp"
 #include "replay/native_model.hpp"
 
 namespace pyalloc {
@@ -68,19 +71,21 @@ class PyallocPolicy final : public Policy {
   DeviceAllocator* device_;
 };
 
-class NativePolicy final : public Policy {
+// A model of PyTorch's policy, fresh for each pass.
+template <typename Model>
+class ModelPolicy final : public Policy {
  public:
-  explicit NativePolicy(size_t capacity) : capacity_(capacity), model_(new NativeModel(capacity)) {}
+  explicit ModelPolicy(size_t capacity) : capacity_(capacity), model_(new Model(capacity)) {}
   uintptr_t malloc(size_t size, uint64_t stream) override { return model_->malloc(size, stream); }
   void free(uintptr_t addr, size_t, uint64_t) override { model_->free(addr); }
   size_t largest_free() override { return model_->largest_free_block(); }
   size_t reserved() override { return model_->reserved(); }
   size_t peak_reserved() override { return model_->peak_reserved(); }
-  void reset() override { model_.reset(new NativeModel(capacity_)); }
+  void reset() override { model_.reset(new Model(capacity_)); }
 
  private:
   size_t capacity_;
-  std::unique_ptr<NativeModel> model_;
+  std::unique_ptr<Model> model_;
 };
 
 // Frees whatever the trace left live, so the next pass starts clean.
@@ -141,14 +146,18 @@ extern "C" int pyalloc_replay(const char* policy_name, size_t capacity, const un
         return PYALLOC_EBACKEND;
       }
       policy = std::make_unique<PyallocPolicy>(r->devices[0].get());
-    } else if (name == "native") {
+    } else if (name == "native" || name == "native-expandable") {
       if (capacity == 0) {
-        set_last_error("pyalloc_replay: the native model needs a capacity");
+        set_last_error("pyalloc_replay: the " + name + " model needs a capacity");
         return PYALLOC_EINVAL;
       }
-      policy = std::make_unique<NativePolicy>(capacity);
+      if (name == "native") {
+        policy = std::make_unique<ModelPolicy<NativeModel>>(capacity);
+      } else {
+        policy = std::make_unique<ModelPolicy<ExpandableModel>>(capacity);
+      }
     } else {
-      set_last_error("pyalloc_replay: unknown policy '" + name + "' (expected pyalloc or native)");
+      set_last_error("pyalloc_replay: unknown policy '" + name + "' (expected pyalloc, native or native-expandable)");
       return PYALLOC_EINVAL;
     }
     const Trace t{ops, slots, sizes, streams, n, n_slots};
