@@ -409,6 +409,12 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from ..command import UsageError
 
+    if args.meta:
+        from . import meta
+
+        return meta.run(args)
+    if args.batch is not None or args.seq is not None or args.checkpoint:
+        raise UsageError("record: --batch, --seq and --checkpoint go with --meta")
     if (args.model is None) == (args.from_snapshot is None):
         raise UsageError("record: give a MODEL to record or --from-snapshot PICKLE to convert (one of them)")
     if args.from_snapshot is not None:
@@ -462,7 +468,8 @@ def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser
         description=__doc__.split("\n\n", 1)[1].split("Note [", 1)[0].rstrip() if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help=f"workload to record: {', '.join(models.names())}")
+                        help=f"workload to record: {', '.join(models.names())}; with --meta: "
+                             "llama1b, llama7b, vit_l, resnet50")
     parser.add_argument("--from-snapshot", metavar="PICKLE",
                         help="convert a torch.cuda.memory._snapshot() pickle instead (needs -o)")
     parser.add_argument("--snapshot-device", type=int, default=0, metavar="I",
@@ -477,5 +484,13 @@ def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument("--max-entries", type=int, default=DEFAULT_MAX_ENTRIES, metavar="N",
                         help=f"with --device cuda: history ring size (default {DEFAULT_MAX_ENTRIES:,})")
     parser.add_argument("--tiny", action="store_true", help="the workload's tiny test configuration")
+    parser.add_argument("--meta", action="store_true",
+                        help="record a GPU-scale model on PyTorch's meta device, with no memory: "
+                             "llama1b, llama7b, vit_l, resnet50 (pyalloc.traces.meta)")
+    parser.add_argument("--batch", type=int, metavar="N", help="with --meta: batch size (default: the model's)")
+    parser.add_argument("--seq", type=int, metavar="N",
+                        help="with --meta: sequence length (decoders) or image side (vision models)")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="with --meta: activation checkpointing per layer (torch.utils.checkpoint)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
