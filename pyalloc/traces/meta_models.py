@@ -40,6 +40,17 @@ class MetaConfig:
     seed: int = 0
 
 
+def _training_step(forward: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Step:
+    """One step: the loss, its backward, the optimizer, gradients dropped (set_to_none)."""
+    def step() -> object:
+        loss = forward()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 # ---- LLaMA-style decoder -------------------------------------------------------------
 
 
@@ -126,16 +137,7 @@ def _decoder(shape: DecoderShape) -> Callable[[MetaConfig], Step]:
     def build(cfg: MetaConfig) -> Step:
         model = Decoder(shape, cfg.checkpoint).to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-        def step() -> object:
-            ids = torch.randint(0, shape.vocab, (cfg.batch, cfg.seq))
-            loss = model(ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        return step
+        return _training_step(lambda: model(torch.randint(0, shape.vocab, (cfg.batch, cfg.seq))), opt)
     return build
 
 
@@ -237,16 +239,12 @@ def _vision(make: Callable[[MetaConfig], nn.Module], optimizer: str) -> Callable
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
 
-        def step() -> object:
+        def forward() -> torch.Tensor:
             images = torch.empty(cfg.batch, 3, cfg.seq, cfg.seq, dtype=torch.bfloat16)
-            labels = torch.randint(0, 1000, (cfg.batch,))
-            loss = model(images, labels)  # type: ignore[operator]
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss: torch.Tensor = model(images, torch.randint(0, 1000, (cfg.batch,)))
             return loss
 
-        return step
+        return _training_step(forward, opt)
     return build
 
 

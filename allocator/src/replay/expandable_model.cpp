@@ -115,16 +115,8 @@ bool ExpandableModel::map_block(Pool& pool, Block* to_map, size_t size) {
   assert(bytes <= to_map->size);
   if (reserved_ + bytes > capacity_) return false;
   pool.unmapped.erase(to_map);
+  if (bytes < to_map->size) pool.unmapped.insert(split_off(pool, to_map, bytes));  // the rest stays unmapped
   to_map->mapped = true;
-  if (bytes < to_map->size) {
-    Block* rest = new_block(pool, to_map->addr + bytes, to_map->size - bytes, to_map->stream, false, to_map->segment_base);
-    rest->prev = to_map;
-    rest->next = to_map->next;
-    if (to_map->next != nullptr) to_map->next->prev = rest;
-    to_map->next = rest;
-    to_map->size = bytes;
-    pool.unmapped.insert(rest);
-  }
   merge(pool, to_map, to_map->prev);
   merge(pool, to_map, to_map->next);
   pool.blocks.insert(to_map);
@@ -146,6 +138,19 @@ ExpandableModel::Block* ExpandableModel::try_allocate_expandable_block(Pool& poo
 }
 
 // ---- blocks -----------------------------------------------------------------------------
+
+// Splits `block` at `offset` bytes; returns the part after, mapped as `block`
+// is, in no set.
+ExpandableModel::Block* ExpandableModel::split_off(Pool& pool, Block* block, size_t offset) {
+  Block* rest = new_block(pool, block->addr + offset, block->size - offset, block->stream, block->mapped,
+                          block->segment_base);
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next != nullptr) block->next->prev = rest;
+  block->next = rest;
+  block->size = offset;
+  return rest;
+}
 
 // `src`, a neighbour of `dst`, joins it when both are free and both mapped or
 // both unmapped (try_merge_blocks). `dst` is in no set.
@@ -184,15 +189,7 @@ uintptr_t ExpandableModel::malloc(size_t request, uint64_t stream) {
     b = try_allocate_expandable_block(pool, size, stream);
   }
   if (b == nullptr) return 0;
-  if (b->size - size >= kMinBlock) {
-    Block* rest = new_block(pool, b->addr + size, b->size - size, stream, true, b->segment_base);
-    rest->prev = b;
-    rest->next = b->next;
-    if (b->next != nullptr) b->next->prev = rest;
-    b->next = rest;
-    b->size = size;
-    pool.blocks.insert(rest);
-  }
+  if (b->size - size >= kMinBlock) pool.blocks.insert(split_off(pool, b, size));
   b->allocated = true;
   allocated_ += b->size;
   live_.emplace(b->addr, b);

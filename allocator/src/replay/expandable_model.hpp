@@ -92,6 +92,7 @@ class ExpandableModel {
   Block* try_allocate_expandable_block(Pool& pool, size_t size, uint64_t stream);
   void free_block(Pool& pool, Block* block);
   void merge(Pool& pool, Block* dst, Block* src);
+  Block* split_off(Pool& pool, Block* block, size_t offset);
   void release_cached_blocks();
   void unmap_block(Pool& pool, Block* block);
   Block* new_block(Pool& pool, uintptr_t addr, size_t size, uint64_t stream, bool mapped, uintptr_t segment_base);
