@@ -9,6 +9,8 @@ namespace pyalloc {
 
 void SliverIndex::start(size_t granule) {
   granule_ = granule;
+  roomy_.clear();
+  whole_granules_ = 0;
   const size_t units = granule / kBlockAlign;
   for (const Kind kind : {kEnd, kStart}) {
     head_[kind].assign(units, nullptr);

@@ -75,6 +75,8 @@ class SliverIndex {
 
   // The free blocks that hold a whole granule, by address.
   const std::set<Block*, ByAddress>& roomy() const { return roomy_; }
+  // How many whole granules the roomy blocks hold, together.
+  size_t whole_granules() const { return whole_granules_; }
 
   // Twin granules to look at: a free block arrived beside their lent piece
   // since the last call (or the index was built). Each at most once.
@@ -87,6 +89,8 @@ class SliverIndex {
   static inline size_t offset(Kind kind, const Block* block, size_t granule);
   // Whether `block` holds a whole granule.
   static inline bool is_roomy(const Block* block, size_t granule);
+  // How many whole granules `block` holds.
+  static inline size_t whole_granules(const Block* block, size_t granule);
   // Whether the granule in which `block` is a sliver of `kind` may lend it:
   // it is no twin.
   static inline bool lends(Kind kind, const Block* block, size_t granule);
@@ -101,6 +105,7 @@ class SliverIndex {
   std::vector<uint64_t> bits_[2];   // bit u: head_[kind][u] != nullptr
   std::vector<uint64_t> words_[2];  // bit w: bits_[kind][w] != 0
   std::set<Block*, ByAddress> roomy_;
+  size_t whole_granules_ = 0;
   std::vector<size_t> twins_to_check_;
 };
 

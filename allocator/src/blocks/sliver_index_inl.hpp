@@ -51,6 +51,13 @@ inline bool SliverIndex::is_roomy(const Block* block, size_t g) {
   return round_up_to(lo, g) + g <= lo + block->size;
 }
 
+inline size_t SliverIndex::whole_granules(const Block* block, size_t g) {
+  const size_t lo = block->addr - block->segment->base;
+  const size_t first = round_up_to(lo, g);
+  const size_t end = lo + block->size;
+  return end >= first + g ? (end - first) / g : 0;
+}
+
 // A twin lends nothing: its granule's slivers are not listed.
 inline bool SliverIndex::lends(Kind kind, const Block* block, size_t g) {
   const size_t lo = block->addr - block->segment->base;
@@ -68,7 +75,10 @@ inline void SliverIndex::insert(Block* block) {
     kinds |= static_cast<uint8_t>(1u << kind);
   }
   block->sliver_kinds = kinds;
-  if (is_roomy(block, granule_)) roomy_.insert(block);
+  if (is_roomy(block, granule_)) {
+    roomy_.insert(block);
+    whole_granules_ += whole_granules(block, granule_);
+  }
   const uintptr_t base = block->segment->base;
   for (const Block* beside : {block->prev, block->next}) {
     if (beside != nullptr && beside->state == BlockState::kLent) check_twin((beside->addr - base) / granule_);
@@ -81,7 +91,10 @@ inline void SliverIndex::erase(Block* block) {
     unlink(kind, block, offset(kind, block, granule_) / kBlockAlign);
   }
   block->sliver_kinds = 0;
-  if (is_roomy(block, granule_)) roomy_.erase(block);
+  if (is_roomy(block, granule_)) {
+    roomy_.erase(block);
+    whole_granules_ -= whole_granules(block, granule_);
+  }
 }
 
 }  // namespace pyalloc

@@ -272,13 +272,6 @@ bool DeviceAllocator::synchronize_stream(const Segment* arena) {
   return true;
 }
 
-template <typename F>
-void DeviceAllocator::for_each_arena(F fn) {
-  for (Pool* pool : pools()) {
-    for (Segment* a : pool->arenas) fn(a);
-  }
-}
-
 // Unmaps up to `wanted` granules wholly inside free blocks of any arena,
 // lowest first, except blocks overlapping [skip_lo, skip_hi); the handles go
 // to `keep` (or back to the backend when null). Returns the granules

@@ -79,6 +79,20 @@ PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remai
   return remaining >= kBlockAlign;
 }
 
+// Every arena of every pool, in pools() order, with no list built: near a
+// full device this runs once per request.
+template <typename F>
+void DeviceAllocator::for_each_arena(F fn) {
+  for (Pool* pool : {&small_pool_, &large_pool_, &long_pool_, &plan_pool_}) {
+    for (Segment* a : pool->arenas) fn(a);
+  }
+  for (const auto& pool : user_pools_) {
+    if (pool) {
+      for (Segment* a : pool->arenas) fn(a);
+    }
+  }
+}
+
 // Whether a request of `rounded` bytes in `pool` tries a shared window before
 // the cache (Note [Shared granules]): the device is nearly full, and the
 // request spans more than a granule without being a whole number of them.

@@ -272,6 +272,7 @@ class DeviceAllocator {
   void index_arena(Segment* arena);
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
+  bool spare_covers(size_t rounded);
 
   // Placement policies (placement.cpp): lifetime-aware placement (Note
   // [Lifetime-aware placement] in policy/lifetime.cpp) and iteration plans
@@ -324,6 +325,7 @@ class DeviceAllocator {
   // Reserved bytes from which a request of more than a granule, not a whole
   // number of them, may be served from a shared window first (SIZE_MAX: never).
   size_t share_from_ = SIZE_MAX;
+  size_t share_limit_ = SIZE_MAX;  // what the allocator may reserve, when share_from_ is set
 
   std::vector<Block*> spare_blocks_;  // recycled Block objects
   Pool small_pool_;

@@ -27,21 +27,35 @@
 // Same arena means same stream, so reusing a free sliver through the second
 // address is ordered after its last use like any cache hit.
 //
-// When: only near a full device, since a window costs backend calls and
-// stitching may synchronize the stream.
+// When: only near a full device, and only when whole granules run short,
+// since a window costs backend calls (on a GPU, a map and an unmap of each
+// granule it stitches: microseconds each) and stitching may synchronize the
+// stream.
 //   - Ladder step 2, after stitching found too few whole granules for the
 //     ordinary window (grow_arena).
 //   - Before the cache (share_first), once reserved memory would pass 95% of
 //     what the allocator may reserve (share_from_), for a request of more
-//     than a granule that is not a whole number of them, when the window
-//     takes fewer granules than the best cached fit would (granules_taken).
-//     A cached block that fits with no split is taken as it is, on either
-//     path (alloc_block).
+//     than a granule that is not a whole number of them, when the whole
+//     granules the device could still put behind it (unreserved ones, and
+//     those wholly inside free blocks of its arenas: spare_covers) are fewer
+//     than it spans, and the window takes fewer granules than the best cached
+//     fit would (granules_taken). A cached block that fits with no split is
+//     taken as it is, on either path (alloc_block).
 //     Waiting for the ladder is too late: a request that fails falls short
-//     by more than two granules, and by then the slivers have piled up; near
-//     the limit, every such request uses up to two of them instead of
-//     splitting a cached block and leaving one more. (Whole-granule requests
-//     leave no sliver where they start on a boundary, Note [Whole granules].)
+//     by more than two granules, and by then the slivers have piled up; once
+//     whole granules run short, every such request uses up to two of them
+//     instead of splitting a cached block and leaving one more. (Whole-granule
+//     requests leave no sliver where they start on a boundary, Note [Whole
+//     granules].)
+//     While whole granules cover the request, splitting the cached fit costs
+//     no remap. Sharing then as well (every request near a full device, the
+//     rule until 2026-11-25) saved 46 MiB more on interleaved_lifetimes (608
+//     MiB instead of 654) and 32 on two_stream, but remapped on almost every
+//     request: 1,000-1,500 ns per operation on the sim backend under
+//     pressure against 180-240 now, and 4-6 times plain segments on the
+//     ViT-L and ResNet-50 traces at 1.05 times their peak live bytes, where a
+//     GPU would pay a map per granule besides
+//     (docs/benchmarks/2026-11-25-scale-cpu.md).
 //
 // Twins part again lazily, whenever free granules are gathered (untwin_free:
 // stitching, release, empty_cache, and share_first): a twin whose own part is
@@ -49,12 +63,12 @@
 // and its lent piece in the other twin becomes free memory there. A twin is
 // never shared again; one granule maps at most twice.
 //
-// Measured on the stress suite (docs/benchmarks/2026-11-22-shared-granules-cpu.md),
-// against share=0: interleaved_lifetimes needs 608 MiB instead of 660 (1.03
-// times its live bytes instead of 1.12), two_stream 920 instead of 948, mlp
-// 132 instead of 134 (what the model of PyTorch's allocator needs),
-// mlp_fixed 148 instead of 150, encoder_padding, seq2seq and size_sweep 2 to
-// 4 MiB less; cnn_multiscale 2 MiB more; the rest the same.
+// Measured on the stress suite against share=0 (the rule of when as it is
+// now: docs/benchmarks/2026-11-25-scale-cpu.md): interleaved_lifetimes needs
+// 654 MiB instead of 660, mlp 132 instead of 134 (what the model of
+// PyTorch's allocator needs), encoder_padding, seq2seq, transformer_lm,
+// resnet50_b256_s224, llama1b_b4_s4096 and llama7b_b1_s2048 2 to 4 MiB less;
+// the rest the same.
 #include <algorithm>
 #include <vector>
 
@@ -74,6 +88,7 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
   index_slivers();
+  if (spare_covers(rounded)) return nullptr;
   if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
   const SharePlan plan = plan_share(arena, rounded, granule_);
   if (!plan.found) return nullptr;
@@ -93,6 +108,17 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
   Block* block = now.found && now.fresh <= handles.size() ? map_share(arena, now, &handles) : nullptr;
   release_granules(handles);
   return block;
+}
+
+// Whether whole granules the device could still put behind `rounded` bytes
+// without a shared one are at least as many as the request spans: those it
+// may reserve before its limit, and those wholly free in its arenas, which
+// stitching takes (their arenas are indexed: index_slivers).
+bool DeviceAllocator::spare_covers(size_t rounded) {
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  size_t spare = reserved < share_limit_ ? (share_limit_ - reserved) / granule_ : 0;
+  for_each_arena([&](const Segment* arena) { spare += arena->slivers.whole_granules(); });
+  return spare >= (rounded + granule_ - 1) / granule_;
 }
 
 // Carries out `plan` (plan_share, on the arena as it is now), taking its

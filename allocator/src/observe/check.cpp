@@ -86,9 +86,11 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
     }
   }
   size_t roomy = 0;
+  size_t whole = 0;
   for (const Block* b = arena.head; b != nullptr; b = b->next) {
     if (!b->is_free() || !SliverIndex::is_roomy(b, g)) continue;
     ++roomy;
+    whole += SliverIndex::whole_granules(b, g);
     if (arena.slivers.roomy().count(const_cast<Block*>(b)) == 0) {
       *problem = "free block " + hex(b->addr) + " holds a whole granule but is not listed as roomy";
       return false;
@@ -97,6 +99,11 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
   if (roomy != arena.slivers.roomy().size()) {
     *problem = "the sliver index lists " + std::to_string(arena.slivers.roomy().size()) + " roomy blocks of " +
                std::to_string(roomy);
+    return false;
+  }
+  if (whole != arena.slivers.whole_granules()) {
+    *problem = "the sliver index counts " + std::to_string(arena.slivers.whole_granules()) +
+               " whole free granules of " + std::to_string(whole);
     return false;
   }
   // A twin whose own part is all free must be noted, or untwin_free would
