@@ -30,7 +30,8 @@ MAY_INCLUDE: dict[str, frozenset[str]] = {
     "node": frozenset({"ground"}),
     "abi": frozenset({"ground", "backends", "blocks", "observe", "policy", "device", "node"}),
     "replay": frozenset({"ground", "backends", "blocks", "observe", "device", "abi"}),
-    # cuda/ holds the cuda backend: a backend, reached only through backends/backend.hpp.
+    # cuda/ holds the cuda backend: a backend, reached only through backends/backend.hpp;
+    # cuda/torch/, the torch-facing layer, reaches the allocator through the C ABI alone.
     "cuda": frozenset({"ground", "backends"}),
 }
 

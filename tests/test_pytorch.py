@@ -114,6 +114,7 @@ def fake_cuda_torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
     monkeypatch.setattr(torch_install, "device_count", lambda: 1)
     monkeypatch.setattr(torch_install, "_installed_allocator", None)
     monkeypatch.delenv(torch_install.PATCH_ENV, raising=False)
+    monkeypatch.setenv(torch_install.LAYER_ENV, "0")  # PyTorch's plain pluggable path (the layer: below)
     FakePluggable.instances.clear()
     yield changed
     pyalloc.unpatch_torch_memory_api()
@@ -135,6 +136,21 @@ def test_install_wires_malloc_free_and_every_hook_by_raw_address(fake_cuda_torch
     assert fake_cuda_torch == [pluggable]
     assert torch_install.is_installed()
     assert torch.cuda.memory_stats is memory_api.memory_stats  # patched by default
+
+
+def test_install_falls_back_to_the_plain_pluggable_path_when_the_layer_cannot_load(
+    fake_cuda_torch: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The torch-facing layer loads only into a CUDA build of PyTorch; here (a CPU
+    build claiming CUDA) install() says why and wires PyTorch's plain pluggable
+    allocator instead, building nothing."""
+    monkeypatch.setenv(torch_install.LAYER_ENV, "1")
+    monkeypatch.setenv("PYALLOC_CACHE_DIR", str(tmp_path))
+    with pytest.warns(torch_install.PyallocWarning, match=r"no libtorch_cuda\.so.*Falling back to PyTorch's plain"):
+        pyalloc.install()
+    (pluggable,) = FakePluggable.instances
+    assert fake_cuda_torch == [pluggable] and torch_install.is_installed()
+    assert not any(tmp_path.iterdir())
 
 
 def test_second_install_is_a_no_op(fake_cuda_torch: list[Any]) -> None:

@@ -1,7 +1,11 @@
 """Making pyalloc PyTorch's CUDA allocator.
 
 :func:`install` makes PyTorch allocate CUDA memory from libpyalloc.so through
-``torch.cuda.memory.CUDAPluggableAllocator``. It must run before the process's
+the torch-facing layer (:mod:`pyalloc.pytorch.layer`: a subclass of PyTorch's
+CUDAPluggableAllocator, built against this torch on first use, that raises
+torch.OutOfMemoryError and answers cacheInfo and getDeviceStats), or, when
+the layer cannot be built (a warning says why) or ``PYALLOC_TORCH_LAYER=0``,
+through ``torch.cuda.memory.CUDAPluggableAllocator``. It must run before the process's
 first CUDA call: PyTorch refuses to swap an allocator that was already used.
 Call it first thing in the program, run the program under
 ``pyalloc run -- python train.py`` (which installs it at interpreter start, in
@@ -24,9 +28,11 @@ from typing import Any
 from .._lib import PyallocError, lib, library_path
 from ..core import config, configure, device_count
 from ..core import snapshot as _pyalloc_snapshot
+from . import layer
 from .memory_api import patch_torch_memory_api
 
 __all__ = [
+    "LAYER_ENV",
     "PATCH_ENV",
     "PyallocWarning",
     "cuda_unavailable_reason",
@@ -35,6 +41,9 @@ __all__ = [
 ]
 
 PATCH_ENV = "PYALLOC_PATCH_TORCH"
+# 0: install PyTorch's plain pluggable allocator instead of the torch-facing
+# layer (pyalloc/pytorch/layer.py), which is built against this torch on first use.
+LAYER_ENV = "PYALLOC_TORCH_LAYER"
 
 
 class PyallocWarning(RuntimeWarning):
@@ -94,12 +103,25 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
             reason = _pyalloc_snapshot().get("error") or "no device found"
             raise PyallocError(f"pyalloc.install(): the cuda backend did not start: {reason}")
 
-        pluggable = torch.cuda.memory.CUDAPluggableAllocator(
-            library_path(), "pyalloc_malloc", "pyalloc_free"
-        )
-        _wire_optional_hooks(pluggable.allocator())
-        torch.cuda.memory.change_current_allocator(pluggable)
-        _set_installed(pluggable)
+        if _layer_enabled_by_env():
+            try:
+                layer.install_cuda_allocator()
+                _set_installed(layer)
+            except layer.LayerError as e:
+                warnings.warn(
+                    f"{e}. Falling back to PyTorch's plain pluggable allocator: a failed allocation "
+                    f"will not raise torch.OutOfMemoryError, and cudnn.benchmark will fail; set "
+                    f"{LAYER_ENV}=0 to choose this without the warning",
+                    PyallocWarning,
+                    stacklevel=2,
+                )
+        if _installed_allocator is None:
+            pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+                library_path(), "pyalloc_malloc", "pyalloc_free"
+            )
+            _wire_optional_hooks(pluggable.allocator())
+            torch.cuda.memory.change_current_allocator(pluggable)
+            _set_installed(pluggable)
 
         if patch_torch and _patch_enabled_by_env():
             patch_torch_memory_api()
@@ -163,6 +185,10 @@ def _wire_optional_hooks(native: Any) -> None:
                 PyallocWarning,
                 stacklevel=3,
             )
+
+
+def _layer_enabled_by_env() -> bool:
+    return os.environ.get(LAYER_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _patch_enabled_by_env() -> bool:

@@ -71,6 +71,23 @@ PYALLOC_API void pyalloc_empty_cache(void);
 /* Caps reserved memory of `device` at fraction * device capacity. */
 PYALLOC_API void pyalloc_set_memory_fraction(double fraction, int device);
 
+/* What PyTorch's out-of-memory message and CUDAAllocator::cacheInfo need,
+ * read in one step under the device's lock (the torch-facing layer,
+ * cuda/torch/). */
+typedef struct pyalloc_memory_info_t {
+  size_t device_total;    /* bytes the device has */
+  size_t device_free;     /* bytes free on the device now, as the backend reports it */
+  size_t reserved;        /* bytes this allocator holds on the device */
+  size_t allocated;       /* bytes of live blocks */
+  size_t limit;           /* what it may reserve: the memory fraction's cap, else device_total */
+  size_t largest_cached;  /* the largest cached free block */
+  size_t largest_request; /* the largest request served without releasing anything:
+                             the largest cached block, or what it may still reserve
+                             (the smaller of device_free and limit - reserved) */
+} pyalloc_memory_info_t;
+/* PYALLOC_OK, or PYALLOC_EDEVICE / PYALLOC_EINVAL (out NULL). */
+PYALLOC_API int pyalloc_memory_info(int device, pyalloc_memory_info_t* out);
+
 /* ---- CuPy CFunctionAllocator -------------------------------------------- */
 
 /* `param` is ignored. The stream is the one set with

@@ -269,6 +269,21 @@ size_t pyalloc_stats_json(int device, char* buf, size_t len) {
   });
 }
 
+int pyalloc_memory_info(int device, pyalloc_memory_info_t* out) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (out == nullptr) {
+      set_error("pyalloc_memory_info: out must not be NULL");
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_memory_info");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    const DeviceAllocator::MemoryInfo m = d->memory_info();
+    *out = pyalloc_memory_info_t{m.device_total, m.device_free,    m.reserved,       m.allocated,
+                                 m.limit,        m.largest_cached, m.largest_request};
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
 size_t pyalloc_snapshot_json(char* buf, size_t len) {
   return guarded<size_t>(0, [&] {
     Runtime* r = pyalloc::current_runtime();

@@ -140,6 +140,18 @@ class DeviceAllocator {
     uint64_t allocations_total;  // changes whenever the device allocates
   };
   Usage usage();
+  // The figures of pyalloc_memory_info (pyalloc.h says what each is); asks
+  // the backend for free memory.
+  struct MemoryInfo {
+    size_t device_total;
+    size_t device_free;
+    size_t reserved;
+    size_t allocated;
+    size_t limit;
+    size_t largest_cached;
+    size_t largest_request;
+  };
+  MemoryInfo memory_info();
 
   // torch.cuda.memory_stats() keys, then pool.<name>.<figure> for each pool
   // (PoolUsage::fields).

@@ -162,6 +162,21 @@ DeviceAllocator::Usage DeviceAllocator::usage() {
   return u;
 }
 
+DeviceAllocator::MemoryInfo DeviceAllocator::memory_info() {
+  Lock lock(mutex_);
+  const MemInfo device = backend_->mem_info(device_);
+  MemoryInfo m;
+  m.device_total = device_total();
+  m.device_free = device.free_bytes;
+  m.reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  m.allocated = static_cast<size_t>(stats_.allocated_bytes.current(kStatAll));
+  m.limit = std::min(reserved_limit(), m.device_total);
+  m.largest_cached = largest_free_block();
+  const size_t room = m.reserved < m.limit ? std::min(m.limit - m.reserved, m.device_free) : 0;
+  m.largest_request = std::max(m.largest_cached, room);
+  return m;
+}
+
 std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_invalid_record_stream) {
   Lock lock(mutex_);
   JsonWriter w;

@@ -1,0 +1,151 @@
+"""The torch-facing layer (cuda/torch/, Note [Out of memory under PyTorch]) on a CPU build of PyTorch.
+
+PyTorch's CPU build has c10::OutOfMemoryError and its translation to
+torch.OutOfMemoryError, so a failed allocation through the layer's operators
+(torch.ops.pyalloc, built against the installed torch) reaches Python exactly
+as it would from PyTorch's own allocator. The CUDA half (the
+CUDAPluggableAllocator subclass) needs a CUDA build to load; here it is
+compiled against the installed headers and its symbols are checked.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import pyalloc  # noqa: E402
+from allocator_fixture import fresh_conf  # noqa: E402
+from pyalloc.pytorch import layer  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYALLOC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    layer.load_ops()
+    yield
+    mp.undo()
+
+
+@pytest.fixture
+def device(ops: None) -> Iterator[None]:
+    pyalloc.configure(fresh_conf("host", "capacity=64MiB"))
+    pyalloc.reset_accumulated_memory_stats()
+    pyalloc.reset_peak_memory_stats()
+    yield
+    pyalloc.empty_cache()
+
+
+def test_a_failed_allocation_is_torch_out_of_memory_error_with_pytorchs_message(device: None) -> None:
+    held = torch.ops.pyalloc.allocate(32 * MiB)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        torch.ops.pyalloc.allocate(48 * MiB)
+    message = str(caught.value)
+    assert isinstance(caught.value, RuntimeError)  # what `except RuntimeError` loops catch
+    assert message.startswith("CUDA out of memory. Tried to allocate 48.00 MiB. GPU 0 has a total capacity of "
+                              "64.00 MiB of which 32.00 MiB is free. Of the allocated memory 32.00 MiB is "
+                              "allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated")
+    assert "pyalloc: out of memory on device 0 (host backend): tried to allocate 48.00 MiB" in message
+    assert pyalloc.memory_stats()["num_ooms"] == 1
+    torch.ops.pyalloc.free(held, 32 * MiB)
+
+
+def test_catch_halve_and_retry_converges(device: None) -> None:
+    """What HF accelerate's find_executable_batch_size and Lightning's BatchSizeFinder do."""
+    held = torch.ops.pyalloc.allocate(20 * MiB)
+    batch, tries = 64, 0
+    while True:
+        tries += 1
+        try:
+            block = torch.ops.pyalloc.allocate(batch * MiB)
+            break
+        except torch.OutOfMemoryError as e:
+            assert "CUDA out of memory." in str(e)
+            batch //= 2
+    assert batch == 32 and tries == 2
+    torch.ops.pyalloc.free(block, batch * MiB)
+    torch.ops.pyalloc.free(held, 20 * MiB)
+
+
+def test_a_bad_device_is_a_runtime_error_not_out_of_memory(device: None) -> None:
+    with pytest.raises(RuntimeError, match="device 7 is out of range") as caught:
+        torch.ops.pyalloc.allocate(MiB, 7)
+    assert not isinstance(caught.value, torch.OutOfMemoryError)
+    with pytest.raises(RuntimeError, match="size must not be negative"):
+        torch.ops.pyalloc.allocate(-1)
+
+
+def test_a_bad_free_is_a_runtime_error_and_frees_nothing(device: None) -> None:
+    p = torch.ops.pyalloc.allocate(MiB)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.pyalloc.free(p, 2 * MiB)
+    assert pyalloc.memory_stats()["allocated_bytes.all.current"] == MiB
+    torch.ops.pyalloc.free(p, MiB)
+    assert pyalloc.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_cache_info_is_the_largest_request_served_without_releasing(device: None) -> None:
+    """cuDNN's benchmark mode sizes its workspace with cacheInfo: the largest
+    cached block, or what pyalloc may still reserve, whichever is larger."""
+    assert torch.ops.pyalloc.cache_info(0) == 64 * MiB
+    a = torch.ops.pyalloc.allocate(40 * MiB)
+    assert torch.ops.pyalloc.cache_info(0) == 24 * MiB
+    b = torch.ops.pyalloc.allocate(8 * MiB)
+    torch.ops.pyalloc.free(a, 40 * MiB)  # 40 MiB cached, 16 MiB never reserved
+    assert torch.ops.pyalloc.cache_info(0) == 40 * MiB
+    pyalloc.set_memory_fraction(0.25)  # 16 MiB: no room to grow under the cap
+    try:
+        assert torch.ops.pyalloc.cache_info(0) == 40 * MiB
+    finally:
+        pyalloc.set_memory_fraction(1.0)
+    torch.ops.pyalloc.free(b, 8 * MiB)
+
+
+def test_device_stats_carry_pyallocs_counters_under_pytorchs_keys(device: None) -> None:
+    """What getDeviceStats gives torch.cuda.memory_stats() from C++."""
+    blocks = [(torch.ops.pyalloc.allocate(size), size) for size in (MiB, 3 * MiB, 512, 10 * MiB)]
+    torch.ops.pyalloc.free(*blocks.pop(1))
+    mine = pyalloc.memory_stats()
+    theirs = torch.ops.pyalloc.device_stats(0)
+    assert len(theirs) == 9 * 12 + 8
+    for key, value in theirs.items():
+        assert mine[key] == value, key
+    assert theirs["allocated_bytes.all.current"] == MiB + 512 + 10 * MiB
+    assert theirs["allocation.all.allocated"] == 4 and theirs["allocation.all.freed"] == 1
+    for p, size in blocks:
+        torch.ops.pyalloc.free(p, size)
+
+
+def test_a_compiler_that_fails_is_a_layer_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYALLOC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(layer.LayerError, match=r"building the torch-facing layer \(ops\) against torch"):
+        layer.build("ops")
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-written left in the cache
+
+
+def test_the_cuda_allocator_compiles_against_the_installed_pytorch(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDAPluggableAllocator subclass: built against this torch's headers and
+    CUDA's runtime headers; on a CPU build it cannot load (libtorch_cuda is not
+    there), so its symbols are what is checked."""
+    if layer.cuda_include_dir() is None:
+        pytest.skip("CUDA's runtime headers are not installed (pip install nvidia-cuda-runtime nvidia-cuda-crt)")
+    if shutil.which("nm") is None:
+        pytest.skip("no nm")
+    monkeypatch.setenv("PYALLOC_CACHE_DIR", str(tmp_path))
+    path = layer.build("cuda")
+    defined = subprocess.run(["nm", "-DC", "--defined-only", str(path)], capture_output=True, text=True).stdout
+    undefined = subprocess.run(["nm", "-DCu", str(path)], capture_output=True, text=True).stdout
+    assert "pyalloc_torch_install" in defined and "pyalloc_torch_error" in defined
+    assert "CUDAPluggableAllocator::CUDAPluggableAllocator(" in undefined  # the base, from libtorch_cuda
+    assert "CUDAPluggableAllocator::changeCurrentAllocator" in undefined
+    assert "pyalloc_malloc" in undefined and "pyalloc_memory_info" in undefined  # from libpyalloc.so
