@@ -30,6 +30,7 @@ COMMAND_MODULES: list[str] = [
     "pyalloc.traces.replay",
     "pyalloc.traces.record",
     "pyalloc.traces.selftest",
+    "pyalloc.gpucheck.run",
 ]
 
 # ---- pyalloc config -----------------------------------------------------------

@@ -29,6 +29,7 @@ LAYER_OF: dict[str, str] = {
     "pyalloc.offloading": "offloading",
     "pyalloc.traces": "traces",
     "pyalloc.gpumemd": "gpumemd",
+    "pyalloc.gpucheck": "gpucheck",
     "pyalloc": "facade",
 }
 MAY_IMPORT: dict[str, frozenset[str]] = {
@@ -40,6 +41,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "offloading": frozenset({CORE, "pytorch", "offloading"}),
     "traces": frozenset({CORE, "command contract", "pytorch", "traces"}),
     "gpumemd": frozenset({"gpumemd"}),
+    "gpucheck": frozenset({CORE, "command contract", "pytorch", "traces", "gpucheck"}),
     "facade": frozenset({CORE, "cupy", "pytorch", "offloading"}),
 }
 # Third-party packages a layer must never import, anywhere in its code.

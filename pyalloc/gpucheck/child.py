@@ -1,0 +1,397 @@
+"""One check of ``pyalloc gpu-check``, in a process of its own.
+
+``python -m pyalloc.gpucheck.child CHECK CONFIG_JSON`` runs CHECK and prints one line,
+:data:`RESULT_MARKER` followed by a JSON object: ``{"status": "pass" | "fail", "figures": {...},
+"detail": "..."}``. An exception is a failed check with its message; a crash (the reason these
+run apart) shows as a child that printed no result.
+
+CONFIG keys: ``allocator`` ("pyalloc", "default" or "expandable"; the parent sets
+PYTORCH_CUDA_ALLOC_CONF for "expandable"), ``device`` ("cuda"; "cpu" only for the tests of this
+command, where the checks that need CUDA fail at once), and each check's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+RESULT_MARKER = "PYALLOC_GPU_CHECK_RESULT "
+
+Figures = dict[str, Any]
+
+
+class CheckFailed(Exception):
+    """The check ran and found what it looks for missing; the message says what."""
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _setup(cfg: dict[str, Any]) -> str:
+    """Installs the allocator the config names; returns what PyTorch allocates with."""
+    if cfg.get("allocator") != "pyalloc":
+        return "pytorch"
+    from pyalloc.pytorch import install as torch_install
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch_install.install()
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, torch_install.PyallocWarning)]
+    return "pyalloc (plain pluggable: " + fallbacks[0] + ")" if fallbacks else "pyalloc (torch-facing layer)"
+
+
+def _require_cuda(cfg: dict[str, Any]) -> None:
+    if cfg.get("device", "cuda") != "cuda" or not _torch().cuda.is_available():
+        raise CheckFailed("needs a CUDA device")
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+
+def check_environment(cfg: dict[str, Any]) -> Figures:
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    props = torch.cuda.get_device_properties(0)
+    from pyalloc.core import version
+
+    return {"device": props.name, "total_memory_bytes": props.total_memory, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "pyalloc": version(), "allocator": allocator,
+            "device_count": torch.cuda.device_count()}
+
+
+def check_oom(cfg: dict[str, Any]) -> Figures:
+    """A request larger than the device raises torch.OutOfMemoryError with PyTorch's message, and
+    a batch-size finder (halve on OOM, as HF accelerate's and Lightning's do) converges."""
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        raise CheckFailed("allocating twice the device's memory did not fail")
+    except torch.OutOfMemoryError as e:
+        message = str(e)
+    if not message.startswith("CUDA out of memory. Tried to allocate"):
+        raise CheckFailed(f"the OOM message does not start as PyTorch's: {message[:200]!r}")
+    baseline = torch.cuda.memory_allocated()
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(4)]).to("cuda", torch.bfloat16)
+    batch, tries = 1 << 22, 0
+    while batch >= 1:
+        tries += 1
+        try:
+            x = torch.randn(batch, 8192, device="cuda", dtype=torch.bfloat16)
+            model(x).float().sum().backward()
+            torch.cuda.synchronize()
+            break
+        except torch.OutOfMemoryError:
+            batch //= 2
+        finally:
+            x = None  # noqa: F841  (the failed step's tensors go before the retry)
+            model.zero_grad(set_to_none=True)
+    if batch < 1:
+        raise CheckFailed("the batch-size finder did not find a batch that fits")
+    del model
+    return {"allocator": allocator, "message": message[:300], "batch_found": batch, "tries": tries,
+            "allocated_after_bytes": torch.cuda.memory_allocated() - baseline}
+
+
+def check_cudnn_benchmark(cfg: dict[str, Any]) -> Figures:
+    """A ResNet-50 training step with cudnn.benchmark on (cuDNN asks the allocator's cacheInfo)."""
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    from pyalloc.traces.meta_models import ResNet50
+
+    torch.backends.cudnn.benchmark = True
+    model = ResNet50(False).to("cuda", torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    images = torch.randn(32, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, 1000, (32,), device="cuda")
+    for _ in range(2):
+        model(images, labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return {"allocator": allocator}
+
+
+def check_graphs(cfg: dict[str, Any]) -> Figures:
+    """CUDA graph capture and replay, and torch.compile(mode="reduce-overhead") (graph pools)."""
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+    static = torch.randn(64, 1024, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = model(static)
+    figures: Figures = {"allocator": allocator}
+    worst = 0.0
+    for _ in range(3):
+        static.copy_(torch.randn(64, 1024, device="cuda"))
+        graph.replay()
+        with torch.no_grad():
+            worst = max(worst, (out - model(static)).abs().max().item())
+    figures["graph_max_error"] = worst
+    if worst > 1e-3:
+        raise CheckFailed(f"a replayed graph's output differs from eager by {worst}")
+
+    compiled = torch.compile(lambda x: model(x).relu().sum(dim=1), mode="reduce-overhead")
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(64, 1024, device="cuda")
+            worst = max(worst, (compiled(x) - model(x).relu().sum(dim=1)).abs().max().item())
+    figures["compile_max_error"] = worst
+    if worst > 1e-2:
+        raise CheckFailed(f"torch.compile(reduce-overhead) output differs from eager by {worst}")
+    return figures
+
+
+def _ipc_reader(queue: Any, results: Any) -> None:
+    tensor = queue.get()
+    results.put(float(tensor.sum().item()))
+
+
+def check_ipc(cfg: dict[str, Any]) -> Figures:
+    """A CUDA tensor passed to another process (torch.multiprocessing, as DataLoader workers do)."""
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, results = ctx.Queue(), ctx.Queue()
+    reader = ctx.Process(target=_ipc_reader, args=(queue, results))
+    reader.start()
+    tensor = torch.full((1 << 20,), 2.0, device="cuda")
+    queue.put(tensor)
+    got = results.get(timeout=120)
+    reader.join(timeout=60)
+    if got != 2.0 * (1 << 20):
+        raise CheckFailed(f"the other process read a sum of {got}, not {2.0 * (1 << 20)}")
+    return {"allocator": allocator, "sum": got}
+
+
+def _allocate_in_a_named_function(torch: Any) -> list[Any]:
+    return [torch.empty(size, device="cuda") for size in (1 << 18, 1 << 20, 3 << 20)]
+
+
+def check_snapshot(cfg: dict[str, Any]) -> Figures:
+    """_record_memory_history, then _dump_snapshot: a file memory_viz reads, with Python frames."""
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    torch.cuda.memory._record_memory_history(max_entries=10000)
+    kept = _allocate_in_a_named_function(torch)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        import pickle
+
+        snapshot = pickle.loads(path.read_bytes())
+        from torch.cuda import _memory_viz
+
+        html = _memory_viz.trace_plot(snapshot)
+    frames = [frame.get("name", "") for seg in snapshot.get("segments", []) for block in seg.get("blocks", [])
+              for frame in block.get("frames", [])]
+    frames += [frame.get("name", "") for trace in snapshot.get("device_traces", []) for entry in trace
+               for frame in entry.get("frames", [])]
+    del kept
+    found = "_allocate_in_a_named_function" in frames
+    if not found:
+        raise CheckFailed(f"no frame names the allocating function ({len(frames)} frames in the snapshot)")
+    return {"allocator": allocator, "frames": len(frames), "viz_html_bytes": len(html)}
+
+
+# ---- training loops: the A/B/C ------------------------------------------------------------
+
+
+def _gpt2(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any]]:
+    """A GPT-2-size decoder (124M: 12 layers, hidden 768, 12 heads, vocabulary 50257)."""
+    nn, F = torch.nn, torch.nn.functional
+    hidden, layers, heads, vocab = (64, 2, 4, 512) if tiny else (768, 12, 12, 50257)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+            self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x: Any) -> Any:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(1024, hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln = nn.LayerNorm(hidden)
+
+        def forward(self, ids: Any) -> Any:
+            x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+            for block in self.blocks:
+                x = block(x)
+            logits = self.ln(x) @ self.embed.weight.t()
+            return F.cross_entropy(logits.float().view(-1, vocab), ids.view(-1))
+
+    model = GPT2()
+    lengths = (32, 48, 64) if tiny else (256, 384, 512, 768, 1024)
+
+    def batch(size: int, step: int) -> Any:
+        t = lengths[random.Random(step).randrange(len(lengths))]
+        return (torch.randint(0, vocab, (size, t)),)
+
+    return model, batch
+
+
+def _resnet50(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any]]:
+    from pyalloc.traces.meta_models import ResNet50
+
+    model = ResNet50(False)
+    sides = (64, 96) if tiny else (160, 192, 224, 256)
+
+    def batch(size: int, step: int) -> Any:
+        side = sides[random.Random(step).randrange(len(sides))]
+        return torch.randn(size, 3, side, side), torch.randint(0, 1000, (size,))
+
+    return model, batch
+
+
+MODELS = {"gpt2": _gpt2, "resnet50": _resnet50}
+
+
+def check_train(cfg: dict[str, Any]) -> Figures:
+    """A training loop with variable shapes under one allocator. mode "max-batch": the largest
+    batch that trains three steps (doubling, then bisecting, in this process, as a batch-size
+    finder does); mode "time": the median step time at cfg["batch"] over cfg["steps"] steps."""
+    torch = _torch()
+    device = cfg.get("device", "cuda")
+    if device == "cuda":
+        _require_cuda(cfg)
+    allocator = _setup(cfg)
+    tiny = device != "cuda"
+    torch.manual_seed(cfg.get("seed", 0))
+    with torch.device(device):
+        model, make_batch = MODELS[cfg["model"]](torch, tiny)
+    model = model.to(device, torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if cfg["model"] == "gpt2" else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    oom = torch.OutOfMemoryError
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def step(size: int, number: int) -> None:
+        with torch.device(device):
+            inputs = make_batch(size, number)
+        inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def trains(size: int) -> bool:
+        try:
+            for number in range(3):
+                step(size, number)
+            sync()
+            return True
+        except oom:
+            opt.zero_grad(set_to_none=True)
+            return False
+
+    figures: Figures = {"allocator": allocator, "model": cfg["model"]}
+    if cfg["mode"] == "max-batch":
+        good, bad = 0, None
+        size = min(cfg.get("start_batch", 1), cfg.get("max_batch", 1 << 16))
+        deadline = time.monotonic() + cfg.get("seconds", 120)
+        while bad is None and time.monotonic() < deadline and size <= cfg.get("max_batch", 1 << 16):
+            if trains(size):
+                good, size = size, size * 2
+            else:
+                bad = size
+        while bad is not None and bad - good > max(1, good // 32) and time.monotonic() < deadline:
+            middle = (good + bad) // 2
+            if trains(middle):
+                good = middle
+            else:
+                bad = middle
+        if good == 0:
+            raise CheckFailed(f"no batch from {cfg.get('start_batch', 1)} up trained (first failing: {bad})")
+        figures.update(largest_batch=good, first_failing_batch=bad)
+    else:
+        size, steps = cfg["batch"], cfg.get("steps", 10)
+        for number in range(3):
+            step(size, number)
+        sync()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for number in range(3, 3 + steps):
+            start = time.perf_counter()
+            step(size, number)
+            sync()
+            times.append(time.perf_counter() - start)
+        figures.update(batch=size, median_step_seconds=statistics.median(times), steps=steps)
+    if device == "cuda":
+        figures["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return figures
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], Figures]] = {
+    "environment": check_environment,
+    "oom": check_oom,
+    "cudnn-benchmark": check_cudnn_benchmark,
+    "graphs": check_graphs,
+    "ipc": check_ipc,
+    "snapshot": check_snapshot,
+    "train": check_train,
+}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in CHECKS:
+        print(f"usage: python -m pyalloc.gpucheck.child {{{','.join(CHECKS)}}} CONFIG_JSON", file=sys.stderr)
+        return 2
+    cfg = json.loads(argv[1])
+    try:
+        result = {"status": "pass", "figures": CHECKS[argv[0]](cfg), "detail": ""}
+    except CheckFailed as e:
+        result = {"status": "fail", "figures": {}, "detail": str(e)}
+    except Exception as e:  # noqa: BLE001  (any failure of the check is its result)
+        tb = traceback.format_exception(type(e), e, e.__traceback__)
+        result = {"status": "fail", "figures": {}, "detail": f"{type(e).__name__}: {e}"[:2000],
+                  "traceback": "".join(tb)[-4000:]}
+    print(RESULT_MARKER + json.dumps(result, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,273 @@
+"""``pyalloc gpu-check``: the one command a machine with a GPU runs, and its report.
+
+Runs, each in a fresh interpreter (:mod:`pyalloc.gpucheck.child`), within a time budget:
+``tests/gpu`` (when run from a source checkout); the environment under pyalloc; a failed
+allocation caught as torch.OutOfMemoryError and a batch-size finder converging; a
+``cudnn.benchmark`` ResNet-50 step; CUDA graph capture and replay and
+``torch.compile(mode="reduce-overhead")``; a CUDA tensor passed to another process; a snapshot
+with Python frames read by memory_viz; and an A/B/C of a GPT-2-size and a ResNet-50 training
+loop with variable shapes under PyTorch's default allocator, PyTorch with
+``expandable_segments:True`` and pyalloc: the largest batch each trains, then the step time and
+peak reserved of each at one batch near full memory (90% of the smallest largest batch).
+
+Writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out``. Targets (issue 19), printed as met
+or missed: step time <= 1.01x PyTorch's default; largest batch >= PyTorch with
+expandable_segments; no check crashes. Exits 0 when every check ran (failures are in the
+report), 1 when the command itself failed, 2 when there is no GPU (one line says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..command import Subparsers, UsageError
+from .child import RESULT_MARKER
+
+EXIT_NO_GPU = 2
+ALLOCATORS = ("default", "expandable", "pyalloc")
+STEP_TIME_TARGET = 1.01
+FEATURE_CHECKS = ("environment", "oom", "cudnn-benchmark", "graphs", "ipc", "snapshot")
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # pass, fail, crash (no result: the child died), timeout, not-run
+    seconds: float
+    figures: dict[str, Any] = field(default_factory=dict)
+    detail: str = ""
+
+
+def _child_env(allocator: str) -> dict[str, str]:
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    for key in ("PYALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYALLOC_PATCH_TORCH"):
+        env.pop(key, None)
+    if allocator == "pyalloc":
+        env["PYALLOC_CONF"] = "backend=cuda"
+    elif allocator == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return env
+
+
+def run_child(name: str, check: str, cfg: dict[str, Any], timeout: float) -> CheckResult:
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pyalloc.gpucheck.child", check, json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=max(1.0, timeout),
+                              env=_child_env(cfg.get("allocator", "default")))
+    except subprocess.TimeoutExpired:
+        return CheckResult(name, "timeout", time.monotonic() - start, detail=f"did not finish within {timeout:.0f} s")
+    seconds = time.monotonic() - start
+    lines = [line[len(RESULT_MARKER):] for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    if not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-3:]
+        return CheckResult(name, "crash", seconds, detail=f"exit status {done.returncode}: " + " | ".join(tail))
+    result = json.loads(lines[-1])
+    detail = result.get("detail", "")
+    if result.get("traceback"):
+        detail += "\n" + result["traceback"]
+    return CheckResult(name, result["status"], seconds, result.get("figures", {}), detail)
+
+
+def run_gpu_tests(timeout: float) -> CheckResult:
+    tests = Path(__file__).resolve().parents[2] / "tests" / "gpu"
+    if not tests.is_dir():
+        return CheckResult("tests/gpu", "not-run", 0.0, detail=f"{tests} is not here (run from a source checkout)")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        try:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                                   f"--junitxml={junit}"], capture_output=True, text=True, timeout=timeout,
+                                  cwd=tests.parents[1], env=_child_env("default"))
+        except subprocess.TimeoutExpired:
+            return CheckResult("tests/gpu", "timeout", time.monotonic() - start, detail=f"over {timeout:.0f} s")
+        figures: dict[str, Any] = {}
+        failed: list[str] = []
+        if junit.is_file():
+            root = ET.parse(junit).getroot()
+            found = root if root.tag == "testsuite" else root.find("testsuite")
+            suite = found if found is not None else root
+            for key in ("tests", "failures", "errors", "skipped"):
+                figures[key] = int(suite.get(key, 0))
+            for case in suite.iter("testcase"):
+                if case.find("failure") is not None or case.find("error") is not None:
+                    failed.append(f"{case.get('classname')}.{case.get('name')}")
+    status = "pass" if done.returncode == 0 else "fail"
+    detail = "; ".join(failed[:20]) or (done.stdout.strip().splitlines() or [""])[-1]
+    return CheckResult("tests/gpu", status, time.monotonic() - start, figures, detail)
+
+
+def gpu_reason() -> str | None:
+    """Why there is no GPU to check, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckResult]:
+    budget = Budget(args.budget)
+    results: list[CheckResult] = []
+
+    def record(result: CheckResult) -> None:
+        results.append(result)
+        say(f"{result.name:<32} {result.status:<8} {result.seconds:6.1f} s  {result.detail.splitlines()[0] if result.detail else ''}")
+
+    def child(name: str, check: str, cfg: dict[str, Any], share: float) -> CheckResult:
+        if budget.left() < 5:
+            result = CheckResult(name, "not-run", 0.0, detail="the time budget was spent")
+        else:
+            result = run_child(name, check, {"device": device, **cfg}, min(budget.left(), share))
+        record(result)
+        return result
+
+    wanted = set(args.only.split(",")) if args.only else None
+
+    def chosen(name: str) -> bool:
+        return wanted is None or name in wanted
+
+    if chosen("tests/gpu") and device == "cuda":
+        record(run_gpu_tests(min(budget.left(), args.budget * 0.3)))
+    for check in FEATURE_CHECKS:
+        if chosen(check):
+            child(check, check, {"allocator": "pyalloc"}, args.budget * 0.08)
+    for model in ("gpt2", "resnet50"):
+        if not chosen(model):
+            continue
+        largest: dict[str, int] = {}
+        for allocator in ALLOCATORS:
+            result = child(f"{model} max-batch ({allocator})", "train",
+                           {"allocator": allocator, "model": model, "mode": "max-batch",
+                            "start_batch": args.start_batch, "max_batch": args.max_batch,
+                            "seconds": args.budget * 0.05}, args.budget * 0.07)
+            if result.status == "pass":
+                largest[allocator] = int(result.figures["largest_batch"])
+        batch = max(1, int(0.9 * min(largest.values()))) if largest else args.start_batch
+        for allocator in ALLOCATORS:
+            child(f"{model} step time ({allocator})", "train",
+                  {"allocator": allocator, "model": model, "mode": "time", "batch": batch, "steps": args.steps},
+                  args.budget * 0.05)
+    return results
+
+
+def _find(results: list[CheckResult], name: str) -> CheckResult | None:
+    return next((r for r in results if r.name == name), None)
+
+
+def targets(results: list[CheckResult]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for model in ("gpt2", "resnet50"):
+        times = {a: _find(results, f"{model} step time ({a})") for a in ALLOCATORS}
+        batches = {a: _find(results, f"{model} max-batch ({a})") for a in ALLOCATORS}
+        t_py, t_def = times["pyalloc"], times["default"]
+        if t_py and t_def and t_py.status == t_def.status == "pass":
+            ratio = t_py.figures["median_step_seconds"] / t_def.figures["median_step_seconds"]
+            out.append({"target": f"{model} step time", "value": round(ratio, 3), "limit": STEP_TIME_TARGET,
+                        "met": ratio <= STEP_TIME_TARGET, "what": "pyalloc / PyTorch default, median step"})
+        b_py, b_exp = batches["pyalloc"], batches["expandable"]
+        if b_py and b_exp and b_py.status == b_exp.status == "pass":
+            py, exp = b_py.figures["largest_batch"], b_exp.figures["largest_batch"]
+            out.append({"target": f"{model} largest batch", "value": py, "limit": exp, "met": py >= exp,
+                        "what": "pyalloc's largest batch against PyTorch with expandable_segments:True"})
+    crashed = [r.name for r in results if r.status in ("crash", "timeout")]
+    out.append({"target": "no check crashes", "value": len(crashed), "limit": 0, "met": not crashed,
+                "what": ", ".join(crashed) or "none crashed or timed out"})
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"# pyalloc gpu-check, {report['date']}", "",
+             f"Device: {env.get('device', '?')} ({_gib(env.get('total_memory_bytes'))}), torch {env.get('torch', '?')}, "
+             f"CUDA {env.get('cuda', '?')}, pyalloc {env.get('pyalloc', '?')}; allocator under pyalloc: "
+             f"{env.get('allocator', '?')}. Every figure here was measured in this run.", "",
+             "| check | status | seconds | figures / detail |", "|---|---|---|---|"]
+    for r in report["checks"]:
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in r["figures"].items() if k != "allocator")
+        detail = (r["detail"].splitlines() or [""])[0]
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.1f} | {shown}{' — ' if shown and detail else ''}{detail} |")
+    lines += ["", "## Targets", ""]
+    for t in report["targets"]:
+        lines.append(f"- {'met' if t['met'] else '**MISSED**'} {t['target']}: {t['value']} (limit {t['limit']}; {t['what']})")
+    return "\n".join(lines) + "\n"
+
+
+def _gib(value: Any) -> str:
+    return f"{value / (1 << 30):.1f} GiB" if isinstance(value, (int, float)) else "?"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _gpu_check(args: argparse.Namespace) -> int:
+    device = args.device
+    if device == "cuda":
+        reason = gpu_reason()
+        if reason is not None:
+            print(f"pyalloc gpu-check: no GPU to check: {reason}", file=sys.stderr)
+            return EXIT_NO_GPU
+    if args.budget < 10:
+        raise UsageError(f"--budget must be at least 10 seconds, got {args.budget}")
+    say = (lambda line: None) if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    results = run_checks(args, device, say)
+    environment = _find(results, "environment")
+    report = {"date": datetime.date.today().isoformat(), "device_kind": device,
+              "environment": environment.figures if environment else {},
+              "checks": [asdict(r) for r in results], "targets": targets(results)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu-check.md").write_text(markdown(report))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for t in report["targets"]:
+            print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})")
+        print(f"report: {out / 'gpu-check.json'}, {out / 'gpu-check.md'}")
+    return 0
+
+
+def register_cli(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "gpu-check", help="run everything that needs a GPU and write one report",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu-check", metavar="DIR", help="where the report goes (default ./gpu-check)")
+    parser.add_argument("--budget", type=float, default=540.0, metavar="S",
+                        help="seconds for the whole run (default 540: under 9 minutes)")
+    parser.add_argument("--only", metavar="NAME,...",
+                        help="only these: tests/gpu, " + ", ".join(FEATURE_CHECKS) + ", gpt2, resnet50")
+    parser.add_argument("--start-batch", type=int, default=4, help="first batch of the largest-batch search")
+    parser.add_argument("--max-batch", type=int, default=4096, help="the search stops there")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per allocator")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    parser.set_defaults(handler=_gpu_check)
