@@ -167,6 +167,11 @@ class CudaBackend final : public Backend {
 
   // ---- virtual memory ----------------------------------------------------------
 
+  bool vmm_supported(int device) override {
+    DeviceState* state = device_state(device);
+    return state != nullptr && vmm_supported(*state);
+  }
+
   size_t granularity(int device) override {
     DeviceState* state = device_state(device);
     if (state == nullptr) return kFallbackGranularity;

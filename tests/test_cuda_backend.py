@@ -419,6 +419,203 @@ def test_pyalloc_runs_on_fake_driver(fake_driver: Path) -> None:
     assert result["misuse"] == ""
 
 
+_FAKE_RULES_SOURCE = r"""// The fake driver's VMM rules, each broken once on purpose.
+#include <cstdio>
+#include <cstring>
+
+#include "cuda/driver_api.hpp"
+
+using namespace pyalloc::cuda_driver;
+
+extern "C" {
+CUresult cuInit(unsigned int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext*, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuMemAddressReserve(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuMemCreate(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+CUresult cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemRelease(CUmemGenericAllocationHandle);
+CUresult cuMemcpyHtoD_v2(CUdeviceptr, const void*, size_t);
+CUresult cuMemcpyDtoH_v2(void*, CUdeviceptr, size_t);
+long long fake_cuda_get(const char*);
+}
+
+#define EXPECT(c) do { if (!(c)) { std::printf("FAILED line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+
+int main() {
+  const size_t g = size_t{2} << 20;
+  CUcontext ctx;
+  EXPECT(cuInit(0) == CUDA_SUCCESS && cuDevicePrimaryCtxRetain(&ctx, 0) == CUDA_SUCCESS);
+  EXPECT(cuCtxSetCurrent(ctx) == CUDA_SUCCESS);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  CUdeviceptr va = 0;
+  CUmemGenericAllocationHandle a = 0, b = 0;
+  EXPECT(cuMemAddressReserve(&va, 4 * g, 0, 0, 0) == CUDA_SUCCESS);
+  EXPECT(cuMemCreate(&a, g, &prop, 0) == CUDA_SUCCESS && cuMemCreate(&b, g, &prop, 0) == CUDA_SUCCESS);
+  EXPECT(cuMemMap(va, g, 0, a, 0) == CUDA_SUCCESS && cuMemMap(va + g, g, 0, b, 0) == CUDA_SUCCESS);
+  char byte = 7, back = 0;
+  // Use before cuMemSetAccess: refused.
+  EXPECT(cuMemcpyHtoD_v2(va, &byte, 1) != CUDA_SUCCESS);
+  EXPECT(fake_cuda_get("misuse_use_before_access") == 1);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  EXPECT(cuMemSetAccess(va, g, &access, 1) == CUDA_SUCCESS && cuMemSetAccess(va + g, g, &access, 1) == CUDA_SUCCESS);
+  // A copy across the two mappings lands in both handles' bytes.
+  char out[4] = {1, 2, 3, 4}, in[4] = {};
+  EXPECT(cuMemcpyHtoD_v2(va + g - 2, out, 4) == CUDA_SUCCESS && cuMemcpyDtoH_v2(in, va + g - 2, 4) == CUDA_SUCCESS);
+  EXPECT(std::memcmp(in, out, 4) == 0);
+  // The same handle mapped a second time shows the same bytes.
+  EXPECT(cuMemMap(va + 2 * g, g, 0, a, 0) == CUDA_SUCCESS && cuMemSetAccess(va + 2 * g, g, &access, 1) == CUDA_SUCCESS);
+  EXPECT(cuMemcpyDtoH_v2(&back, va + 3 * g - 2, 1) == CUDA_SUCCESS && back == 1);
+  // An unmap of half a mapping, or of two mappings at once, is refused and changes nothing.
+  EXPECT(cuMemUnmap(va, g / 2) != CUDA_SUCCESS && cuMemUnmap(va, 2 * g) != CUDA_SUCCESS);
+  EXPECT(fake_cuda_get("misuse_bad_unmap") == 2);
+  EXPECT(cuMemcpyDtoH_v2(in, va + g - 2, 4) == CUDA_SUCCESS && std::memcmp(in, out, 4) == 0);
+  // Released while mapped: the bytes live until the last mapping goes.
+  EXPECT(cuMemRelease(a) == CUDA_SUCCESS && cuMemUnmap(va, g) == CUDA_SUCCESS);
+  EXPECT(cuMemcpyDtoH_v2(&back, va + 3 * g - 2, 1) == CUDA_SUCCESS && back == 1);
+  EXPECT(cuMemcpyDtoH_v2(&back, va, 1) != CUDA_SUCCESS);  // unmapped now
+  EXPECT(cuMemUnmap(va + g, g) == CUDA_SUCCESS && cuMemUnmap(va + 2 * g, g) == CUDA_SUCCESS);
+  EXPECT(cuMemRelease(b) == CUDA_SUCCESS);
+  std::printf("ALL OK\n");
+  return 0;
+}
+"""
+
+
+def test_the_fake_driver_enforces_the_vmm_rules_pyalloc_relies_on(fake_driver: Path, tmp_path: Path) -> None:
+    source = tmp_path / "rules.cpp"
+    source.write_text(_FAKE_RULES_SOURCE)
+    binary = tmp_path / "rules"
+    _compile_or_fail([_cxx(), "-std=c++17", "-O1", f"-I{REPO_ROOT}", str(source), f"-L{fake_driver}",
+                      "-l:libcuda.so.1", f"-Wl,-rpath,{fake_driver}", "-o", str(binary)])
+    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+# Virtual memory on the fake driver, near a full device: stitching and shared
+# granules remap physical handles, and every live block keeps its bytes. The
+# fake keeps bytes behind each handle (two mappings of one handle share them),
+# refuses a copy through a mapping without cuMemSetAccess, an unmap that is not
+# exactly one cuMemMap's range, and the rest of its misuse list.
+_VMM_ON_FAKE_DRIVER = """
+import ctypes
+import random
+
+import pyalloc
+
+MiB = 1 << 20
+pyalloc.configure("backend=cuda,vmm=VMM,share=1,oom_report=0")
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_get.restype = ctypes.c_longlong
+fake.fake_cuda_get.argtypes = [ctypes.c_char_p]
+fake.fake_cuda_misuse_report.restype = ctypes.c_char_p
+fake.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_size_t]
+fake.cuMemcpyDtoH_v2.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_size_t]
+ctx = ctypes.c_void_p()
+assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert fake.cuCtxSetCurrent(ctx) == 0  # this thread's copies run in device 0's primary context
+
+live = {}  # address -> (size, byte)
+rng = random.Random(7)
+failed = 0
+
+
+def fill(ptr, size, byte):
+    assert fake.cuMemcpyHtoD_v2(ptr, bytes([byte]) * size, size) == 0, "a copy into a live block failed"
+
+
+def intact():
+    bad = 0
+    for ptr, (size, byte) in live.items():
+        buf = ctypes.create_string_buffer(size)
+        assert fake.cuMemcpyDtoH_v2(buf, ptr, size) == 0, "a copy out of a live block failed"
+        bad += buf.raw != bytes([byte]) * size
+    return bad
+
+
+corrupt = 0
+for step in range(600):
+    if live and (rng.random() < 0.45 or sum(s for s, _ in live.values()) > 60 * MiB):
+        ptr = rng.choice(list(live))
+        pyalloc.free(ptr, live.pop(ptr)[0])
+    else:
+        size = rng.choice([MiB // 4, 3 * MiB // 4, 5 * MiB // 4, 9 * MiB // 4, 7 * MiB // 2, 5 * MiB])
+        try:
+            ptr = pyalloc.malloc(size)
+        except pyalloc.PyallocError:
+            failed += 1
+            continue
+        live[ptr] = (size, 1 + step % 251)
+        fill(ptr, size, live[ptr][1])
+    pyalloc.check(0)
+    if step % 50 == 49:
+        corrupt += intact()
+corrupt += intact()
+stats = pyalloc.memory_stats(0)
+for ptr, (size, _) in list(live.items()):
+    pyalloc.free(ptr, size)
+pyalloc.empty_cache()
+emit({"corrupt": corrupt, "failed": failed, "stitches": stats["num_stitches"],
+      "shared": stats["num_shared_granules"], "maps": int(fake.fake_cuda_get(b"map")),
+      "unmaps": int(fake.fake_cuda_get(b"unmap")),
+      "reserved_after": pyalloc.memory_stats(0)["reserved_bytes.all.current"],
+      "misuse": fake.fake_cuda_misuse_report().decode()})
+"""
+
+
+@pytest.mark.parametrize("vmm", ["shared", "all"])
+def test_virtual_memory_on_the_fake_driver_keeps_every_byte_near_a_full_device(fake_driver: Path, vmm: str) -> None:
+    result = _run_python(_VMM_ON_FAKE_DRIVER.replace("VMM", vmm),
+                         {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_CAPACITY_MIB": "64"})
+    assert result["misuse"] == ""
+    assert result["corrupt"] == 0
+    assert result["stitches"] > 0 and result["shared"] > 0  # the paths that remap were taken
+    assert result["maps"] > 0 and result["unmaps"] > 0
+    assert result["reserved_after"] == 0
+
+
+_DEFAULT_VMM = """
+import ctypes
+
+import pyalloc
+
+MiB = 1 << 20
+pyalloc.configure("backend=cuda")
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_cuda_get.restype = ctypes.c_longlong
+fake.fake_cuda_get.argtypes = [ctypes.c_char_p]
+fake.fake_cuda_misuse_report.restype = ctypes.c_char_p
+p = pyalloc.malloc(9 * MiB // 2)
+out = {"maps": int(fake.fake_cuda_get(b"map")), "plain": int(fake.fake_cuda_get(b"live_allocs"))}
+pyalloc.free(p, 9 * MiB // 2)
+pyalloc.empty_cache()
+out["misuse"] = fake.fake_cuda_misuse_report().decode()
+emit(out)
+"""
+
+
+@pytest.mark.parametrize(("fake_env", "arenas"), [
+    ({"FAKE_CUDA_DEVICES": "1"}, True),
+    ({"FAKE_CUDA_DEVICES": "2"}, False),
+    ({"FAKE_CUDA_DEVICES": "1", "FAKE_CUDA_NO_VMM": "1"}, False),
+], ids=["one-device", "two-devices", "no-vmm-support"])
+def test_vmm_auto_on_cuda_uses_arenas_on_a_single_device_that_supports_them(
+    fake_driver: Path, fake_env: dict[str, str], arenas: bool
+) -> None:
+    """vmm=auto on cuda: arenas where the process sees one device with virtual
+    memory; plain segments with several (peer access to mappings is not granted
+    yet) or without support."""
+    result = _run_python(_DEFAULT_VMM, {"LD_LIBRARY_PATH": str(fake_driver), **fake_env})
+    assert result["misuse"] == ""
+    assert (result["maps"] > 0, result["plain"] == 0) == (arenas, arenas)
+
+
 _CONFIGURE_CUDA = """
 import pyalloc
 
@@ -474,6 +671,7 @@ FAKE_LIBCUDA_SOURCE = r'''// A fake libcuda.so.1 for testing the cuda backend wi
 // cuInit, a mapping outside a reservation, an unmap of unmapped memory.
 // Behaviour is set with environment variables (read in cuInit) and
 // fake_cuda_set(); counters are read with fake_cuda_get().
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -513,7 +711,7 @@ struct Alloc { size_t size; int device; void* host; };
 std::map<CUdeviceptr, Alloc> g_allocs;
 struct Reservation { size_t size; };
 std::map<CUdeviceptr, Reservation> g_reservations;
-struct Handle { size_t size; int device; bool released; int mappings; };
+struct Handle { size_t size; int device; bool released; int mappings; std::vector<char>* bytes; };
 std::map<CUmemGenericAllocationHandle, Handle> g_handles;
 struct Mapping { size_t size; CUmemGenericAllocationHandle handle; bool access; };
 std::map<CUdeviceptr, Mapping> g_mappings;
@@ -789,7 +987,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
   if (g_used[device] + size > g_capacity) return CUDA_ERROR_OUT_OF_MEMORY;
   g_used[device] += size;
   *handle = g_next_handle++;
-  g_handles[*handle] = Handle{size, device, false, 0};
+  g_handles[*handle] = Handle{size, device, false, 0, new std::vector<char>(size, 0)};
   count("create");
   return CUDA_SUCCESS;
 }
@@ -799,6 +997,7 @@ static void maybe_drop_handle(CUmemGenericAllocationHandle h) {
   auto it = g_handles.find(h);
   if (it != g_handles.end() && it->second.released && it->second.mappings == 0) {
     g_used[it->second.device] -= it->second.size;
+    delete it->second.bytes;
     g_handles.erase(it);
   }
 }
@@ -862,22 +1061,21 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
   return CUDA_SUCCESS;
 }
 
+// The real driver unmaps the whole range one cuMemMap mapped, and nothing
+// else: a sub-range, or a range over two mappings, is refused, and the
+// mappings stay as they were.
 EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_INIT
-  size_t covered = 0;
-  for (auto it = g_mappings.lower_bound(ptr); it != g_mappings.end() && it->first < ptr + size;) {
-    if (it->first + it->second.size > ptr + size) break;
-    covered += it->second.size;
-    const CUmemGenericAllocationHandle h = it->second.handle;
-    --g_handles[h].mappings;
-    it = g_mappings.erase(it);
-    maybe_drop_handle(h);
-  }
-  if (covered != size) {
+  auto it = g_mappings.find(ptr);
+  if (it == g_mappings.end() || it->second.size != size) {
     count("misuse_bad_unmap");
     return CUDA_ERROR_INVALID_VALUE;
   }
+  const CUmemGenericAllocationHandle h = it->second.handle;
+  --g_handles[h].mappings;
+  g_mappings.erase(it);
+  maybe_drop_handle(h);
   count("unmap");
   return CUDA_SUCCESS;
 }
@@ -972,30 +1170,65 @@ static char* host_range(CUdeviceptr ptr, size_t size) {
   return static_cast<char*>(it->second.host) + (ptr - it->first);
 }
 
-EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t size, CUstream) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  NEED_CONTEXT
-  char* from = host_range(src, size);
-  if (from == nullptr) {
+// Calls fn(host bytes, count, offset into the copy) for each piece of
+// [ptr, ptr + size): one piece in a cuMemAlloc range, else one per mapping
+// the range crosses (the bytes of the mapped handle: two mappings of one
+// handle share them, as on a GPU). False when a byte is not device memory,
+// or lies in a mapping without access (cuMemSetAccess must come first).
+template <typename F>
+static bool for_each_piece(CUdeviceptr ptr, size_t size, F fn) {
+  if (char* host = host_range(ptr, size)) {
+    fn(host, size, size_t{0});
+    return true;
+  }
+  size_t done = 0;
+  while (done < size) {
+    const CUdeviceptr at = ptr + done;
+    auto it = g_mappings.upper_bound(at);
+    if (it == g_mappings.begin()) return false;
+    --it;
+    if (at >= it->first + it->second.size) return false;
+    if (!it->second.access) {
+      count("misuse_use_before_access");
+      return false;
+    }
+    const size_t n = std::min<size_t>(size - done, it->first + it->second.size - at);
+    fn(g_handles[it->second.handle].bytes->data() + (at - it->first), n, done);
+    done += n;
+  }
+  return true;
+}
+
+static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t size) {
+  char* out = static_cast<char*>(dst);
+  if (!for_each_piece(src, size, [&](char* host, size_t n, size_t at) { std::memcpy(out + at, host, n); })) {
     count("misuse_bad_copy");
     return CUDA_ERROR_INVALID_VALUE;
   }
-  std::memcpy(dst, from, size);
   count("copy_to_host");
   return CUDA_SUCCESS;
+}
+
+static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t size) {
+  const char* in = static_cast<const char*>(src);
+  if (!for_each_piece(dst, size, [&](char* host, size_t n, size_t at) { std::memcpy(host, in + at, n); })) {
+    count("misuse_bad_copy");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  count("copy_to_device");
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t size, CUstream) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NEED_CONTEXT
+  return copy_to_host(dst, src, size);
 }
 
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t size, CUstream) {
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_CONTEXT
-  char* to = host_range(dst, size);
-  if (to == nullptr) {
-    count("misuse_bad_copy");
-    return CUDA_ERROR_INVALID_VALUE;
-  }
-  std::memcpy(to, src, size);
-  count("copy_to_device");
-  return CUDA_SUCCESS;
+  return copy_to_device(dst, src, size);
 }
 
 // ---- used by tests/gpu/test_cuda_backend_direct.py's checks, not by pyalloc ----------
@@ -1011,19 +1244,13 @@ EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t size) {
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_CONTEXT
-  char* to = host_range(dst, size);
-  if (to == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  std::memcpy(to, src, size);
-  return CUDA_SUCCESS;
+  return copy_to_device(dst, src, size);
 }
 
 EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t size) {
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_CONTEXT
-  char* from = host_range(src, size);
-  if (from == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  std::memcpy(dst, from, size);
-  return CUDA_SUCCESS;
+  return copy_to_host(dst, src, size);
 }
 
 // Attributes 1 (CU_POINTER_ATTRIBUTE_CONTEXT) and 9 (..._DEVICE_ORDINAL).

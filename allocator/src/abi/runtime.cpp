@@ -81,7 +81,9 @@ Runtime* build_runtime(const Config& config) {
     r->error = std::string("backend=") + backend_name(config.backend) + ": no devices";
     return r;
   }
-  for (int i = 0; i < n; ++i) r->devices.push_back(std::make_unique<DeviceAllocator>(i, config, backend.get(), *r));
+  Config resolved = config;  // what each device's allocator is made with: vmm=auto decided
+  resolved.vmm = config.resolve_vmm(n, backend->vmm_supported(0));
+  for (int i = 0; i < n; ++i) r->devices.push_back(std::make_unique<DeviceAllocator>(i, resolved, backend.get(), *r));
   r->num_devices = static_cast<unsigned>(n);
   r->backend = std::move(backend);
   return r;

@@ -67,6 +67,9 @@ class Backend {
   virtual void segment_free(int device, uintptr_t addr, size_t size) = 0;
 
   // ---- virtual memory ------------------------------------------------------
+  // Whether `device` can map physical chunks into reserved address ranges at
+  // all (cuda: CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED).
+  virtual bool vmm_supported(int device) { return true; }
   // Granularity of physical chunks and of mapping offsets/sizes.
   virtual size_t granularity(int device) = 0;
   virtual Status reserve(int device, size_t size, uintptr_t* va) = 0;

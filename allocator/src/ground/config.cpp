@@ -238,6 +238,11 @@ VmmMode Config::vmm_mode() const {
   return vmm;
 }
 
+VmmMode Config::resolve_vmm(int devices, bool vmm_supported) const {
+  if (vmm != VmmMode::kAuto || backend != BackendKind::kCuda) return vmm_mode();
+  return devices == 1 && vmm_supported ? VmmMode::kShared : VmmMode::kOff;
+}
+
 bool Config::layout_differs(const Config& n) const {
   return backend != n.backend || devices != n.devices || capacity != n.capacity ||
          small_segment != n.small_segment || large_segment != n.large_segment ||

@@ -45,7 +45,15 @@ struct Config {
   bool share = true;                // near a full device, map used granules' free ends twice (Note [Shared granules])
 
   // The mode in effect (kAuto resolved): kOn, kShared, kAll or kOff.
+  // The mode `vmm` stands for: auto is shared on sim and host; on cuda,
+  // shared when the process sees one device that supports virtual memory,
+  // off otherwise (other devices would need access granted to every mapping
+  // for peer copies, which arenas do not grant yet). resolve_vmm does the
+  // cuda part, once the backend knows its devices.
   VmmMode vmm_mode() const;
+  // `vmm` with auto decided for `devices` devices, `vmm_supported` telling
+  // whether the first can map (Runtime: before making the allocators).
+  VmmMode resolve_vmm(int devices, bool vmm_supported) const;
 
   // True when switching from `*this` to `next` requires rebuilding the
   // allocator (possible only while nothing is allocated).
