@@ -337,6 +337,20 @@ def test_backend_methods_against_fake_driver(fake_driver: Path, tmp_path: Path) 
     assert "cuEventQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS" in reports[0]
 
 
+# The fake driver as the script's pyalloc loaded it, with its counters.
+_FAKE = """
+import ctypes
+
+import pyalloc
+
+MiB = 1 << 20
+fake = ctypes.CDLL("libcuda.so.1")  # the fake pyalloc loaded
+fake.fake_cuda_get.restype = ctypes.c_longlong
+fake.fake_cuda_get.argtypes = [ctypes.c_char_p]
+fake.fake_cuda_misuse_report.restype = ctypes.c_char_p
+"""
+
+
 # Run on the fake driver: every allocator path that reaches the backend, with
 # the fake's counters read back at the end.
 _ON_FAKE_DRIVER = """
@@ -503,18 +517,10 @@ def test_the_fake_driver_enforces_the_vmm_rules_pyalloc_relies_on(fake_driver: P
 # fake keeps bytes behind each handle (two mappings of one handle share them),
 # refuses a copy through a mapping without cuMemSetAccess, an unmap that is not
 # exactly one cuMemMap's range, and the rest of its misuse list.
-_VMM_ON_FAKE_DRIVER = """
-import ctypes
+_VMM_ON_FAKE_DRIVER = _FAKE + """
 import random
 
-import pyalloc
-
-MiB = 1 << 20
 pyalloc.configure("backend=cuda,vmm=VMM,share=1,oom_report=0")
-fake = ctypes.CDLL("libcuda.so.1")
-fake.fake_cuda_get.restype = ctypes.c_longlong
-fake.fake_cuda_get.argtypes = [ctypes.c_char_p]
-fake.fake_cuda_misuse_report.restype = ctypes.c_char_p
 fake.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_size_t]
 fake.cuMemcpyDtoH_v2.argtypes = [ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_size_t]
 ctx = ctypes.c_void_p()
@@ -580,17 +586,8 @@ def test_virtual_memory_on_the_fake_driver_keeps_every_byte_near_a_full_device(f
     assert result["reserved_after"] == 0
 
 
-_DEFAULT_VMM = """
-import ctypes
-
-import pyalloc
-
-MiB = 1 << 20
+_DEFAULT_VMM = _FAKE + """
 pyalloc.configure("backend=cuda")
-fake = ctypes.CDLL("libcuda.so.1")
-fake.fake_cuda_get.restype = ctypes.c_longlong
-fake.fake_cuda_get.argtypes = [ctypes.c_char_p]
-fake.fake_cuda_misuse_report.restype = ctypes.c_char_p
 p = pyalloc.malloc(9 * MiB // 2)
 out = {"maps": int(fake.fake_cuda_get(b"map")), "plain": int(fake.fake_cuda_get(b"live_allocs"))}
 pyalloc.free(p, 9 * MiB // 2)
