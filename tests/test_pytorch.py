@@ -400,3 +400,17 @@ def test_unpatched_torch_no_longer_reports_pyalloc(host: None, block: Callable[.
         warnings.simplefilter("ignore")
         # PyTorch's own function: CUDA was never initialized, so it reports nothing.
         assert torch.cuda.memory_stats(0) == {}
+
+
+def test_patching_can_leave_pytorchs_history_functions_to_the_torch_facing_layer() -> None:
+    """With the layer installed, snapshots and history come from PyTorch's own
+    functions (the layer answers them from C++ with stack contexts)."""
+    originals = {name: getattr(torch.cuda.memory, name) for name in memory_api.HISTORY_FUNCTIONS}
+    pyalloc.patch_torch_memory_api(keep=memory_api.HISTORY_FUNCTIONS)
+    try:
+        for name, original in originals.items():
+            assert getattr(torch.cuda.memory, name) is original
+        assert torch.cuda.memory.memory_stats is memory_api.memory_stats
+    finally:
+        pyalloc.unpatch_torch_memory_api()
+    assert torch.cuda.memory.memory_stats is not memory_api.memory_stats

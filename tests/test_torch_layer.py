@@ -149,3 +149,66 @@ def test_the_cuda_allocator_compiles_against_the_installed_pytorch(tmp_path: Pat
     assert "CUDAPluggableAllocator::CUDAPluggableAllocator(" in undefined  # the base, from libtorch_cuda
     assert "CUDAPluggableAllocator::changeCurrentAllocator" in undefined
     assert "pyalloc_malloc" in undefined and "pyalloc_memory_info" in undefined  # from libpyalloc.so
+
+
+# ---- memory history (Note [Memory history under PyTorch]) ----------------------------------
+
+ALLOC, FREE_REQUESTED, FREE_COMPLETED, OOM, SNAPSHOT = 0, 1, 2, 8, 7
+
+
+def _recorded(device: int = 0) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    segments, blocks, trace = torch.ops.pyalloc.snapshot_recorded(device)
+    return ([segments[i:i + 6] for i in range(0, len(segments), 6)], [blocks[i:i + 5] for i in range(0, len(blocks), 5)],
+            [trace[i:i + 4] for i in range(0, len(trace), 4)])
+
+
+@pytest.fixture
+def history(device: None) -> Iterator[None]:
+    yield
+    torch.ops.pyalloc.record_history(False)
+
+
+def test_history_keeps_each_live_blocks_context_and_a_trace_of_allocs_and_frees(history: None) -> None:
+    torch.ops.pyalloc.record_history(True, 100, 2, True)  # when=ALLOC: contexts for allocations
+    a = torch.ops.pyalloc.allocate_recorded(MiB)
+    b = torch.ops.pyalloc.allocate_recorded(2 * MiB)
+    torch.ops.pyalloc.free_recorded(a, MiB)
+    segments, blocks, trace = _recorded()
+    mine = pyalloc.snapshot()["segments"]
+    assert [s[:4] for s in segments] == [[s["address"], s["total_size"], s["allocated_size"], s["active_size"]]
+                                         for s in mine]
+    assert sum(s[5] for s in segments) == len(blocks) == sum(len(s["blocks"]) for s in mine)
+    live = [blk for blk in blocks if blk[2]]
+    assert len(live) == 1 and live[0][0] == 2 * MiB
+    b_context = live[0][4]
+    assert b_context > 0
+    assert [(e[0], e[1], e[2]) for e in trace] == [(ALLOC, a, MiB), (ALLOC, b, 2 * MiB), (FREE_REQUESTED, a, MiB),
+                                                  (FREE_COMPLETED, a, MiB), (SNAPSHOT, 0, 0)]
+    assert trace[1][3] == b_context and trace[0][3] == b_context - 1  # contexts of the allocations, in order
+    assert trace[2][3] == 0  # frees carry a context only with when=ALL
+    torch.ops.pyalloc.free_recorded(b, 2 * MiB)
+
+
+def test_history_ring_keeps_the_newest_entries_and_state_mode_keeps_no_trace(history: None) -> None:
+    torch.ops.pyalloc.record_history(True, 3, 2, True)
+    ptrs = [torch.ops.pyalloc.allocate_recorded(MiB) for _ in range(5)]
+    _, _, trace = _recorded()
+    assert [e[0] for e in trace] == [ALLOC, ALLOC, SNAPSHOT] and trace[1][1] == ptrs[4]
+    torch.ops.pyalloc.record_history(True, 3, 1, True)  # when=STATE: contexts, no trace
+    p = torch.ops.pyalloc.allocate_recorded(MiB)
+    _, blocks, trace = _recorded()
+    assert [e[0] for e in trace] == [SNAPSHOT]
+    assert sum(1 for blk in blocks if blk[2] and blk[4] > 0) == 6  # all six live blocks keep their contexts
+    torch.ops.pyalloc.record_history(False)
+    _, blocks, trace = _recorded()
+    assert trace == [] and all(blk[4] == 0 for blk in blocks)  # stopping drops what was recorded
+    for q in [*ptrs, p]:
+        torch.ops.pyalloc.free_recorded(q, MiB)
+
+
+def test_history_records_a_failed_allocation(history: None) -> None:
+    torch.ops.pyalloc.record_history(True, 100, 2, True)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.ops.pyalloc.allocate_recorded(128 * MiB)
+    _, _, trace = _recorded()
+    assert [e[0] for e in trace] == [OOM, SNAPSHOT] and trace[0][2] == 128 * MiB

@@ -11,7 +11,9 @@
 //     c10::OutOfMemoryError (Note [Out of memory under PyTorch], oom.hpp);
 //   - cacheInfo, which cuDNN's benchmark mode asks for its workspace;
 //   - getDeviceStats, resetPeakStats, resetAccumulatedStats (stats.hpp);
-//   - attachOutOfMemoryObserver, set/getMemoryFraction, emptyCache, name.
+//   - attachOutOfMemoryObserver, set/getMemoryFraction, emptyCache, name;
+//   - recordHistory and snapshot, with PyTorch's gathered stack contexts
+//     (Note [Memory history under PyTorch], history.hpp).
 // Built against the installed PyTorch's headers and CUDA's runtime headers;
 // loaded only where PyTorch has CUDA (pyalloc/pytorch/layer.py builds it).
 #include <c10/cuda/CUDAFunctions.h>
@@ -21,20 +23,27 @@
 #include <memory>
 #include <mutex>
 
+#include "history.hpp"
 #include "oom.hpp"
 #include "stats.hpp"
 
 namespace {
 
 using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using pyalloc::torch_layer::History;
 
 class PyallocCUDAAllocator final : public Base {
  public:
   PyallocCUDAAllocator()
       : Base([](size_t size, int device, cudaStream_t stream) {
-               return pyalloc::torch_layer::allocate_or_throw(size, device, stream);
+               void* p = pyalloc::torch_layer::allocate_or_throw(size, device, stream);
+               History& history = History::instance();
+               if (history.recording() && p != nullptr) history.on_alloc(device, p, size, stream);
+               return p;
              },
              [](void* ptr, size_t size, int device, cudaStream_t stream) {
+               History& history = History::instance();
+               if (history.recording()) history.on_free(device, ptr, size, stream);
                pyalloc_free(ptr, size, device, stream);
              }) {
     set_record_stream_fn([](void* ptr, cudaStream_t stream) { pyalloc_record_stream(ptr, stream); });
@@ -76,6 +85,24 @@ class PyallocCUDAAllocator final : public Base {
   }
 
   void emptyCache(c10::cuda::MempoolId_t /*mempool_id*/) override { pyalloc_empty_cache(); }
+
+  // Note [Memory history under PyTorch] (history.hpp).
+  void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, c10::cuda::CUDACachingAllocator::RecordContext when,
+                     bool clear_history, const std::vector<std::string>& /*skip_actions*/) override {
+    History::instance().configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history);
+  }
+
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t /*mempool*/,
+                                                         bool include_traces) override {
+    c10::cuda::CUDACachingAllocator::SnapshotInfo info;
+    const int devices = pyalloc_device_count();
+    for (int d = 0; d < devices; ++d) {
+      for (auto& segment : History::instance().segments(d)) info.segments.push_back(std::move(segment));
+    }
+    if (include_traces) info.device_traces = History::instance().traces(devices);
+    return info;
+  }
 
   std::string name() override { return "pyalloc"; }
 

@@ -1,6 +1,8 @@
 // oom.cpp: Note [Out of memory under PyTorch] (oom.hpp).
 #include "oom.hpp"
 
+#include "history.hpp"
+
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
@@ -75,6 +77,8 @@ void throw_out_of_memory(size_t size, int device) {
     to_call = observers();
   }
   for (const OomObserver& observer : to_call) observer(device, info.allocated, info.device_total, info.device_free);
+  History& history = History::instance();
+  if (history.recording()) history.on_oom(device, size, info.device_free, nullptr);
   c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), info.allocated, info.reserved,
                                    c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
   TORCH_CHECK_WITH(OutOfMemoryError, false, out_of_memory_message(size, device, info, report));

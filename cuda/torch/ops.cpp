@@ -10,9 +10,14 @@
 // device memory from pyalloc with the errors PyTorch code expects.
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <tuple>
+#include <vector>
 
+#include "history.hpp"
 #include "oom.hpp"
 #include "stats.hpp"
 
@@ -75,6 +80,71 @@ c10::Dict<std::string, int64_t> device_stats(int64_t device) {
   return out;
 }
 
+// A context that says which allocation recorded it: the tests' stand-in for
+// PyTorch's captured stacks (Note [Memory history under PyTorch]).
+struct Numbered : c10::GatheredContext {
+  explicit Numbered(int64_t n) : number(n) {}
+  int64_t number;
+};
+
+std::atomic<int64_t> contexts_made{0};
+
+std::shared_ptr<c10::GatheredContext> make_numbered() {
+  return std::make_shared<Numbered>(++contexts_made);
+}
+
+int64_t number_of(const std::shared_ptr<c10::GatheredContext>& c) {
+  const auto* n = dynamic_cast<const Numbered*>(c.get());
+  return n == nullptr ? 0 : n->number;
+}
+
+// allocate and free that record history as the torch-facing allocator does.
+int64_t allocate_recorded(int64_t size, int64_t device) {
+  const int64_t p = allocate(size, device, 0);
+  auto& history = pyalloc::torch_layer::History::instance();
+  if (history.recording() && p != 0) history.on_alloc(static_cast<int>(device), reinterpret_cast<void*>(p), size, nullptr);
+  return p;
+}
+
+void free_recorded(int64_t address, int64_t size, int64_t device) {
+  auto& history = pyalloc::torch_layer::History::instance();
+  if (history.recording()) history.on_free(static_cast<int>(device), reinterpret_cast<void*>(address), size, nullptr);
+  free_block(address, size, device, 0);
+}
+
+void record_history(bool enabled, int64_t max_entries, int64_t when, bool clear) {
+  TORCH_CHECK(when >= 0 && when <= 3, "record_history: when must be 0 (never) to 3 (all), got ", when);
+  pyalloc::torch_layer::History::instance().configure(
+      enabled, &make_numbered, static_cast<size_t>(max_entries),
+      static_cast<c10::CachingDeviceAllocator::RecordContext>(when), clear);
+}
+
+// The snapshot the torch-facing allocator would give PyTorch, flattened:
+// [segment address, total, allocated, active, expandable, block count] per
+// segment, then [size, requested, allocated, active, context number] per
+// block; and the trace of `device` as [action, address, size, context number].
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> snapshot_recorded(int64_t device) {
+  auto& history = pyalloc::torch_layer::History::instance();
+  std::vector<int64_t> segments, blocks, trace;
+  for (const auto& s : history.segments(static_cast<int>(device))) {
+    segments.insert(segments.end(), {static_cast<int64_t>(s.address), static_cast<int64_t>(s.total_size),
+                                     static_cast<int64_t>(s.allocated_size), static_cast<int64_t>(s.active_size),
+                                     s.is_expandable, static_cast<int64_t>(s.blocks.size())});
+    for (const auto& b : s.blocks) {
+      blocks.insert(blocks.end(), {static_cast<int64_t>(b.size), static_cast<int64_t>(b.requested_size), b.allocated,
+                                   b.active, number_of(b.context_when_allocated)});
+    }
+  }
+  const auto traces = history.traces(pyalloc_device_count());
+  if (device >= 0 && static_cast<size_t>(device) < traces.size()) {
+    for (const auto& e : traces[device]) {
+      trace.insert(trace.end(), {static_cast<int64_t>(e.action_), static_cast<int64_t>(e.addr_),
+                                 static_cast<int64_t>(e.size_), number_of(e.context_)});
+    }
+  }
+  return {segments, blocks, trace};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pyalloc, m) {
@@ -82,4 +152,8 @@ TORCH_LIBRARY(pyalloc, m) {
   m.def("free(int address, int size, int device=0, int stream=0) -> ()", &free_block);
   m.def("cache_info(int device=0) -> int", &cache_info);
   m.def("device_stats(int device=0) -> Dict(str, int)", &device_stats);
+  m.def("record_history(bool enabled, int max_entries=10000, int when=2, bool clear=False) -> ()", &record_history);
+  m.def("allocate_recorded(int size, int device=0) -> int", &allocate_recorded);
+  m.def("free_recorded(int address, int size, int device=0) -> ()", &free_recorded);
+  m.def("snapshot_recorded(int device=0) -> (int[], int[], int[])", &snapshot_recorded);
 }

@@ -29,7 +29,7 @@ from .._lib import PyallocError, lib, library_path
 from ..core import config, configure, device_count
 from ..core import snapshot as _pyalloc_snapshot
 from . import layer
-from .memory_api import patch_torch_memory_api
+from .memory_api import HISTORY_FUNCTIONS, patch_torch_memory_api
 
 __all__ = [
     "LAYER_ENV",
@@ -78,7 +78,7 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
             if conf:
                 configure(conf)
             if patch_torch and _patch_enabled_by_env():
-                patch_torch_memory_api()
+                patch_torch_memory_api(keep=_kept_by_torch())
             return
 
         _require_cuda(torch)
@@ -124,7 +124,12 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
             _set_installed(pluggable)
 
         if patch_torch and _patch_enabled_by_env():
-            patch_torch_memory_api()
+            patch_torch_memory_api(keep=_kept_by_torch())
+
+
+def _kept_by_torch() -> frozenset[str]:
+    """PyTorch's own functions that stay: snapshots and history, when the layer answers them with frames."""
+    return HISTORY_FUNCTIONS if _installed_allocator is layer else frozenset()
 
 
 def _set_installed(pluggable: Any) -> None:

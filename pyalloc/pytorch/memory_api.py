@@ -213,16 +213,22 @@ def _namespaces() -> list[tuple[str, ModuleType]]:
     return [(name, sys.modules[name]) for name in _NAMESPACES]
 
 
-def patch_torch_memory_api() -> None:
+# What the torch-facing layer answers from C++ with PyTorch's own stack
+# contexts (Note [Memory history under PyTorch]): left to PyTorch when it is installed.
+HISTORY_FUNCTIONS = frozenset({"_snapshot", "memory_snapshot", "_record_memory_history"})
+
+
+def patch_torch_memory_api(*, keep: frozenset[str] = frozenset()) -> None:
     """Points PyTorch's CUDA memory-stats functions at pyalloc's figures.
 
     Idempotent. Works without CUDA (useful with the host backend in tests).
+    The functions named in ``keep`` stay PyTorch's own.
     """
     with _lock:
         for module_name, module in _namespaces():
             for attr, replacement in _REPLACEMENTS.items():
                 key = (module_name, attr)
-                if key in _originals or not hasattr(module, attr):
+                if attr in keep or key in _originals or not hasattr(module, attr):
                     continue
                 _originals[key] = getattr(module, attr)
                 setattr(module, attr, replacement)

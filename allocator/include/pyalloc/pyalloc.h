@@ -88,6 +88,35 @@ typedef struct pyalloc_memory_info_t {
 /* PYALLOC_OK, or PYALLOC_EDEVICE / PYALLOC_EINVAL (out NULL). */
 PYALLOC_API int pyalloc_memory_info(int device, pyalloc_memory_info_t* out);
 
+/* The segments and blocks of a snapshot (pyalloc_snapshot_json's "segments"),
+ * handed to callbacks instead of written as JSON: one segment per plain
+ * segment and per mapped run of an arena, then each of its blocks, in
+ * address order. The callbacks run under the device's lock and must not call
+ * into pyalloc. */
+typedef struct pyalloc_segment_info_t {
+  uintptr_t address;
+  size_t total_size;
+  size_t allocated_size;
+  size_t active_size;     /* allocated, or freed and waiting on other streams' events */
+  size_t requested_size;
+  void* stream;
+  int is_large;           /* 0 for the small pool's segments */
+  int is_expandable;      /* a mapped run of a virtual-memory arena */
+  int pool_id;            /* 0 for the default pools, else the user pool's id */
+} pyalloc_segment_info_t;
+typedef struct pyalloc_block_info_t {
+  uintptr_t address;
+  size_t size;
+  size_t requested_size;
+  int allocated;
+  int active;
+} pyalloc_block_info_t;
+typedef void (*pyalloc_segment_fn)(const pyalloc_segment_info_t* segment, void* user_data);
+typedef void (*pyalloc_block_fn)(const pyalloc_block_info_t* block, void* user_data);
+/* PYALLOC_OK, or PYALLOC_EDEVICE / PYALLOC_EINVAL (a callback NULL). */
+PYALLOC_API int pyalloc_snapshot_walk(int device, pyalloc_segment_fn segment, pyalloc_block_fn block,
+                                      void* user_data);
+
 /* ---- CuPy CFunctionAllocator -------------------------------------------- */
 
 /* `param` is ignored. The stream is the one set with

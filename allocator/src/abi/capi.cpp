@@ -284,6 +284,35 @@ int pyalloc_memory_info(int device, pyalloc_memory_info_t* out) {
   });
 }
 
+int pyalloc_snapshot_walk(int device, pyalloc_segment_fn segment, pyalloc_block_fn block, void* user_data) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (segment == nullptr || block == nullptr) {
+      set_error("pyalloc_snapshot_walk: the callbacks must not be NULL");
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_snapshot_walk");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    d->visit_snapshot([&](const pyalloc::SnapshotSegment& s) {
+      const pyalloc_segment_info_t info{s.address,
+                                        s.total,
+                                        s.allocated,
+                                        s.active,
+                                        s.requested,
+                                        reinterpret_cast<void*>(s.segment->stream),
+                                        s.segment->pool->kind != pyalloc::PoolKind::kSmall,
+                                        s.segment->arena,
+                                        s.segment->pool->id};
+      segment(&info, user_data);
+      for (const pyalloc::Block* b = s.first; b != s.end; b = b->next) {
+        const pyalloc_block_info_t bi{b->addr, b->size, b->requested, pyalloc::snapshot_allocated(b),
+                                      pyalloc::snapshot_active(b)};
+        block(&bi, user_data);
+      }
+    });
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
 size_t pyalloc_snapshot_json(char* buf, size_t len) {
   return guarded<size_t>(0, [&] {
     Runtime* r = pyalloc::current_runtime();

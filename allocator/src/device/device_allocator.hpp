@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "backends/backend.hpp"
+#include "observe/snapshot.hpp"
 #include "blocks/arena.hpp"
 #include "blocks/ptr_map.hpp"
 #include "blocks/types.hpp"
@@ -160,6 +161,12 @@ class DeviceAllocator {
   void reset_peaks();
   void reset_accumulated();
   void write_segments_json(JsonWriter& w);
+  // The same segments, to a visitor (observe/snapshot.hpp), under the lock.
+  template <typename F>
+  void visit_snapshot(F fn) {
+    Lock lock(mutex_);
+    visit_segments(segments_, fn);
+  }
   void write_trace_json(JsonWriter& w);
 
   // Reconfiguration: true when nothing is allocated or pending; then
