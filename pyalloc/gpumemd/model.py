@@ -35,6 +35,8 @@ class AllocatorView:
     backend: str
     heartbeat_age_s: float
     pressure_opt_in: bool
+    record_path: str = ""  # the registry file these figures come from
+    record_uid: int = -1   # its owner, the uid the kernel says runs the process (Note [Record identity])
 
 
 @dataclass
@@ -172,7 +174,7 @@ class Collector:
                     dc.allocated_bytes, dc.reserved_bytes, dc.active_bytes, dc.cached_free_bytes,
                     dc.largest_free_bytes, dc.swapped_out_bytes, dc.peak_reserved_bytes,
                     dc.num_ooms, dc.num_alloc_retries, dc.last_alloc_unix_ns, rec.backend,
-                    round(rec.heartbeat_age_s(), 3), rec.pressure_opt_in)
+                    round(rec.heartbeat_age_s(), 3), rec.pressure_opt_in, rec.path, rec.uid)
                 row.flags.stale_heartbeat = rec.heartbeat_age_s() > self.stale_heartbeat_s
                 dev.allocator_reserved_bytes += dc.reserved_bytes
                 dev.allocator_allocated_bytes += dc.allocated_bytes

@@ -30,6 +30,7 @@ READ_TIMEOUT_S = 2.0
 TRIM_TIMEOUT_S = 0.5
 REQUEST_DEADLINE_S = 5.0
 MAX_CONNECTIONS = 32  # connections served at once; more are closed at once (the socket is 0666)
+MAX_PER_UID = 4  # of those, what one non-root uid may hold: its silent clients cannot starve the others
 
 
 def default_socket_path() -> str:
@@ -72,6 +73,8 @@ class PressureServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._per_uid: dict[int, int] = {}
+        self._per_uid_lock = threading.Lock()
         self.handled = 0
         self.refused = 0
 
@@ -108,17 +111,47 @@ class PressureServer:
                 conn, _ = self._sock.accept()
             except (socket.timeout, OSError):
                 continue
+            try:
+                uid = peer_credentials(conn)[1]
+            except OSError:
+                conn.close()
+                continue
+            if not self._take_uid_slot(uid):
+                self.refused += 1  # one user's flood takes at most MAX_PER_UID slots
+                conn.close()
+                continue
             if not self._slots.acquire(blocking=False):
+                self._give_uid_slot(uid)
                 self.refused += 1  # a flood of silent clients must not cost a thread each
                 conn.close()
                 continue
-            threading.Thread(target=self._serve_slot, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve_slot, args=(conn, uid), daemon=True).start()
 
-    def _serve_slot(self, conn: socket.socket) -> None:
+    def _take_uid_slot(self, uid: int) -> bool:
+        if uid == 0:
+            return True
+        with self._per_uid_lock:
+            if self._per_uid.get(uid, 0) >= MAX_PER_UID:
+                return False
+            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+            return True
+
+    def _give_uid_slot(self, uid: int) -> None:
+        if uid == 0:
+            return
+        with self._per_uid_lock:
+            left = self._per_uid.get(uid, 0) - 1
+            if left > 0:
+                self._per_uid[uid] = left
+            else:
+                self._per_uid.pop(uid, None)
+
+    def _serve_slot(self, conn: socket.socket, uid: int) -> None:
         try:
             self._serve(conn)
         finally:
             self._slots.release()
+            self._give_uid_slot(uid)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -174,8 +207,14 @@ class PressureServer:
                 break
             try:
                 got = registry.post_trim(rec.path, device, want - freed, timeout=self.trim_timeout_s)
-                freed += got
-                asked.append({"pid": rec.pid, "released_bytes": got})
+                # A process answers for itself; it is credited at most the cache it advertised
+                # before it was asked, so an answer of 2^60 bytes stops nobody else being asked.
+                credited = min(got, rec.devices[device].cached_free_bytes)
+                freed += credited
+                entry: dict[str, Any] = {"pid": rec.pid, "released_bytes": credited}
+                if got > credited:
+                    entry["claimed_bytes"] = got
+                asked.append(entry)
             except (registry.RecordError, registry.MailboxTimeout, OSError) as e:
                 asked.append({"pid": rec.pid, "skipped": str(e)})
         return {"freed_bytes": freed, "asked": asked}

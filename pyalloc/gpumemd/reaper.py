@@ -195,6 +195,8 @@ def _evidence(rows: list[ProcessRow], now: float) -> dict[str, Any]:
         "devices": [{"device": x.device, "uuid": x.uuid, "used_bytes": x.used_bytes, "sm_util": x.sm_util,
                      "allocator": asdict(x.allocator) if x.allocator else None} for x in rows],
         "flags": asdict(r.flags),
+        # Which registry files (and owners) the decision read, if any: Note [Record identity].
+        "records": sorted({(x.allocator.record_path, x.allocator.record_uid) for x in rows if x.allocator}),
         "idle_s": None if r.flags.idle_since is None else round(now - r.flags.idle_since, 1),
     }
 

@@ -306,17 +306,68 @@ def _validate(raw: bytes, path: str, st: os.stat_result) -> Record:
     )
 
 
-def read_record(path: Path | str, as_uid: int | None = None) -> Record:
+def read_record(path: Path | str, as_uid: int | None = None, check_process: bool = True) -> Record:
     """One validated record; raises :class:`RecordError` with the reason otherwise.
 
     ``as_uid`` decides ownership as that user would (default: our euid; root
-    may read every user's record).
+    may read every user's record). With ``check_process`` (the default), a
+    record of a running pid must describe that process as the kernel knows it
+    (:func:`process_problem`); a record of a pid that is gone is returned as
+    it is (liveness is the caller's question).
     """
     fd, st = _open_checked(path, writable=False, as_uid=as_uid)
     try:
-        return _validate(_read_stable(fd), str(path), st)
+        record = _validate(_read_stable(fd), str(path), st)
     finally:
         os.close(fd)
+    if check_process:
+        problem = process_problem(record)
+        if problem is not None:
+            raise RecordError(problem)
+    return record
+
+
+def _proc_uids(pid: int) -> tuple[int, int] | None:
+    """Real and effective uid of ``pid`` from /proc/<pid>/status, or None."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    fields = line.split()
+                    return int(fields[1]), int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def process_problem(record: Record) -> str | None:
+    """Why ``record`` does not describe the running process ``record.pid``, or None.
+
+    Note [Record identity]: anyone can write a file under /dev/shm that names
+    any pid, and its owner is only the writer's uid. What a record says about
+    a process is believed only when the kernel agrees: the pid runs, started
+    at the record's start time (not a reused pid), and its real or effective
+    uid is the record's uid, which is the file's owner (checked in _validate).
+    A record of a pid that is not running is not judged here: the daemon
+    removes it (:func:`remove_dead`) and acts on nothing it says.
+    """
+    ticks = proc_start_ticks(record.pid)
+    if ticks is None:
+        return None
+    if record.start_time_ticks != ticks:
+        return (f"pid {record.pid} started at tick {ticks}, not at the record's {record.start_time_ticks}: "
+                f"the record is not this process's")
+    return _owner_problem(record)
+
+
+def _owner_problem(record: Record) -> str | None:
+    """Why the running pid ``record.pid`` is not the record's uid's process, or None."""
+    uids = _proc_uids(record.pid)
+    if uids is None:
+        return f"pid {record.pid}: its owner cannot be read from /proc"
+    if record.uid not in uids:
+        return f"pid {record.pid} belongs to uid {uids[0]}, not to the record's uid {record.uid} (a forged record)"
+    return None
 
 
 def _candidates(directory: Path) -> Iterator[Path]:
@@ -407,10 +458,13 @@ def remove_dead(directory: Path | str | None = None, as_uid: int | None = None) 
             continue
         record: Record | None
         try:
-            record = read_record(path, as_uid=as_uid)
+            record = read_record(path, as_uid=as_uid, check_process=False)
         except RecordError:
             record = None
-        if is_alive(pid, record.start_time_ticks if record else None):
+        forged = _owner_problem(record) if record is not None and proc_start_ticks(pid) is not None else None
+        if forged is not None:
+            reason = forged
+        elif is_alive(pid, record.start_time_ticks if record else None):
             if record is None or record.heartbeat_age_s() < EXEC_ORPHAN_AGE_S or maps_pyalloc(pid) is not False:
                 continue
             reason = "the process no longer runs pyalloc (exec)"

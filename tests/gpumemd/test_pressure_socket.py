@@ -150,3 +150,104 @@ def test_a_peer_without_a_registry_record_is_refused() -> None:
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["ok"] is False and "has no valid registry record" in answer["error"]
+
+
+FLOOD_C = r"""
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <stdio.h>
+/* Prints "ready", waits for a line on stdin, opens argv[2] connections to
+   argv[1], says nothing on them, prints "connected", sleeps. */
+int main(int argc, char** argv) {
+  int n = atoi(argv[2]);
+  char line[16];
+  puts("ready");
+  fflush(stdout);
+  if (!fgets(line, sizeof line, stdin)) return 4;
+  for (int i = 0; i < n; ++i) {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {0};
+    a.sun_family = AF_UNIX;
+    strncpy(a.sun_path, argv[1], sizeof a.sun_path - 1);
+    if (connect(fd, (struct sockaddr*)&a, sizeof a) != 0) return 2;
+  }
+  puts("connected");
+  fflush(stdout);
+  sleep(60);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_one_users_silent_connections_cannot_starve_the_others() -> None:
+    """Issue 24: 64 silent connections from one uid with a registry record refused almost every
+    legitimate request. Now one non-root uid holds at most MAX_PER_UID slots; the rest of its
+    connections are closed at once and another user's request is answered while the flood is
+    still open."""
+    from pyalloc.gpumemd import registry
+
+    top = Path(tempfile.mkdtemp(prefix="gpumemd-flood-"))
+    flood = None
+    try:
+        os.chmod(top, 0o755)
+        (top / "registry").mkdir()
+        srv = pressure.PressureServer(str(top / "p.sock"), registry_dir=top / "registry")
+        srv.start()
+        try:
+            source = top / "flood.c"
+            source.write_text("#include <stdlib.h>\n" + FLOOD_C)
+            binary = top / "flood"
+            if subprocess.run(["cc", str(source), "-o", str(binary)], capture_output=True).returncode != 0:
+                pytest.skip("no C compiler")
+            os.chmod(binary, 0o755)
+            flood = subprocess.Popen([str(binary), srv.path, "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, user=65534, group=65534)
+            assert flood.stdin is not None and flood.stdout is not None
+            assert flood.stdout.readline().strip() == "ready"
+            # The flooder's own, genuine record: its connections get past the record check and
+            # then sit in the read, each holding a slot.
+            record = registry.RecordWriter(registry.record_path(flood.pid, uid=65534, directory=top / "registry"),
+                                           pid=flood.pid)
+            record.rec.uid = 65534
+            record.update(0, reserved_bytes=1)
+            record.close(unlink=False)
+            os.chown(record.path, 65534, 65534)
+            flood.stdin.write("go\n")
+            flood.stdin.flush()
+            assert flood.stdout.readline().strip() == "connected"
+            deadline = time.monotonic() + 120.0
+            while srv.refused < 64 - pressure.MAX_PER_UID:
+                assert time.monotonic() < deadline, f"only {srv.refused} of the flood refused"
+                time.sleep(0.05)
+            answers = [ask(srv.path, b'{"device": 0, "bytes": 4096}\n') for _ in range(5)]
+            assert all(a["ok"] for a in answers)  # while the 64 connections are still open
+        finally:
+            if flood is not None:
+                flood.kill()
+                flood.wait()
+            srv.stop()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_process_claiming_to_free_more_than_it_cached_is_credited_what_it_cached(tmp_path: Path) -> None:
+    """Issue 24: a record answering every trim with 2^60 bytes made the daemon report that as freed
+    and ask no one else. A process is credited at most the cache its record advertised."""
+    from pyalloc.gpumemd import registry
+
+    reg = tmp_path / "registry"
+    reg.mkdir()
+    liar = registry.RecordWriter(registry.record_path(os.getpid(), directory=reg), pid=os.getpid())
+    liar.rec.flags |= registry.FLAG_PRESSURE_OPT_IN
+    liar.update(0, reserved_bytes=8 << 20, cached_free_bytes=1 << 20)
+    liar.serve(lambda _device, _nbytes: 1 << 60)
+    srv = pressure.PressureServer(str(tmp_path / "p.sock"), registry_dir=reg)
+    try:
+        answer = srv.coordinate(requester=1, device=0, want=4 << 20)
+    finally:
+        liar.close()
+    assert answer["freed_bytes"] == 1 << 20
+    assert answer["asked"] == [{"pid": os.getpid(), "released_bytes": 1 << 20, "claimed_bytes": 1 << 60}]

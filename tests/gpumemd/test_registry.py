@@ -114,16 +114,21 @@ def test_symlink_fifo_and_directory_are_refused(reg_dir: Path, tmp_path: Path) -
 def test_other_users_records_are_skipped_unless_root(reg_dir: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to give a file to another user")
-    w = registry.RecordWriter(reg_dir / "pyalloc.4242.1", pid=1)
-    w.rec.uid = 4242
-    w.update(0, reserved_bytes=1)
-    os.chown(w.path, 4242, 4242)
-    as_user = registry.scan(reg_dir, as_uid=1000)
-    assert as_user.records == [] and "not ours" in as_user.skipped[0].reason
-    as_root = registry.scan(reg_dir, as_uid=0)
-    assert [r.uid for r in as_root.records] == [4242]
-    assert registry.remove_dead(reg_dir, as_uid=1000) == []  # never removes another user's file
-    w.close()
+    theirs = subprocess.Popen(["sleep", "60"], user=4242, group=4242)  # uid 4242's own process
+    try:
+        w = registry.RecordWriter(reg_dir / f"pyalloc.4242.{theirs.pid}", pid=theirs.pid)
+        w.rec.uid = 4242
+        w.update(0, reserved_bytes=1)
+        os.chown(w.path, 4242, 4242)
+        as_user = registry.scan(reg_dir, as_uid=1000)
+        assert as_user.records == [] and "not ours" in as_user.skipped[0].reason
+        as_root = registry.scan(reg_dir, as_uid=0)
+        assert [r.uid for r in as_root.records] == [4242]
+        assert registry.remove_dead(reg_dir, as_uid=1000) == []  # never removes another user's file
+        w.close()
+    finally:
+        theirs.kill()
+        theirs.wait()
 
 
 def test_seqlock_reader_never_sees_a_torn_record(reg_dir: Path) -> None:
