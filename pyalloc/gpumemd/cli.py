@@ -115,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     collector = _collector(args, subreapers=tuple(policy.subreapers) if policy else ("systemd",),
                            **({"idle_cpu_percent": policy.idle.cpu_percent} if policy else {}))
     state = State()
-    server = make_server(state, host, int(port))
+    server = make_server(state, host, int(port), show_commands=args.show_commands)
     pressure = None
     if args.socket != "none":
         pressure = PressureServer(args.socket or default_socket_path(), args.registry_dir)
@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="metrics, status JSON, pressure socket, reaper")
     v.add_argument("--listen", default="127.0.0.1:9877")
+    v.add_argument("--show-commands", action="store_true",
+                   help="show full command lines in /v1/status (default: program names only; any local "
+                        "user can read /v1/status, and arguments may carry secrets)")
     v.add_argument("--interval", default="2s")
     v.add_argument("--policy", default=None)
     v.add_argument("--enforce", action="store_true")

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from .model import Snapshot
+from .model import Snapshot, redact_command
 
 PROCESS_LABELS = ["gpu", "UUID", "backend", "pid", "user"]
 DEVICE_LABELS = ["gpu", "UUID", "backend"]
@@ -146,7 +146,18 @@ class State:
             return dict(self.stats)
 
 
-def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
+def _redacted(decision: dict) -> dict:
+    doc = json.loads(json.dumps(decision, default=str))
+    evidence = doc.get("evidence") or {}
+    if "command" in evidence:
+        evidence["command"] = redact_command(evidence["command"])
+    evidence.pop("records", None)
+    return doc
+
+
+def make_server(state: State, host: str, port: int, show_commands: bool = False) -> ThreadingHTTPServer:
+    """/metrics and /v1/status on host:port. /v1/status shows programs' names, not their
+    command lines, unless ``show_commands`` (gpumemd serve --show-commands)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(state.get, state.get_stats))
 
@@ -159,8 +170,8 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                 body, ctype = generate_latest(registry), CONTENT_TYPE_LATEST
             elif path == "/v1/status":
                 snap = state.get()
-                doc: dict[str, Any] = snap.to_json() if snap else {"error": "no snapshot yet"}
-                doc["reaper"] = state.reap
+                doc: dict[str, Any] = snap.to_json(full=show_commands) if snap else {"error": "no snapshot yet"}
+                doc["reaper"] = state.reap if show_commands else [_redacted(d) for d in state.reap]
                 body, ctype = json.dumps(doc).encode(), "application/json"
             elif path in ("/", "/healthz"):
                 body, ctype = b"gpumemd: /metrics /v1/status\n", "text/plain"

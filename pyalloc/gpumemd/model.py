@@ -93,15 +93,33 @@ class Snapshot:
     skipped_records: list[registry.Skipped]
     removed_records: list[registry.Skipped]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, full: bool = True) -> dict[str, Any]:
+        """The snapshot as JSON. ``full`` False (what /v1/status serves to any local client) keeps
+        each command's program name only: arguments may carry secrets, and the registry files
+        behind the figures are their owners' (mode 0600)."""
+        processes = [asdict(p) for p in self.processes]
+        if not full:
+            for p in processes:
+                p["command"] = redact_command(p["command"])
+                if p.get("allocator"):
+                    p["allocator"]["record_path"] = ""
         return {
             "time": self.time,
             "nvml": {"available": self.nvml_available, "error": self.nvml_error},
             "devices": [asdict(d) for d in self.devices],
-            "processes": [asdict(p) for p in self.processes],
+            "processes": processes,
             "skipped_records": [asdict(s) for s in self.skipped_records],
             "removed_records": [asdict(s) for s in self.removed_records],
         }
+
+
+def redact_command(command: str | None) -> str | None:
+    """The program's name alone ("python", not "python train.py --token=..."), or None."""
+    if not command:
+        return command
+    parts = command.split()
+    program = parts[0].rsplit("/", 1)[-1] if parts else ""
+    return program + (" [arguments hidden]" if len(parts) > 1 else "")
 
 
 def _visible_devices(pid: int) -> list[str] | None:

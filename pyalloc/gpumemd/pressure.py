@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat as stat_module
 import socket
 import struct
 import threading
@@ -34,9 +35,28 @@ MAX_PER_UID = 4  # of those, what one non-root uid may hold: its silent clients 
 
 
 def default_socket_path() -> str:
+    """Where this daemon listens: /run/gpumemd.sock as root (where every client looks first),
+    else this user's runtime folder, else /tmp/gpumemd-<uid> (made 0700; see start())."""
     if os.geteuid() == 0:
         return "/run/gpumemd.sock"
-    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/gpumemd-{os.getuid()}", "gpumemd.sock")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and runtime.startswith("/"):
+        return os.path.join(runtime, "gpumemd.sock")
+    return os.path.join(f"/tmp/gpumemd-{os.getuid()}", "gpumemd.sock")
+
+
+def _own_closed_folder(folder: Path) -> None:
+    """Makes ``folder`` (mode 0700) or checks that it is ours and closed to others: a folder
+    another user made first (in /tmp anyone can) would let them replace our socket."""
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    me = os.geteuid()
+    if not stat_module.S_ISDIR(st.st_mode) or st.st_uid not in (me, 0) or st.st_mode & 0o022:
+        raise PermissionError(f"{folder} is not a folder of uid {me} closed to others (owner uid {st.st_uid}, "
+                              f"mode {stat_module.S_IMODE(st.st_mode):o}): refusing to listen there")
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -79,7 +99,7 @@ class PressureServer:
         self.refused = 0
 
     def start(self) -> None:
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        _own_closed_folder(Path(self.path).parent)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

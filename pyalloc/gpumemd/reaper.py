@@ -323,7 +323,12 @@ def audit(decisions: list[Decision], path: str | Path) -> None:
     """Appends one JSON line a decision; O_APPEND keeps lines whole across writers."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # O_NOFOLLOW: a symlink planted at the configured path (by anyone who can write its folder)
+    # must not make root append to a file of the planter's choice.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise OSError(e.errno, f"audit log {path}: {e.strerror} (a symlink is refused)") from None
     try:
         for d in decisions:
             os.write(fd, (json.dumps(asdict(d), default=str) + "\n").encode())

@@ -370,20 +370,58 @@ def _owner_problem(record: Record) -> str | None:
     return None
 
 
-def _candidates(directory: Path) -> Iterator[Path]:
+# At most this many registry files are read per scan (and per removal pass): a node runs a few
+# hundred GPU processes at most, and a user who fills /dev/shm with files must not make each
+# collection slower or the daemon bigger without bound.
+MAX_RECORDS = 4096
+
+
+@dataclass
+class _Listing:
+    paths: list[Path]
+    ignored: int  # files named pyalloc.* that are not pyalloc.<uid>.<pid>
+    over: int     # record-named files beyond MAX_RECORDS
+
+
+def _list(directory: Path) -> _Listing:
+    """The files named ``pyalloc.<uid>.<pid>``, by name, at most MAX_RECORDS; one pass of scandir,
+    nothing else is stat'ed or opened."""
+    paths: list[Path] = []
+    ignored = over = 0
     try:
-        names = sorted(os.listdir(directory))
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.name.startswith(PREFIX):
+                    continue
+                if _NAME.match(entry.name) is None:
+                    ignored += 1
+                elif len(paths) < MAX_RECORDS:
+                    paths.append(directory / entry.name)
+                else:
+                    over += 1
     except OSError:
-        return
-    for name in names:
-        if name.startswith(PREFIX):
-            yield directory / name
+        pass
+    return _Listing(sorted(paths), ignored, over)
+
+
+def _candidates(directory: Path) -> Iterator[Path]:
+    yield from _list(directory).paths
 
 
 def scan(directory: Path | str | None = None, as_uid: int | None = None) -> Scan:
-    """Every record of the directory, valid ones and the skipped ones with their reasons."""
+    """Every record of the directory, valid ones and the skipped ones with their reasons.
+
+    Files named ``pyalloc.*`` that are not ``pyalloc.<uid>.<pid>``, and record files beyond
+    :data:`MAX_RECORDS`, are not read: each kind is one skipped entry that counts them."""
     out = Scan()
-    for path in _candidates(Path(directory or registry_dir())):
+    listing = _list(Path(directory or registry_dir()))
+    if listing.ignored:
+        out.skipped.append(Skipped(str(directory or registry_dir()),
+                                   f"{listing.ignored} files named {PREFIX}* that are not {PREFIX}<uid>.<pid> ignored"))
+    if listing.over:
+        out.skipped.append(Skipped(str(directory or registry_dir()),
+                                   f"{listing.over} more registry files not read (at most {MAX_RECORDS} per scan)"))
+    for path in listing.paths:
         try:
             out.records.append(read_record(path, as_uid=as_uid))
         except RecordError as e:

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pyalloc.gpumemd import registry
+import pytest
+
+from pyalloc.gpumemd import pressure, registry
 
 from .conftest import env
 
@@ -137,3 +139,37 @@ def test_a_record_is_readable_as_soon_as_it_exists(tmp_path: Path) -> None:
         finally:
             child.kill()
             child.wait()
+
+
+def test_the_library_asks_only_a_daemon_whose_socket_folder_others_cannot_change(tmp_path: Path) -> None:
+    """Issue 24 item 7: with daemon_socket=auto the library looks for the node's root daemon
+    (/run/gpumemd.sock), then $XDG_RUNTIME_DIR, then /tmp/gpumemd-<uid>; a socket in a folder
+    another user could write (or made first) is not asked."""
+    if os.path.exists("/run/gpumemd.sock"):
+        pytest.skip("a node daemon listens on /run/gpumemd.sock here")
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    server = pressure.PressureServer(str(runtime / "gpumemd.sock"), registry_dir=tmp_path)
+    server.start()
+    try:
+        child_env = {**env(), "XDG_RUNTIME_DIR": str(runtime), "PYALLOC_REGISTRY_DIR": str(tmp_path)}
+        asked = []
+        for mode in (0o700, 0o777):
+            os.chmod(runtime, mode)
+            out = subprocess.run([sys.executable, "-c", REQUESTER, "auto"], capture_output=True, text=True,
+                                 env=child_env, timeout=120)
+            assert out.returncode == 0, out.stderr
+            asked.append(json.loads(out.stdout)["requests"])
+    finally:
+        server.stop()
+    assert asked == [1, 0]
+
+
+def test_the_daemon_refuses_to_listen_in_a_folder_another_user_made(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a folder to another user")
+    folder = tmp_path / "gpumemd-1000"
+    folder.mkdir(mode=0o777)
+    os.chown(folder, 4242, 4242)
+    with pytest.raises(PermissionError, match="not a folder of uid 0 closed to others"):
+        pressure.PressureServer(str(folder / "gpumemd.sock")).start()

@@ -6,6 +6,7 @@
 #include "node/gpumemd_client.hpp"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -22,11 +23,35 @@ namespace {
 constexpr int kTimeoutSeconds = 6;
 constexpr size_t kMaxAnswer = 4096;
 
+// Whether `path` is a socket in a folder that only `owner` (or root) can
+// change, and is owned by one of them: another user must not be able to put a
+// daemon of their own where we look, and answer in its place.
+bool trusted_socket(const std::string& path, uid_t owner) {
+  struct stat sock {};
+  struct stat dir {};
+  const std::string folder = path.substr(0, path.rfind('/'));
+  if (lstat(path.c_str(), &sock) != 0 || !S_ISSOCK(sock.st_mode)) return false;
+  if (lstat(folder.empty() ? "/" : folder.c_str(), &dir) != 0 || !S_ISDIR(dir.st_mode)) return false;
+  const bool folder_ours = dir.st_uid == owner || dir.st_uid == 0;
+  const bool folder_closed = (dir.st_mode & (S_IWGRP | S_IWOTH)) == 0;
+  return folder_ours && folder_closed && (sock.st_uid == owner || sock.st_uid == 0);
+}
+
+// Where gpumemd listens, Note [Record identity] in pyalloc/gpumemd/registry.py:
+// the node's root daemon (/run/gpumemd.sock, root's), else this user's own
+// daemon ($XDG_RUNTIME_DIR, then /tmp/gpumemd-<uid>, each only if that folder
+// is this user's and closed to others); "" when none can be trusted.
 std::string default_socket() {
-  if (geteuid() == 0) return "/run/gpumemd.sock";
+  const uid_t me = getuid();
+  const std::string node = "/run/gpumemd.sock";
+  if (trusted_socket(node, 0)) return node;
   const char* runtime_dir = std::getenv("XDG_RUNTIME_DIR");
-  if (runtime_dir != nullptr && runtime_dir[0] != '\0') return std::string(runtime_dir) + "/gpumemd.sock";
-  return "/tmp/gpumemd-" + std::to_string(getuid()) + "/gpumemd.sock";
+  if (runtime_dir != nullptr && runtime_dir[0] == '/') {
+    const std::string mine = std::string(runtime_dir) + "/gpumemd.sock";
+    if (trusted_socket(mine, me)) return mine;
+  }
+  const std::string tmp = "/tmp/gpumemd-" + std::to_string(me) + "/gpumemd.sock";
+  return trusted_socket(tmp, me) ? tmp : std::string();
 }
 
 // The value of "freed_bytes" in a one-line JSON answer; false if absent.
@@ -51,7 +76,7 @@ bool ask_gpumemd(const std::string& socket_path, int device, size_t bytes, size_
   *freed_bytes = 0;
   const std::string path = socket_path == "auto" ? default_socket() : socket_path;
   sockaddr_un addr{};
-  if (path.size() >= sizeof addr.sun_path) return false;
+  if (path.empty() || path.size() >= sizeof addr.sun_path) return false;
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
 

@@ -1,0 +1,72 @@
+"""Issue 24, items 5 and 6: a registry full of junk costs a bounded scan; /v1/status shows
+program names, not command lines; the audit log never follows a symlink."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pyalloc.gpumemd import metrics, model, reaper, registry
+
+
+def test_junk_in_the_registry_is_counted_not_read(reg_dir: Path) -> None:
+    w = registry.RecordWriter(registry.record_path(os.getpid(), directory=reg_dir), pid=os.getpid())
+    w.update(0, reserved_bytes=1)
+    for i in range(3000):
+        (reg_dir / f"pyalloc.junk.{i}").touch()
+    scan = registry.scan(reg_dir)
+    assert [r.pid for r in scan.records] == [os.getpid()]
+    assert [s.reason for s in scan.skipped] == ["3000 files named pyalloc.* that are not pyalloc.<uid>.<pid> ignored"]
+    w.close()
+
+
+def test_record_files_beyond_the_limit_are_not_read(reg_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "MAX_RECORDS", 10)
+    for pid in range(1000, 1030):  # record-shaped names, garbage inside
+        (reg_dir / f"pyalloc.0.{pid}").write_bytes(b"x")
+    scan = registry.scan(reg_dir)
+    assert len(scan.skipped) == 11  # 10 read and refused, one entry for the 20 left unread
+    assert scan.skipped[0].reason == "20 more registry files not read (at most 10 per scan)"
+
+
+def _snapshot_with(command: str) -> model.Snapshot:
+    row = model.ProcessRow(pid=4321, device="host:0", gpu=0, uuid=None, user="alice", uid=1000, command=command,
+                           used_bytes=None, sm_util=None, cpu_percent=0.0, status="sleeping", ppid=1,
+                           start_time=0.0, allocator=None)
+    return model.Snapshot(0.0, False, None, [], [row], [], [])
+
+
+def test_status_over_http_shows_program_names_not_command_lines() -> None:
+    state = metrics.State()
+    state.set(_snapshot_with("/usr/bin/python3 train.py --hf-token=s3cret"), 0.0,
+              reap=[{"pid": 4321, "evidence": {"command": "/usr/bin/python3 train.py --hf-token=s3cret",
+                                               "records": [["/dev/shm/pyalloc.1000.4321", 1000]]}}])
+    for show, expected in ((False, "python3 [arguments hidden]"), (True, "/usr/bin/python3 train.py --hf-token=s3cret")):
+        server = metrics.make_server(state, "127.0.0.1", 0, show_commands=show)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/v1/status", timeout=10).read()
+        finally:
+            server.shutdown()
+            server.server_close()
+        doc = json.loads(body)
+        assert doc["processes"][0]["command"] == expected
+        assert doc["reaper"][0]["evidence"]["command"] == expected
+        assert (b"s3cret" in body) == show
+
+
+def test_the_audit_log_is_never_opened_through_a_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("untouched\n")
+    planted = tmp_path / "audit.jsonl"
+    planted.symlink_to(victim)
+    decision = reaper.Decision(0.0, 1, "idle", "report", True, {}, None)
+    with pytest.raises(OSError, match="symlink is refused"):
+        reaper.audit([decision], planted)
+    assert victim.read_text() == "untouched\n"
