@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import core
 from .._lib import PyallocError, lib
-from .trace import ALLOC, FREE, Trace, load, workloads_dir
+from .trace import ALLOC, FREE, Trace, TraceError, load, workloads_dir
 
 MiB = 1 << 20
 CHECK_EVERY = 997  # ops between full invariant walks
@@ -100,11 +100,18 @@ def run(paths: list[Path], as_json: bool) -> int:
     results = []
     for path in paths:
         name = path.name.split(".")[0]
-        trace = load(path)
-        if not named and not fits_this_machine(trace):
+        try:
+            trace = load(path)
+        except TraceError as e:
+            raise PyallocError(f"selftest: {e}") from None
+        if not fits_this_machine(trace):
+            need = (2 * trace.peak_live_bytes() + 256 * MiB) / (1 << 30)
+            if named:  # asked for by name: say why it cannot run, rather than fail inside configure
+                raise PyallocError(f"selftest: {path}: replaying it on the host backend needs {need:.1f} GiB of "
+                                   f"real memory, more than half of what this machine has free")
             # The GPU-scale workloads (pyalloc record --meta) need tens of GiB of real memory here.
             print(f"{name}: skipped, its {trace.peak_live_bytes() / (1 << 30):.1f} GiB of live bytes do not fit "
-                  "this machine's memory (name it to replay it anyway)", file=sys.stderr)
+                  "this machine's memory", file=sys.stderr)
             continue
         results.append(replay_verified(trace, name))
         if not as_json:

@@ -70,12 +70,19 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
+# Every integer of a trace (sizes, ids, streams) must fit the 64-bit fields the replay
+# hands to the library; sizes must also be below 2^63 (no device is that large).
+_MAX_INT = (1 << 63) - 1
+
+
 def _int_field(event: dict[str, Any], key: str, default: int | None = None) -> int | None:
     value = event.get(key, default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"'{key}' must be an integer, got {value!r}")
+    if not -_MAX_INT - 1 <= value <= _MAX_INT:
+        raise ValueError(f"'{key}' {value} does not fit in 64 bits")
     return value
 
 
@@ -93,6 +100,8 @@ def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Trace:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise TraceError(name, number, f"not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise TraceError(name, number, "JSON nested too deeply to be a trace event") from None
         if not isinstance(obj, dict):
             raise TraceError(name, number, "a line must be a JSON object")
         if header is None:

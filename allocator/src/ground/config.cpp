@@ -229,6 +229,19 @@ bool parse_config(const std::string& text, const Config& base, Config* out, std:
     *error = "PYALLOC_CONF: large_segment must be at least small_segment";
     return false;
   }
+  if (next.capacity != 0 && next.capacity < kMinCapacity) {
+    *error = "PYALLOC_CONF: capacity " + std::to_string(next.capacity) +
+             " bytes is less than one 2 MiB granule: every allocation would fail (0 is the backend's default)";
+    return false;
+  }
+  // Each device has a ring of its own: together they must fit in memory.
+  const size_t rings = next.backend == BackendKind::kCuda ? 1 : static_cast<size_t>(next.devices);
+  if (next.trace > kMaxTraceBytes / kTraceEventBytes / rings) {
+    *error = "PYALLOC_CONF: trace=" + std::to_string(next.trace) + " on " + std::to_string(rings) +
+             " devices needs " + std::to_string(next.trace * rings * kTraceEventBytes >> 20) +
+             " MiB of trace rings; at most " + std::to_string(kMaxTraceBytes >> 20) + " MiB (lower trace or devices)";
+    return false;
+  }
   *out = next;
   return true;
 }

@@ -12,6 +12,12 @@
 
 namespace pyalloc {
 
+// Limits a configuration is checked against (parse_config).
+constexpr size_t kMinCapacity = size_t{2} << 20;     // one granule: less and every allocation fails
+constexpr size_t kTraceEventBytes = 48;              // sizeof(TraceEvent), asserted in observe/trace.hpp
+constexpr size_t kMaxTraceBytes = size_t{1} << 30;   // all devices' trace rings together
+
+
 enum class BackendKind { kCuda, kHost, kSim };
 
 // Virtual-memory arenas (Note [Arenas]): off; on (the large and user pools

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backends/backend.hpp"
+#include "ground/config.hpp"
 
 namespace pyalloc {
 
@@ -37,6 +38,8 @@ struct TraceEvent {
   uint64_t time_ns;    // steady clock
   size_t device_free;  // kOom only: bytes the backend reported free
 };
+
+static_assert(sizeof(TraceEvent) == kTraceEventBytes, "ground/config.hpp's trace limit assumes this size");
 
 class TraceRing {
  public:

@@ -1,0 +1,61 @@
+"""Issue 24 item 8: limits a configuration could blow past, and trace files that made the CLI
+print a traceback. Each gets one line naming the problem, and nothing half-applied."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pyalloc
+from allocator_fixture import fresh_conf
+
+
+@pytest.mark.parametrize(("conf", "message"), [
+    ("devices=64,trace=16777216", "needs 49152 MiB of trace rings; at most 1024 MiB"),
+    ("capacity=1", "capacity 1 bytes is less than one 2 MiB granule"),
+    ("capacity=1MiB", "less than one 2 MiB granule"),
+])
+def test_a_configuration_that_cannot_work_is_refused_and_nothing_changes(conf: str, message: str) -> None:
+    pyalloc.configure(fresh_conf("host"))
+    before = pyalloc.config()
+    with pytest.raises(pyalloc.PyallocError, match=message):
+        pyalloc.configure(conf)
+    assert pyalloc.config() == before
+
+
+def test_one_device_may_still_keep_the_largest_trace() -> None:
+    pyalloc.configure(fresh_conf("host", "devices=1,trace=16777216"))
+    assert pyalloc.config()["trace"] == 16777216
+    pyalloc.configure(fresh_conf("host"))
+
+
+BAD_TRACES = {
+    "empty.jsonl": b"",
+    "junk.jsonl": b"not json\n",
+    "array.jsonl": b"[1, 2]\n",
+    "v2.jsonl": b'{"version": 2}\n',
+    "free_of_nothing.jsonl": b'{"version": 1}\n{"op": "free", "id": 3}\n',
+    "negative.jsonl": b'{"version": 1}\n{"op": "alloc", "id": 1, "size": -5}\n',
+    "size_2_64.jsonl": b'{"version": 1}\n{"op": "alloc", "id": 1, "size": 18446744073709551616}\n',
+    "nested.jsonl": b"[" * 100000 + b"\n",
+    "broken.jsonl.gz": b"\x1f\x8bgarbage",
+    "too_big_here.jsonl": b'{"version": 1}\n{"op": "alloc", "id": 1, "size": 1099511627776000}\n',
+}
+
+
+@pytest.mark.parametrize("command", ["replay", "selftest"])
+def test_bad_trace_files_are_one_line_errors(tmp_path: Path, command: str) -> None:
+    for name, data in BAD_TRACES.items():
+        if command == "replay" and name == "too_big_here.jsonl":
+            continue  # the sim backend replays any size: nothing wrong with it there
+        path = tmp_path / name
+        path.write_bytes(data)
+        done = subprocess.run([sys.executable, "-m", "pyalloc.cli", command, str(path)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1, (name, done.stdout, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in done.stderr, (name, done.stderr)
+        assert str(path) in lines[0], (name, lines[0])
