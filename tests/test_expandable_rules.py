@@ -24,27 +24,13 @@ in the comments; layouts as [block offset-end) within one range).
 
 from __future__ import annotations
 
+from hand_traces import Event, build
 from pyalloc.traces import stress
-from pyalloc.traces.generators import KiB, MiB, TraceBuilder
+from pyalloc.traces.generators import KiB, MiB
 from pyalloc.traces.replay import POLICIES, POLICY_CONF, ReplayResult, find_min_capacity, flatten, replay
-from pyalloc.traces.trace import Trace
 
 GiB = 1 << 30
 POLICY = "native-expandable"
-Event = tuple  # (op, id, size[, stream]); sizes of frees are ignored
-
-
-def build(events: list[Event]) -> Trace:
-    b = TraceBuilder("hand-built")
-    ids: dict[int, int] = {}
-    for event in events:
-        op, key, size = event[0], event[1], event[2]
-        stream = event[3] if len(event) > 3 else 0
-        if op == "alloc":
-            ids[key] = b.alloc(size, stream)
-        else:
-            b.free(ids.pop(key), stream)
-    return b.build("hand-built")
 
 
 def run(events: list[Event], policy: str = POLICY, capacity: int = 80 * GiB) -> ReplayResult:

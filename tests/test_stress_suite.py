@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import pyalloc
+from hand_traces import build
 from pyalloc.traces import generators, stress
 from pyalloc.traces.generators import KiB, MiB, TraceBuilder
 from pyalloc.traces.replay import configure_for_replay, find_min_capacity, flatten, replay
@@ -149,20 +150,6 @@ def test_trace_builder_output_goes_through_trace_validation() -> None:
 
 
 # ---- the native model and find_min_capacity, by hand ----------------------------------------
-
-
-def build(events: list[tuple[str, int, int]] | list[tuple[str, int, int, int]]) -> Trace:
-    """A trace from (op, id, size[, stream]) tuples; sizes of frees are ignored."""
-    b = TraceBuilder("hand-built")
-    ids: dict[int, int] = {}
-    for event in events:
-        op, key, size = event[0], event[1], event[2]
-        stream = event[3] if len(event) > 3 else 0
-        if op == "alloc":
-            ids[key] = b.alloc(size, stream)
-        else:
-            b.free(ids.pop(key), stream)
-    return b.build("hand-built")
 
 
 def native_peak_reserved(events: list, capacity: int = 80 * GiB) -> int:  # type: ignore[type-arg]

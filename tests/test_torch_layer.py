@@ -170,9 +170,9 @@ def history(device: None) -> Iterator[None]:
 
 def test_history_keeps_each_live_blocks_context_and_a_trace_of_allocs_and_frees(history: None) -> None:
     torch.ops.pyalloc.record_history(True, 100, 2, True)  # when=ALLOC: contexts for allocations
-    a = torch.ops.pyalloc.allocate_recorded(MiB)
-    b = torch.ops.pyalloc.allocate_recorded(2 * MiB)
-    torch.ops.pyalloc.free_recorded(a, MiB)
+    a = torch.ops.pyalloc.allocate(MiB)
+    b = torch.ops.pyalloc.allocate(2 * MiB)
+    torch.ops.pyalloc.free(a, MiB)
     segments, blocks, trace = _recorded()
     mine = pyalloc.snapshot()["segments"]
     assert [s[:4] for s in segments] == [[s["address"], s["total_size"], s["allocated_size"], s["active_size"]]
@@ -186,16 +186,16 @@ def test_history_keeps_each_live_blocks_context_and_a_trace_of_allocs_and_frees(
                                                   (FREE_COMPLETED, a, MiB), (SNAPSHOT, 0, 0)]
     assert trace[1][3] == b_context and trace[0][3] == b_context - 1  # contexts of the allocations, in order
     assert trace[2][3] == 0  # frees carry a context only with when=ALL
-    torch.ops.pyalloc.free_recorded(b, 2 * MiB)
+    torch.ops.pyalloc.free(b, 2 * MiB)
 
 
 def test_history_ring_keeps_the_newest_entries_and_state_mode_keeps_no_trace(history: None) -> None:
     torch.ops.pyalloc.record_history(True, 3, 2, True)
-    ptrs = [torch.ops.pyalloc.allocate_recorded(MiB) for _ in range(5)]
+    ptrs = [torch.ops.pyalloc.allocate(MiB) for _ in range(5)]
     _, _, trace = _recorded()
     assert [e[0] for e in trace] == [ALLOC, ALLOC, SNAPSHOT] and trace[1][1] == ptrs[4]
     torch.ops.pyalloc.record_history(True, 3, 1, True)  # when=STATE: contexts, no trace
-    p = torch.ops.pyalloc.allocate_recorded(MiB)
+    p = torch.ops.pyalloc.allocate(MiB)
     _, blocks, trace = _recorded()
     assert [e[0] for e in trace] == [SNAPSHOT]
     assert sum(1 for blk in blocks if blk[2] and blk[4] > 0) == 6  # all six live blocks keep their contexts
@@ -203,12 +203,12 @@ def test_history_ring_keeps_the_newest_entries_and_state_mode_keeps_no_trace(his
     _, blocks, trace = _recorded()
     assert trace == [] and all(blk[4] == 0 for blk in blocks)  # stopping drops what was recorded
     for q in [*ptrs, p]:
-        torch.ops.pyalloc.free_recorded(q, MiB)
+        torch.ops.pyalloc.free(q, MiB)
 
 
 def test_history_records_a_failed_allocation(history: None) -> None:
     torch.ops.pyalloc.record_history(True, 100, 2, True)
     with pytest.raises(torch.OutOfMemoryError):
-        torch.ops.pyalloc.allocate_recorded(128 * MiB)
+        torch.ops.pyalloc.allocate(128 * MiB)
     _, _, trace = _recorded()
     assert [e[0] for e in trace] == [OOM, SNAPSHOT] and trace[0][2] == 128 * MiB

@@ -36,15 +36,10 @@ class PyallocCUDAAllocator final : public Base {
  public:
   PyallocCUDAAllocator()
       : Base([](size_t size, int device, cudaStream_t stream) {
-               void* p = pyalloc::torch_layer::allocate_or_throw(size, device, stream);
-               History& history = History::instance();
-               if (history.recording() && p != nullptr) history.on_alloc(device, p, size, stream);
-               return p;
+               return pyalloc::torch_layer::allocate_or_throw(size, device, stream);
              },
              [](void* ptr, size_t size, int device, cudaStream_t stream) {
-               History& history = History::instance();
-               if (history.recording()) history.on_free(device, ptr, size, stream);
-               pyalloc_free(ptr, size, device, stream);
+               pyalloc::torch_layer::free_block(ptr, size, device, stream);
              }) {
     set_record_stream_fn([](void* ptr, cudaStream_t stream) { pyalloc_record_stream(ptr, stream); });
     set_reset_fn([] { pyalloc_empty_cache(); });

@@ -85,14 +85,26 @@ void throw_out_of_memory(size_t size, int device) {
 }
 
 void* allocate_or_throw(size_t size, int device, void* stream) {
-  pyalloc_clear_last_error();
+  // Every allocation of PyTorch's comes here: nothing before the call. A NULL
+  // for size > 0 always leaves its reason in pyalloc_last_error (pyalloc.h).
   void* p = pyalloc_malloc(size, device, stream);
-  if (p != nullptr || size == 0) return p;
+  if (p != nullptr) {
+    History& history = History::instance();
+    if (history.recording()) history.on_alloc(device, p, size, stream);
+    return p;
+  }
+  if (size == 0) return p;
   if (device < 0 || device >= pyalloc_device_count()) {
     const char* last = pyalloc_last_error();
     TORCH_CHECK(false, "pyalloc: ", last != nullptr ? last : "invalid device");
   }
   throw_out_of_memory(size, device);
+}
+
+void free_block(void* ptr, size_t size, int device, void* stream) {
+  History& history = History::instance();
+  if (history.recording()) history.on_free(device, ptr, size, stream);
+  pyalloc_free(ptr, size, device, stream);
 }
 
 size_t largest_request(int device) {

@@ -49,7 +49,12 @@ void attach_oom_observer(OomObserver observer);
 
 // pyalloc_malloc, or the throw above when it returns NULL for size > 0. A bad
 // argument (a device out of range) throws c10::Error with pyalloc's message.
+// While memory history is recorded, the allocation is (history.hpp).
 void* allocate_or_throw(size_t size, int device, void* stream);
+
+// pyalloc_free, with the free recorded while memory history is: the one way
+// the layer gives a block back.
+void free_block(void* ptr, size_t size, int device, void* stream);
 
 // CUDAAllocator::cacheInfo: the largest request `device` serves without
 // releasing memory (pyalloc_memory_info_t::largest_request).

@@ -32,11 +32,11 @@ int64_t allocate(int64_t size, int64_t device, int64_t stream) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
 }
 
-void free_block(int64_t address, int64_t size, int64_t device, int64_t stream) {
+void free_op(int64_t address, int64_t size, int64_t device, int64_t stream) {
   TORCH_CHECK(size >= 0, "pyalloc.free: size must not be negative, got ", size);
-  pyalloc_clear_last_error();
-  pyalloc_free(reinterpret_cast<void*>(static_cast<uintptr_t>(address)), static_cast<size_t>(size),
-               static_cast<int>(device), as_stream(stream));
+  pyalloc_clear_last_error();  // pyalloc_free is void: an error is told by the message it leaves
+  pyalloc::torch_layer::free_block(reinterpret_cast<void*>(static_cast<uintptr_t>(address)),
+                                   static_cast<size_t>(size), static_cast<int>(device), as_stream(stream));
   const char* last = pyalloc_last_error();
   TORCH_CHECK(last == nullptr || *last == '\0', "pyalloc: ", last);
 }
@@ -98,20 +98,6 @@ int64_t number_of(const std::shared_ptr<c10::GatheredContext>& c) {
   return n == nullptr ? 0 : n->number;
 }
 
-// allocate and free that record history as the torch-facing allocator does.
-int64_t allocate_recorded(int64_t size, int64_t device) {
-  const int64_t p = allocate(size, device, 0);
-  auto& history = pyalloc::torch_layer::History::instance();
-  if (history.recording() && p != 0) history.on_alloc(static_cast<int>(device), reinterpret_cast<void*>(p), size, nullptr);
-  return p;
-}
-
-void free_recorded(int64_t address, int64_t size, int64_t device) {
-  auto& history = pyalloc::torch_layer::History::instance();
-  if (history.recording()) history.on_free(static_cast<int>(device), reinterpret_cast<void*>(address), size, nullptr);
-  free_block(address, size, device, 0);
-}
-
 void record_history(bool enabled, int64_t max_entries, int64_t when, bool clear) {
   TORCH_CHECK(when >= 0 && when <= 3, "record_history: when must be 0 (never) to 3 (all), got ", when);
   pyalloc::torch_layer::History::instance().configure(
@@ -149,11 +135,9 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> sna
 
 TORCH_LIBRARY(pyalloc, m) {
   m.def("allocate(int size, int device=0, int stream=0) -> int", &allocate);
-  m.def("free(int address, int size, int device=0, int stream=0) -> ()", &free_block);
+  m.def("free(int address, int size, int device=0, int stream=0) -> ()", &free_op);
   m.def("cache_info(int device=0) -> int", &cache_info);
   m.def("device_stats(int device=0) -> Dict(str, int)", &device_stats);
   m.def("record_history(bool enabled, int max_entries=10000, int when=2, bool clear=False) -> ()", &record_history);
-  m.def("allocate_recorded(int size, int device=0) -> int", &allocate_recorded);
-  m.def("free_recorded(int address, int size, int device=0) -> ()", &free_recorded);
   m.def("snapshot_recorded(int device=0) -> (int[], int[], int[])", &snapshot_recorded);
 }

@@ -100,7 +100,7 @@ def check_oom(cfg: dict[str, Any]) -> Figures:
         except torch.OutOfMemoryError:
             batch //= 2
         finally:
-            x = None  # noqa: F841  (the failed step's tensors go before the retry)
+            x = None  # the failed step's tensors go before the retry
             model.zero_grad(set_to_none=True)
     if batch < 1:
         raise CheckFailed("the batch-size finder did not find a batch that fits")

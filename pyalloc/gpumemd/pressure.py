@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import stat as stat_module
 import socket
+import stat as stat_module
 import struct
 import threading
 import time

@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 MAGIC = 0x31474552434F4C41
 VERSION = 1
@@ -404,10 +404,6 @@ def _list(directory: Path) -> _Listing:
     return _Listing(sorted(paths), ignored, over)
 
 
-def _candidates(directory: Path) -> Iterator[Path]:
-    yield from _list(directory).paths
-
-
 def scan(directory: Path | str | None = None, as_uid: int | None = None) -> Scan:
     """Every record of the directory, valid ones and the skipped ones with their reasons.
 
@@ -481,11 +477,8 @@ def remove_dead(directory: Path | str | None = None, as_uid: int | None = None) 
     """
     removed: list[Skipped] = []
     me = os.geteuid() if as_uid is None else as_uid
-    for path in _candidates(Path(directory or registry_dir())):
-        m = _NAME.match(path.name)
-        if m is None:
-            continue
-        pid = int(m.group(2))
+    for path in _list(Path(directory or registry_dir())).paths:
+        pid = int(path.name.rsplit(".", 1)[1])  # _list kept only pyalloc.<uid>.<pid>
         try:
             st = os.lstat(path)
         except OSError:
@@ -499,15 +492,17 @@ def remove_dead(directory: Path | str | None = None, as_uid: int | None = None) 
             record = read_record(path, as_uid=as_uid, check_process=False)
         except RecordError:
             record = None
-        forged = _owner_problem(record) if record is not None and proc_start_ticks(pid) is not None else None
+        ticks = proc_start_ticks(pid)  # read once: every verdict below is about this process
+        started = record.start_time_ticks if record else 0
+        forged = _owner_problem(record) if record is not None and ticks is not None else None
         if forged is not None:
             reason = forged
-        elif is_alive(pid, record.start_time_ticks if record else None):
+        elif ticks is not None and started in (0, ticks):  # is_alive(pid, started)
             if record is None or record.heartbeat_age_s() < EXEC_ORPHAN_AGE_S or maps_pyalloc(pid) is not False:
                 continue
             reason = "the process no longer runs pyalloc (exec)"
         else:
-            reason = "pid reused" if proc_start_ticks(pid) is not None else "process gone"
+            reason = "pid reused" if ticks is not None else "process gone"
         try:
             os.unlink(path)
             removed.append(Skipped(str(path), reason))

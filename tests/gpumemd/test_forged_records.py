@@ -22,29 +22,14 @@ import pytest
 from pyalloc.gpumemd import registry
 
 from .conftest import gpumemd
+from .test_daemon import POLICY as DAEMON_POLICY
 
 FORGER_UID = 4242  # user A: only numbers, no account needed
 VICTIM_UID = 4343  # user B
 GiB = 1 << 30
 
-POLICY = """
-grace_period = "1s"
-cpu_sample = "0.5s"
-[zombie]
-enabled = true
-[orphan]
-enabled = true
-[idle]
-enabled = true
-window = "1s"
-cpu_percent = 50.0
-min_bytes = "1MiB"
-[stale_heartbeat]
-enabled = false
-[protect]
-min_uid = 0
-allow_other_users = true
-"""
+# The reaper's policy of test_daemon, for a root daemon that reaps every user's processes.
+POLICY = DAEMON_POLICY.replace('commands = ["--protect-me"]', "allow_other_users = true")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run processes as two other users")
 

@@ -124,35 +124,48 @@ int main(int argc, char** argv) {
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
-def test_a_peer_without_a_registry_record_is_refused() -> None:
-    # pytest's tmp_path lies under a root-only folder, and the interpreter may
-    # live where another user cannot run it: use a world-traversable folder
-    # and a small C client.
-    top = Path(tempfile.mkdtemp(prefix="gpumemd-peer-"))
+def c_program(folder: Path, name: str, source: str) -> Path:
+    """``source`` compiled into ``folder`` as a program another user may run (skips without cc)."""
+    path = folder / f"{name}.c"
+    path.write_text(source)
+    binary = folder / name
+    if subprocess.run(["cc", str(path), "-o", str(binary)], capture_output=True).returncode != 0:
+        pytest.skip("no C compiler")
+    os.chmod(binary, 0o755)
+    return binary
+
+
+@pytest.fixture
+def open_server() -> Iterator[tuple[Path, pressure.PressureServer]]:
+    """A server in a world-traversable folder (pytest's tmp_path lies under a root-only one),
+    with its registry there: for clients that run as another user."""
+    top = Path(tempfile.mkdtemp(prefix="gpumemd-other-"))
     try:
         os.chmod(top, 0o755)
         (top / "registry").mkdir()
         srv = pressure.PressureServer(str(top / "p.sock"), registry_dir=top / "registry")
         srv.start()
         try:
-            source = top / "client.c"
-            source.write_text(CLIENT_C)
-            binary = top / "client"
-            if subprocess.run(["cc", str(source), "-o", str(binary)], capture_output=True).returncode != 0:
-                pytest.skip("no C compiler")
-            os.chmod(binary, 0o755)
-            out = subprocess.run([str(binary), srv.path], capture_output=True, text=True, timeout=60, user=65534)
+            yield top, srv
         finally:
             srv.stop()
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_a_peer_without_a_registry_record_is_refused(open_server: tuple[Path, pressure.PressureServer]) -> None:
+    # The interpreter may live where another user cannot run it: a small C client.
+    top, srv = open_server
+    binary = c_program(top, "client", CLIENT_C)
+    out = subprocess.run([str(binary), srv.path], capture_output=True, text=True, timeout=60, user=65534)
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["ok"] is False and "has no valid registry record" in answer["error"]
 
 
 FLOOD_C = r"""
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -182,55 +195,41 @@ int main(int argc, char** argv) {
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
-def test_one_users_silent_connections_cannot_starve_the_others() -> None:
+def test_one_users_silent_connections_cannot_starve_the_others(
+        open_server: tuple[Path, pressure.PressureServer]) -> None:
     """Issue 24: 64 silent connections from one uid with a registry record refused almost every
     legitimate request. Now one non-root uid holds at most MAX_PER_UID slots; the rest of its
     connections are closed at once and another user's request is answered while the flood is
     still open."""
     from pyalloc.gpumemd import registry
 
-    top = Path(tempfile.mkdtemp(prefix="gpumemd-flood-"))
-    flood = None
+    top, srv = open_server
+    binary = c_program(top, "flood", FLOOD_C)
+    flood = subprocess.Popen([str(binary), srv.path, "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, user=65534, group=65534)
     try:
-        os.chmod(top, 0o755)
-        (top / "registry").mkdir()
-        srv = pressure.PressureServer(str(top / "p.sock"), registry_dir=top / "registry")
-        srv.start()
-        try:
-            source = top / "flood.c"
-            source.write_text("#include <stdlib.h>\n" + FLOOD_C)
-            binary = top / "flood"
-            if subprocess.run(["cc", str(source), "-o", str(binary)], capture_output=True).returncode != 0:
-                pytest.skip("no C compiler")
-            os.chmod(binary, 0o755)
-            flood = subprocess.Popen([str(binary), srv.path, "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, user=65534, group=65534)
-            assert flood.stdin is not None and flood.stdout is not None
-            assert flood.stdout.readline().strip() == "ready"
-            # The flooder's own, genuine record: its connections get past the record check and
-            # then sit in the read, each holding a slot.
-            record = registry.RecordWriter(registry.record_path(flood.pid, uid=65534, directory=top / "registry"),
-                                           pid=flood.pid)
-            record.rec.uid = 65534
-            record.update(0, reserved_bytes=1)
-            record.close(unlink=False)
-            os.chown(record.path, 65534, 65534)
-            flood.stdin.write("go\n")
-            flood.stdin.flush()
-            assert flood.stdout.readline().strip() == "connected"
-            deadline = time.monotonic() + 120.0
-            while srv.refused < 64 - pressure.MAX_PER_UID:
-                assert time.monotonic() < deadline, f"only {srv.refused} of the flood refused"
-                time.sleep(0.05)
-            answers = [ask(srv.path, b'{"device": 0, "bytes": 4096}\n') for _ in range(5)]
-            assert all(a["ok"] for a in answers)  # while the 64 connections are still open
-        finally:
-            if flood is not None:
-                flood.kill()
-                flood.wait()
-            srv.stop()
+        assert flood.stdin is not None and flood.stdout is not None
+        assert flood.stdout.readline().strip() == "ready"
+        # The flooder's own, genuine record: its connections get past the record check and
+        # then sit in the read, each holding a slot.
+        record = registry.RecordWriter(registry.record_path(flood.pid, uid=65534, directory=top / "registry"),
+                                       pid=flood.pid)
+        record.rec.uid = 65534
+        record.update(0, reserved_bytes=1)
+        record.close(unlink=False)
+        os.chown(record.path, 65534, 65534)
+        flood.stdin.write("go\n")
+        flood.stdin.flush()
+        assert flood.stdout.readline().strip() == "connected"
+        deadline = time.monotonic() + 120.0
+        while srv.refused < 64 - pressure.MAX_PER_UID:
+            assert time.monotonic() < deadline, f"only {srv.refused} of the flood refused"
+            time.sleep(0.05)
+        answers = [ask(srv.path, b'{"device": 0, "bytes": 4096}\n') for _ in range(5)]
+        assert all(a["ok"] for a in answers)  # while the 64 connections are still open
     finally:
-        shutil.rmtree(top, ignore_errors=True)
+        flood.kill()
+        flood.wait()
 
 
 def test_a_process_claiming_to_free_more_than_it_cached_is_credited_what_it_cached(tmp_path: Path) -> None:

@@ -87,9 +87,7 @@ class SliverIndex {
   // The offset of `block` as a sliver of `kind` in its granule, or 0 when it
   // is not one.
   static inline size_t offset(Kind kind, const Block* block, size_t granule);
-  // Whether `block` holds a whole granule.
-  static inline bool is_roomy(const Block* block, size_t granule);
-  // How many whole granules `block` holds.
+  // How many whole granules `block` holds (0: it is not roomy).
   static inline size_t whole_granules(const Block* block, size_t granule);
   // Whether the granule in which `block` is a sliver of `kind` may lend it:
   // it is no twin.

@@ -46,11 +46,6 @@ inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
   block->sliver_prev[kind] = block->sliver_next[kind] = nullptr;
 }
 
-inline bool SliverIndex::is_roomy(const Block* block, size_t g) {
-  const size_t lo = block->addr - block->segment->base;
-  return round_up_to(lo, g) + g <= lo + block->size;
-}
-
 inline size_t SliverIndex::whole_granules(const Block* block, size_t g) {
   const size_t lo = block->addr - block->segment->base;
   const size_t first = round_up_to(lo, g);
@@ -75,9 +70,9 @@ inline void SliverIndex::insert(Block* block) {
     kinds |= static_cast<uint8_t>(1u << kind);
   }
   block->sliver_kinds = kinds;
-  if (is_roomy(block, granule_)) {
+  if (const size_t whole = whole_granules(block, granule_)) {
     roomy_.insert(block);
-    whole_granules_ += whole_granules(block, granule_);
+    whole_granules_ += whole;
   }
   const uintptr_t base = block->segment->base;
   for (const Block* beside : {block->prev, block->next}) {
@@ -91,9 +86,9 @@ inline void SliverIndex::erase(Block* block) {
     unlink(kind, block, offset(kind, block, granule_) / kBlockAlign);
   }
   block->sliver_kinds = 0;
-  if (is_roomy(block, granule_)) {
+  if (const size_t whole = whole_granules(block, granule_)) {
     roomy_.erase(block);
-    whole_granules_ -= whole_granules(block, granule_);
+    whole_granules_ -= whole;
   }
 }
 

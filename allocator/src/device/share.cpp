@@ -87,8 +87,7 @@ namespace pyalloc {
 Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream) {
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
-  index_slivers();
-  if (spare_covers(rounded)) return nullptr;
+  if (spare_covers(rounded)) return nullptr;  // the sliver index is on from here
   if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
   const SharePlan plan = plan_share(arena, rounded, granule_);
   if (!plan.found) return nullptr;
@@ -112,13 +111,18 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
 
 // Whether whole granules the device could still put behind `rounded` bytes
 // without a shared one are at least as many as the request spans: those it
-// may reserve before its limit, and those wholly free in its arenas, which
-// stitching takes (their arenas are indexed: index_slivers).
+// may reserve before its limit, and those wholly inside free blocks of its
+// arenas, which stitching takes. The second are counted by the arenas' sliver
+// indexes, built here only when the first do not suffice; when this returns
+// false, they are on.
 bool DeviceAllocator::spare_covers(size_t rounded) {
+  const size_t span = (rounded + granule_ - 1) / granule_;
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
   size_t spare = reserved < share_limit_ ? (share_limit_ - reserved) / granule_ : 0;
+  if (spare >= span) return true;
+  index_slivers();
   for_each_arena([&](const Segment* arena) { spare += arena->slivers.whole_granules(); });
-  return spare >= (rounded + granule_ - 1) / granule_;
+  return spare >= span;
 }
 
 // Carries out `plan` (plan_share, on the arena as it is now), taking its

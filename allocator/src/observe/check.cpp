@@ -88,9 +88,10 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
   size_t roomy = 0;
   size_t whole = 0;
   for (const Block* b = arena.head; b != nullptr; b = b->next) {
-    if (!b->is_free() || !SliverIndex::is_roomy(b, g)) continue;
+    const size_t granules = b->is_free() ? SliverIndex::whole_granules(b, g) : 0;
+    if (granules == 0) continue;
     ++roomy;
-    whole += SliverIndex::whole_granules(b, g);
+    whole += granules;
     if (arena.slivers.roomy().count(const_cast<Block*>(b)) == 0) {
       *problem = "free block " + hex(b->addr) + " holds a whole granule but is not listed as roomy";
       return false;

@@ -30,7 +30,7 @@ bool ExpandableModel::ByAddress::operator()(const Block* a, const Block* b) cons
   return a->addr < b->addr;
 }
 
-ExpandableModel::ExpandableModel(size_t capacity) : capacity_(capacity) {
+ExpandableModel::ExpandableModel(size_t capacity) : ModelLedger(capacity) {
   small_.small = true;
   small_.page = kSmallPage;
   large_.page = kLargePage;
@@ -100,7 +100,7 @@ ExpandableModel::Block* ExpandableModel::find_expandable_block(Pool& pool, size_
   const size_t va = round_up(capacity_ + capacity_ / 8, pool.page);
   const uintptr_t base = round_up(next_va_, kLargePage);
   next_va_ = base + va;
-  ++segment_count_;
+  segment_made();
   Block* segment = new_block(pool, base, va, stream, /*mapped=*/false, base);
   pool.unmapped.insert(segment);
   return segment;
@@ -113,15 +113,14 @@ bool ExpandableModel::map_block(Pool& pool, Block* to_map, size_t size) {
   assert(!to_map->mapped && (to_map->addr - to_map->segment_base) % pool.page == 0);
   const size_t bytes = round_up(size, pool.page);
   assert(bytes <= to_map->size);
-  if (reserved_ + bytes > capacity_) return false;
+  if (!fits(bytes)) return false;
   pool.unmapped.erase(to_map);
   if (bytes < to_map->size) pool.unmapped.insert(split_off(pool, to_map, bytes));  // the rest stays unmapped
   to_map->mapped = true;
   merge(pool, to_map, to_map->prev);
   merge(pool, to_map, to_map->next);
   pool.blocks.insert(to_map);
-  reserved_ += bytes;
-  peak_reserved_ = std::max(peak_reserved_, reserved_);
+  reserve(bytes);
   return true;
 }
 
@@ -191,7 +190,7 @@ uintptr_t ExpandableModel::malloc(size_t request, uint64_t stream) {
   if (b == nullptr) return 0;
   if (b->size - size >= kMinBlock) pool.blocks.insert(split_off(pool, b, size));
   b->allocated = true;
-  allocated_ += b->size;
+  handed_out(b->size);
   live_.emplace(b->addr, b);
   return b->addr;
 }
@@ -201,7 +200,7 @@ void ExpandableModel::free(uintptr_t addr) {
   if (it == live_.end()) return;
   Block* b = it->second;
   live_.erase(it);
-  allocated_ -= b->size;
+  given_back(b->size);
   b->allocated = false;
   free_block(*b->pool, b);
 }
@@ -238,7 +237,7 @@ void ExpandableModel::unmap_block(Pool& pool, Block* block) {
   merge(pool, block, block->prev);
   merge(pool, block, block->next);
   pool.unmapped.insert(block);
-  reserved_ -= hi - lo;
+  unreserve(hi - lo);
 }
 
 // The OOM retry: every free block's whole pages unmapped, large pool then
@@ -251,7 +250,7 @@ void ExpandableModel::release_cached_blocks() {
       if (!block->mapped && block->prev == nullptr && block->next == nullptr) {
         pool->unmapped.erase(block);
         spare_.push_back(block);
-        --segment_count_;
+        segment_gone();
       }
     }
   }

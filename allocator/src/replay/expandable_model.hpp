@@ -41,9 +41,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "replay/model_ledger.hpp"
+
 namespace pyalloc {
 
-class ExpandableModel {
+class ExpandableModel : public ModelLedger {
  public:
   explicit ExpandableModel(size_t capacity);
   ~ExpandableModel();
@@ -54,11 +56,8 @@ class ExpandableModel {
   uintptr_t malloc(size_t size, uint64_t stream);
   void free(uintptr_t addr);
 
-  size_t reserved() const { return reserved_; }
-  size_t peak_reserved() const { return peak_reserved_; }
-  size_t allocated() const { return allocated_; }
+  // reserved(), peak_reserved(), allocated(), segments(): ModelLedger.
   size_t largest_free_block() const;  // mapped free memory only
-  size_t segments() const { return segment_count_; }
 
  private:
   struct Pool;
@@ -97,17 +96,12 @@ class ExpandableModel {
   void unmap_block(Pool& pool, Block* block);
   Block* new_block(Pool& pool, uintptr_t addr, size_t size, uint64_t stream, bool mapped, uintptr_t segment_base);
 
-  const size_t capacity_;
   Pool small_;
   Pool large_;
   std::unordered_map<uintptr_t, Block*> live_;
   std::vector<std::unique_ptr<Block>> blocks_;  // every Block object, for the destructor
   std::vector<Block*> spare_;                   // Block objects to reuse
   uintptr_t next_va_ = uintptr_t{1} << 44;
-  size_t reserved_ = 0;
-  size_t peak_reserved_ = 0;
-  size_t allocated_ = 0;
-  size_t segment_count_ = 0;
 };
 
 }  // namespace pyalloc

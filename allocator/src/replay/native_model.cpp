@@ -18,7 +18,7 @@ size_t round_up(size_t n, size_t step) { return (n + step - 1) / step * step; }
 
 }  // namespace
 
-NativeModel::NativeModel(size_t capacity) : capacity_(capacity) {}
+NativeModel::NativeModel(size_t capacity) : ModelLedger(capacity) {}
 
 NativeModel::~NativeModel() {
   std::vector<Block*> all;
@@ -42,12 +42,11 @@ NativeModel::Block* NativeModel::new_segment(bool small, size_t size, uint64_t s
   if (size <= kSmallSize) seg = kSmallBuffer;
   else if (size < kMinLargeAlloc) seg = kLargeBuffer;
   else seg = round_up(size, kRoundLarge);
-  if (reserved_ + seg > capacity_) return nullptr;
+  if (!fits(seg)) return nullptr;
   Block* b = new Block{next_addr_, seg, stream, small, false, nullptr, nullptr, next_addr_, seg};
   next_addr_ += round_up(seg, kRoundLarge);
-  reserved_ += seg;
-  peak_reserved_ = std::max(peak_reserved_, reserved_);
-  ++segment_count_;
+  reserve(seg);
+  segment_made();
   return b;
 }
 
@@ -56,8 +55,8 @@ void NativeModel::release_unsplit_free_segments() {
     for (auto it = pool->begin(); it != pool->end();) {
       Block* b = *it;
       if (b->prev == nullptr && b->next == nullptr) {  // a whole, free segment
-        reserved_ -= b->size;
-        --segment_count_;
+        unreserve(b->size);
+        segment_gone();
         it = pool->erase(it);
         delete b;
       } else {
@@ -88,7 +87,7 @@ uintptr_t NativeModel::malloc(size_t request, uint64_t stream) {
     pool.insert(rest);
   }
   b->allocated = true;
-  allocated_ += b->size;
+  handed_out(b->size);
   live_.emplace(b->addr, b);
   return b->addr;
 }
@@ -98,7 +97,7 @@ void NativeModel::free(uintptr_t addr) {
   if (it == live_.end()) return;
   Block* b = it->second;
   live_.erase(it);
-  allocated_ -= b->size;
+  given_back(b->size);
   b->allocated = false;
   FreeSet& pool = b->small ? small_ : large_;
   if (Block* p = b->prev; p != nullptr && !p->allocated) {

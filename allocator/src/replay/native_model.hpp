@@ -25,9 +25,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "replay/model_ledger.hpp"
+
 namespace pyalloc {
 
-class NativeModel {
+class NativeModel : public ModelLedger {
  public:
   explicit NativeModel(size_t capacity);
   ~NativeModel();
@@ -36,11 +38,8 @@ class NativeModel {
   uintptr_t malloc(size_t size, uint64_t stream);
   void free(uintptr_t addr);
 
-  size_t reserved() const { return reserved_; }
-  size_t peak_reserved() const { return peak_reserved_; }
-  size_t allocated() const { return allocated_; }
+  // reserved(), peak_reserved(), allocated(), segments(): ModelLedger.
   size_t largest_free_block() const;
-  size_t segments() const { return segment_count_; }
 
  private:
   struct Block {
@@ -67,15 +66,10 @@ class NativeModel {
   Block* new_segment(bool small, size_t size, uint64_t stream);
   void release_unsplit_free_segments();
 
-  const size_t capacity_;
   FreeSet small_;
   FreeSet large_;
   std::unordered_map<uintptr_t, Block*> live_;
   uintptr_t next_addr_ = uintptr_t{1} << 44;
-  size_t reserved_ = 0;
-  size_t peak_reserved_ = 0;
-  size_t allocated_ = 0;
-  size_t segment_count_ = 0;
 };
 
 }  // namespace pyalloc
