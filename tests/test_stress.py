@@ -80,6 +80,10 @@ def test_stress_keeps_every_block_intact_across_threads(stress_binary: Path, see
                       "introspections"):
         assert counts[exercised] > 0, f"{exercised} never happened: {result.stdout}"
     assert counts["checks"] >= rounds
+    # The near-full phase ran every round, its checker calling pyalloc_check
+    # while the threads allocated; with arenas it made shared granules.
+    assert counts["near_full_ops"] == 16 * rounds * 2000
+    assert (counts["near_full_shared"] > 0) == (vmm != "off"), result.stdout
 
 
 @pytest.mark.parametrize(("conf", "exercised"), [("plan=1", "plan_served"), ("lifetime=1", "lifetime_long")])

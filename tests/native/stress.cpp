@@ -26,6 +26,17 @@
 //   - a few deliberate bad frees (wrong size, interior pointer, wrong
 //     device) that the contract says are counted, reported and change nothing.
 //
+// Then the near-full phase: the threads churn blocks of granule scale whose
+// sizes are not whole granules (1 B to 12 MiB) on device 0, stream 0, far
+// more than the device holds, so the one arena runs full: stitching, shared
+// granules (Note [Shared granules]) and OOMs under contention, blocks handed
+// between threads, while a checker thread calls pyalloc_check throughout.
+// (Issue 24: a shared window of one granule was counted twice in the arena's
+// doubled bytes; only contended runs placed requests that way, and the
+// round's own mix never ran the device full enough to share there.) Big
+// blocks are filled sparsely (a word every 4 KiB, and the last word) so the
+// phase stays fast.
+//
 // After each round the main thread alone runs a short training loop on
 // device 0: kLoopIterations repetitions of the same kLoopRequests requests,
 // each freed within its repetition, so that with `--conf plan=1` the
@@ -44,13 +55,15 @@
 // of every size in the large pool's arena; off: plain segments).
 //
 // Usage: stress [--threads N] [--rounds N] [--ops N] [--seed N] [--capacity SIZE] [--vmm MODE]
-//               [--conf KEYS]
+//               [--conf KEYS] [--near-full-threads N] [--near-full-ops N]
+// (--near-full-threads 0 skips the near-full phase; defaults 16 and 2000.)
 // --conf adds PYALLOC_CONF keys (e.g. plan=1,lifetime=1) after the ones the
 // run sets itself.
 // Exit 0 with one summary line on success; on failure, what failed and exit 1.
 #include <pyalloc/pyalloc.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdarg>
@@ -83,6 +96,11 @@ struct Options {
   std::string capacity = "96MiB";  // per device; small enough that device 0 runs short: stitching and OOMs
   std::string vmm = "all";
   std::string conf;  // extra PYALLOC_CONF keys
+  // The near-full phase: more threads than a round by default, for the
+  // interleavings only contention makes (its defect of issue 24 showed with
+  // 16 threads and 2,000 operations each, not with 8 and 300).
+  int near_full_threads = 16;
+  long near_full_ops = 2000;
 };
 
 // splitmix64: a good 64-bit mixer; also used to derive seeds and cookies.
@@ -117,6 +135,7 @@ struct Block {
   uint64_t cookie = 0;    // derived from (thread, index)
   int thread = 0;         // the allocating thread
   uint64_t index = 0;     // per-thread allocation index, round in the high bits
+  size_t stride = 1;      // cookie words written: every stride-th one, and the last
 };
 
 // ---- failure reporting ------------------------------------------------------
@@ -151,7 +170,8 @@ uint8_t tail_byte(uint64_t cookie, size_t i) { return uint8_t(cookie >> ((i % 8)
 void fill(const Block& b) {
   auto* words = static_cast<uint64_t*>(b.ptr);
   const size_t nwords = b.size / 8;
-  for (size_t i = 0; i < nwords; ++i) words[i] = b.cookie ^ (i * kGolden);
+  for (size_t i = 0; i < nwords; i += b.stride) words[i] = b.cookie ^ (i * kGolden);
+  if (nwords > 0) words[nwords - 1] = b.cookie ^ ((nwords - 1) * kGolden);
   auto* bytes = static_cast<uint8_t*>(b.ptr);
   for (size_t i = nwords * 8; i < b.size; ++i) bytes[i] = tail_byte(b.cookie, i);
 }
@@ -161,12 +181,15 @@ void fill(const Block& b) {
 bool verify(const Block& b, size_t* bad_offset) {
   const auto* words = static_cast<const uint64_t*>(b.ptr);
   const size_t nwords = b.size / 8;
-  for (size_t i = 0; i < nwords; ++i) {
-    if (words[i] != (b.cookie ^ (i * kGolden))) {
-      *bad_offset = i * 8;
-      return false;
-    }
+  auto word_ok = [&](size_t i) {
+    if (words[i] == (b.cookie ^ (i * kGolden))) return true;
+    *bad_offset = i * 8;
+    return false;
+  };
+  for (size_t i = 0; i < nwords; i += b.stride) {
+    if (!word_ok(i)) return false;
   }
+  if (nwords > 0 && !word_ok(nwords - 1)) return false;
   const auto* bytes = static_cast<const uint8_t*>(b.ptr);
   for (size_t i = nwords * 8; i < b.size; ++i) {
     if (bytes[i] != tail_byte(b.cookie, i)) {
@@ -197,6 +220,7 @@ struct Counters {
   std::atomic<uint64_t> reconfigures{0};
   std::atomic<uint64_t> refused_reconfigures{0};  // layout changes refused with blocks live
   std::atomic<uint64_t> introspections{0};  // stats/snapshot JSON and release_cached
+  std::atomic<uint64_t> near_full_ops{0};     // operations of the near-full phases
   std::atomic<uint64_t> loop_iterations{0};  // repetitions of the main thread's training loop
 };
 Counters g_count;
@@ -215,7 +239,8 @@ void* as_stream(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
 // What a malloc returned, as a Block filled with its cookie; nullptr (an
 // OOM, counted) when `ptr` is null.
-Block* adopt(void* ptr, Api api, size_t size, int device, uintptr_t stream, int thread, uint64_t index) {
+Block* adopt(void* ptr, Api api, size_t size, int device, uintptr_t stream, int thread, uint64_t index,
+             size_t stride = 1) {
   if (ptr == nullptr) {
     // Allowed under pressure; the contract says the report is in last_error.
     if (pyalloc_last_error() == nullptr || pyalloc_last_error()[0] == '\0') {
@@ -235,6 +260,7 @@ Block* adopt(void* ptr, Api api, size_t size, int device, uintptr_t stream, int 
   b->stream = stream;
   b->thread = thread;
   b->index = index;
+  b->stride = stride;
   b->cookie = mix(mix(uint64_t(thread) + 1) ^ index);
   fill(*b);
   g_count.allocs.fetch_add(1, std::memory_order_relaxed);
@@ -422,6 +448,52 @@ void stress_thread(const Options& opt, int round, int thread) {
   }
 }
 
+// ---- the near-full phase ------------------------------------------------------
+
+constexpr size_t kNearFullSlots = 6;       // blocks one thread holds at most
+constexpr size_t kNearFullTransfer = 64;   // blocks in flight between threads
+constexpr uint64_t kNearFullIndex = uint64_t(1) << 62;  // keeps cookies apart from the round's
+std::atomic<Block*> g_near_full_transfer[kNearFullTransfer];
+uint64_t g_near_full_shared = 0;  // shared granules made in the near-full phases (main thread only)
+
+// Granule scale, rarely a whole number of granules: the sizes that leave
+// slivers, as in a training step's activations.
+size_t pick_near_full_size(Rng& rng) {
+  switch (rng.below(3)) {
+    case 0: return 1 + rng.below(4 * KiB);
+    case 1: return 4 * KiB + rng.below(MiB);
+    default: return MiB + rng.below(11 * MiB);
+  }
+}
+
+void near_full_thread(const Options& opt, int round, int thread) {
+  Rng rng(mix(opt.seed ^ mix(uint64_t(round) << 32 | uint64_t(thread)) ^ 0x4ea7f011ull));
+  Block* local[kNearFullSlots] = {};
+  uint64_t next_index = kNearFullIndex | uint64_t(round) << 40;
+  for (long op = 0; op < opt.near_full_ops && !g_failed.load(std::memory_order_relaxed); ++op) {
+    Block*& slot = local[rng.below(kNearFullSlots)];
+    const uint64_t r = rng.below(100);
+    if (r < 55) {
+      release(slot, thread);
+      const size_t size = pick_near_full_size(rng);
+      slot = adopt(pyalloc_malloc(size, 0, nullptr), Api::kTorch, size, 0, 0, thread, next_index++,
+                   size > 256 * KiB ? 512 : 1);
+    } else if (r < 80) {
+      release(slot, thread);
+      slot = nullptr;
+    } else {
+      slot = g_near_full_transfer[rng.below(kNearFullTransfer)].exchange(slot, std::memory_order_acq_rel);
+    }
+    g_count.near_full_ops.fetch_add(1, std::memory_order_relaxed);
+  }
+  for (Block*& b : local) release(b, thread);
+}
+
+// Runs the near-full phase on device 0 with `opt.near_full_threads` threads and one
+// more that checks the invariants until they are done. Returns the shared
+// granules it made.
+uint64_t near_full_phase(const Options& opt, int round);
+
 // ---- stats --------------------------------------------------------------------
 
 std::string stats_json(int device) {
@@ -466,6 +538,26 @@ uint64_t sum_invalid_counters(const std::string& json, int* nkeys) {
   return sum;
 }
 
+uint64_t near_full_phase(const Options& opt, int round) {
+  const uint64_t before = stat_or_fail(stats_json(0), "num_shared_granules");
+  std::atomic<bool> done{false};
+  std::thread checker([&] {
+    while (!done.load() && !g_failed.load()) {
+      check_or_fail(0, -1, "near a full device while threads run");
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(opt.near_full_threads));
+  for (int t = 0; t < opt.near_full_threads; ++t) threads.emplace_back(near_full_thread, std::cref(opt), round, t);
+  for (auto& th : threads) th.join();
+  done.store(true);
+  checker.join();
+  for (auto& slot : g_near_full_transfer) release(slot.exchange(nullptr), -1);
+  check_or_fail(0, -1, "after the near-full phase");
+  return stat_or_fail(stats_json(0), "num_shared_granules") - before;
+}
+
 // ---- the main thread's training loop ------------------------------------------
 
 constexpr int kLoopIterations = 6;
@@ -495,7 +587,8 @@ void training_loop(const Options& opt, int round) {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "stress: %s\nusage: stress [--threads N] [--rounds N] [--ops N] [--seed N] "
-               "[--capacity SIZE] [--vmm auto|on|shared|all|off] [--conf KEYS]\n",
+               "[--capacity SIZE] [--vmm auto|on|shared|all|off] [--conf KEYS]\n"
+               "              [--near-full-threads N] [--near-full-ops N]\n",
                why);
   std::exit(2);
 }
@@ -524,9 +617,11 @@ Options parse_args(int argc, char** argv) {
     else if (flag == "--capacity") opt.capacity = value;
     else if (flag == "--vmm") opt.vmm = value;
     else if (flag == "--conf") opt.conf = value;
+    else if (flag == "--near-full-threads") opt.near_full_threads = int(parse_number("--near-full-threads", value, 0));
+    else if (flag == "--near-full-ops") opt.near_full_ops = long(parse_number("--near-full-ops", value, 0));
     else usage(("unknown option " + flag).c_str());
   }
-  if (opt.threads > 1024) usage("--threads must be at most 1024");
+  if (opt.threads > 1024 || opt.near_full_threads > 1024) usage("--threads and --near-full-threads must be at most 1024");
   return opt;
 }
 
@@ -545,6 +640,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   for (auto& slot : g_transfer) slot.store(nullptr);
+  for (auto& slot : g_near_full_transfer) slot.store(nullptr);
   const char* const kPoolNames[2] = {"stress-a", "stress-b"};
   for (int i = 0; i < 2; ++i) {
     if (pyalloc_pool_create(kPoolNames[i], &g_pool_ids[i]) != PYALLOC_OK) {
@@ -558,6 +654,8 @@ int main(int argc, char** argv) {
     threads.reserve(size_t(opt.threads));
     for (int t = 0; t < opt.threads; ++t) threads.emplace_back(stress_thread, std::cref(opt), round, t);
     for (auto& th : threads) th.join();
+    if (g_failed.load()) break;
+    if (opt.near_full_threads > 0) g_near_full_shared += near_full_phase(opt, round);
     if (g_failed.load()) break;
     training_loop(opt, round);
 
@@ -629,7 +727,7 @@ int main(int argc, char** argv) {
               " cross_thread_frees=%" PRIu64 " ooms=%" PRIu64 " record_streams=%" PRIu64
               " bad_calls=%" PRIu64 " checks=%" PRIu64 " empty_caches=%" PRIu64
               " pool_allocs=%" PRIu64 " cupy_allocs=%" PRIu64 " reconfigures=%" PRIu64
-              " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64 " shared=%" PRIu64
+              " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64 " shared=%" PRIu64 " near_full_ops=%" PRIu64 " near_full_shared=%" PRIu64
               " loop_iterations=%" PRIu64 " plans=%" PRIu64 " plan_served=%" PRIu64 " lifetime_long=%" PRIu64
               " threads=%d rounds=%d seed=%" PRIu64 "\n",
               uint64_t(g_count.ops.load()), uint64_t(g_count.allocs.load()),
@@ -639,7 +737,7 @@ int main(int argc, char** argv) {
               uint64_t(g_count.empty_caches.load()), uint64_t(g_count.pool_allocs.load()),
               uint64_t(g_count.cupy_allocs.load()), uint64_t(g_count.reconfigures.load()),
               uint64_t(g_count.refused_reconfigures.load()), uint64_t(g_count.introspections.load()),
-              stitches, shared, uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
+              stitches, shared, uint64_t(g_count.near_full_ops.load()), g_near_full_shared, uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
               opt.rounds, opt.seed);
   return 0;
 }

@@ -135,7 +135,9 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
     c.front_block = front_block;
     c.granules = (offset + rounded + g - 1) / g;
     const size_t tail = (offset + rounded) % g;
-    if (tail != 0) {
+    // A window of one granule maps one physical granule: a front twin, or
+    // a back one, never both (their sum would exceed the window's granules).
+    if (tail != 0 && !(c.granules == 1 && front != SharePlan::kNone)) {
       for (Block* b = slivers.first(SliverIndex::kStart, tail); b != nullptr;
            b = slivers.next(SliverIndex::kStart, b)) {
         const size_t slot = (end_of(b) - base) / g;

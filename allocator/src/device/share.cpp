@@ -135,6 +135,7 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   const uintptr_t lo = plan.lo;
   const uintptr_t hi = lo + plan.granules * g;
   assert(handles->size() >= plan.fresh);
+  assert(plan.granules > 1 || plan.front == SharePlan::kNone || plan.back == SharePlan::kNone);
   auto twin_of = [&](size_t i) {
     if (i == 0 && plan.front != SharePlan::kNone) return plan.front;
     if (i + 1 == plan.granules && plan.back != SharePlan::kNone) return plan.back;
@@ -175,6 +176,11 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
   Block* front_lent = plan.front == SharePlan::kNone
                           ? nullptr
                           : lend(plan.front_block, base + plan.front * g + plan.offset, base + (plan.front + 1) * g);
+  // One physical granule per lent piece. A window of one granule has one
+  // twin: counting its first and its last granule counted it twice, and the
+  // arena's doubled bytes drifted a granule above its twins (issue 24, seen
+  // by pyalloc_check under 16 threads; tests/native/stress.cpp's near-full
+  // phase finds it).
   const size_t shared = (front_lent != nullptr) + (back_lent != nullptr);
   arena->doubled += shared * g;
   stats_.num_shared_granules += static_cast<int64_t>(shared);
