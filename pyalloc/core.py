@@ -46,7 +46,9 @@ def parse_budget(text: str) -> int | None:
 def configure(conf: str) -> None:
     """Applies a PYALLOC_CONF-style string (``"backend=host,capacity=1GiB"``).
 
-    Raises PyallocError naming the bad key and the accepted form.
+    Only the keys named change; the others keep the values in force, an earlier call's included
+    (``config()`` shows them all). Raises PyallocError naming the bad key and the accepted form,
+    and then nothing changes.
     """
     check_status(lib().pyalloc_configure(conf.encode()), "pyalloc_configure")
 
@@ -85,10 +87,17 @@ def malloc(size: int, device: int = 0, stream: int = 0) -> int:
     return int(ptr)
 
 
-def free(ptr: int, size: int, device: int = 0, stream: int = 0) -> None:
-    """Frees a block; a bad call raises PyallocError (the allocator stays intact)."""
+ANY_STREAM = (1 << (8 * ctypes.sizeof(ctypes.c_void_p))) - 1  # PYALLOC_ANY_STREAM
+
+
+def free(ptr: int, size: int, device: int = 0, stream: int | None = None) -> None:
+    """Frees a block; a bad call raises PyallocError (the allocator stays intact).
+
+    ``stream`` is the stream the block was allocated on; a different one is refused (a use on
+    another stream is declared with ``record_stream``). None: not checked.
+    """
     lib().pyalloc_clear_last_error()
-    lib().pyalloc_free(ptr, size, device, stream)
+    lib().pyalloc_free(ptr, size, device, ANY_STREAM if stream is None else stream)
     _raise_if_error()
 
 

@@ -38,6 +38,7 @@ class Allocator:
     backend: str
     vmm: str = "vmm=auto"  # the variant's arena setting, kept by conf()
     live: dict[int, tuple[int, int]] = field(default_factory=dict)  # ptr -> (size, device)
+    streams: dict[int, int] = field(default_factory=dict)  # ptr -> the stream it was allocated on
 
     @property
     def small_pool(self) -> str:
@@ -56,12 +57,15 @@ class Allocator:
         ptr = pyalloc.malloc(size, device, stream)
         if ptr:
             self.live[ptr] = (size, device)
+            self.streams[ptr] = stream
         pyalloc.check(device)
         return ptr
 
-    def free(self, ptr: int, stream: int = 0) -> None:
+    def free(self, ptr: int, stream: int | None = None) -> None:
+        """Frees on the block's own stream unless ``stream`` says otherwise."""
         size, device = self.live.pop(ptr)
-        pyalloc.free(ptr, size, device, stream)
+        own = self.streams.pop(ptr, 0)
+        pyalloc.free(ptr, size, device, own if stream is None else stream)
         pyalloc.check(device)
 
     def stats(self, device: int = 0) -> dict[str, int]:

@@ -26,6 +26,18 @@ def test_a_configuration_that_cannot_work_is_refused_and_nothing_changes(conf: s
     assert pyalloc.config() == before
 
 
+def test_configure_changes_only_the_keys_it_names() -> None:
+    # Issue 24 item 8 saw `devices` carried over from an earlier call: that is the contract for
+    # every key (README, Configuration), and config() shows what is in force.
+    pyalloc.configure(fresh_conf("host", "devices=2,trace=100"))
+    pyalloc.configure("max_cached=1MiB")
+    settings = pyalloc.config()
+    assert (settings["devices"], settings["trace"], settings["max_cached"]) == (2, 100, 1 << 20)
+    assert pyalloc.device_count() == 2
+    pyalloc.configure(fresh_conf("host"))  # fresh_conf names every layout key again
+    assert pyalloc.device_count() == 1
+
+
 def test_one_device_may_still_keep_the_largest_trace() -> None:
     pyalloc.configure(fresh_conf("host", "devices=1,trace=16777216"))
     assert pyalloc.config()["trace"] == 16777216

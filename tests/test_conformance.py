@@ -438,6 +438,21 @@ def test_free_with_the_wrong_size_leaves_the_block_allocated(allocator: Allocato
     assert allocator.stats()["num_invalid_size"] == 1
 
 
+def test_free_on_another_stream_than_the_mallocs_is_refused_and_counted(allocator: Allocator) -> None:
+    # PyTorch frees on the allocation's stream; a use on another stream is declared with
+    # record_stream. A free that names another stream is a caller's bug: refused, nothing changes.
+    p = allocator.malloc(4 * KiB, stream=1)
+    before = _state()
+    with pytest.raises(pyalloc.PyallocError, match="is not stream 0x1 that the block .* was allocated on"):
+        pyalloc.free(p, 4 * KiB, 0, 2)
+    assert _state() == before
+    assert block_at(p)["state"] == "active_allocated"
+    assert allocator.stats()["num_invalid_free_stream"] == 1
+    pyalloc.free(p, 4 * KiB, 0)  # stream not given: not checked
+    allocator.live.pop(p)
+    assert allocator.stats()["allocation.all.current"] == 0
+
+
 def test_malloc_of_zero_bytes_returns_null_without_error(allocator: Allocator) -> None:
     lib = pyalloc.core.lib()
     lib.pyalloc_configure(b"trace=0")  # leaves last_error empty on this thread

@@ -24,7 +24,8 @@
 //     (PYALLOC_EBUSY) while blocks are live, possibly after idle devices
 //     were already retired;
 //   - a few deliberate bad frees (wrong size, interior pointer, wrong
-//     device) that the contract says are counted, reported and change nothing.
+//     device, wrong stream) that the contract says are counted, reported and
+//     change nothing.
 //
 // Then the near-full phase: the threads churn blocks of granule scale whose
 // sizes are not whole granules (1 B to 12 MiB) on device 0, stream 0, far
@@ -324,8 +325,11 @@ void release(Block* b, int thread) {
 // exactly as it was: the block must stay live and intact.
 void bad_free(Block* b, int thread, Rng& rng) {
   const char* kind;
-  const uint64_t pick = rng.below(3);
-  if (pick == 0) {
+  const uint64_t pick = rng.below(b->api == Api::kCupy ? 3 : 4);
+  if (pick == 3) {
+    kind = "free on another stream than the malloc's";
+    pyalloc_free(b->ptr, b->size, b->device, as_stream((b->stream + 1) % kStreams));
+  } else if (pick == 0) {
     kind = "free with the wrong size";
     pyalloc_free(b->ptr, b->size * 2 + 4096, b->device, as_stream(b->stream));
   } else if (pick == 1) {

@@ -55,8 +55,12 @@ enum pyalloc_status {
  * request failed: out of memory (an OOM report is in pyalloc_last_error and
  * the stats) or a bad argument. */
 PYALLOC_API void* pyalloc_malloc(size_t size, int device, void* stream);
-/* `size` must be the size passed to pyalloc_malloc; a mismatch is reported
- * and the block is NOT freed (it may belong to someone else). */
+/* `size` must be the size passed to pyalloc_malloc and `stream` its stream
+ * (PyTorch passes both), or PYALLOC_ANY_STREAM when the caller does not know
+ * it; a mismatch is reported and the block is NOT freed (it may belong to
+ * someone else, and a use on another stream is declared with
+ * pyalloc_record_stream, not at the free). */
+#define PYALLOC_ANY_STREAM ((void*)~(uintptr_t)0)
 PYALLOC_API void pyalloc_free(void* ptr, size_t size, int device, void* stream);
 /* Marks `ptr` as used on `stream`: its memory is not reused until work queued
  * on `stream` at the time of the free has completed. */
@@ -128,7 +132,9 @@ PYALLOC_API void pyalloc_cupy_set_stream(void* stream);
 /* ---- control and introspection ------------------------------------------ */
 
 /* Same syntax as PYALLOC_CONF: comma-separated key=value. All keys are
- * validated before any is applied. Keys that change the memory layout
+ * validated before any is applied; keys not named keep the values in force
+ * (an earlier call's included), as PYALLOC_CONF sets only the keys it names
+ * over the defaults. Keys that change the memory layout
  * (backend, capacity, devices, segment sizes, ...) are accepted only while no
  * allocation is live; the allocator is then rebuilt. */
 PYALLOC_API int pyalloc_configure(const char* conf);

@@ -114,12 +114,12 @@ PYALLOC_INLINE void* malloc_impl(size_t size, int device, StreamId stream) {
   }
 }
 
-PYALLOC_INLINE void free_impl(void* ptr, size_t size, int device) {
+PYALLOC_INLINE void free_impl(void* ptr, size_t size, int device, StreamId stream) {
   if (ptr == nullptr) return;
   for (;;) {
     DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_free");
     if (d == nullptr) return;
-    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size);
+    const FreeResult result = d->free(reinterpret_cast<uintptr_t>(ptr), size, stream);
     if (PYALLOC_UNLIKELY(result == FreeResult::kRetired)) continue;
     return;
   }
@@ -137,8 +137,8 @@ __attribute__((noinline)) void* malloc_general(size_t size, int device, StreamId
   return guarded<void*>(nullptr, [&] { return malloc_impl(size, device, stream); });
 }
 
-__attribute__((noinline)) void free_general(void* ptr, size_t size, int device) {
-  guarded<int>(0, [&] { return free_impl(ptr, size, device), 0; });
+__attribute__((noinline)) void free_general(void* ptr, size_t size, int device, StreamId stream) {
+  guarded<int>(0, [&] { return free_impl(ptr, size, device, stream), 0; });
 }
 
 // The fast path gave up with the device's lock held.
@@ -147,9 +147,9 @@ __attribute__((noinline)) void* unlock_then_malloc(DeviceAllocator* d, size_t si
   return malloc_general(size, d->device(), stream);
 }
 
-__attribute__((noinline)) void unlock_then_free(DeviceAllocator* d, void* ptr, size_t size) {
+__attribute__((noinline)) void unlock_then_free(DeviceAllocator* d, void* ptr, size_t size, StreamId stream) {
   d->unlock();
-  free_general(ptr, size, d->device());
+  free_general(ptr, size, d->device(), stream);
 }
 
 }  // namespace
@@ -170,16 +170,18 @@ void* pyalloc_malloc(size_t size, int device, void* stream) {
   return malloc_general(size, device, s);
 }
 
-void pyalloc_free(void* ptr, size_t size, int device, void* /*stream*/) {
-  // The block remembers its stream; PyTorch passes the allocation stream.
+void pyalloc_free(void* ptr, size_t size, int device, void* stream) {
+  // PyTorch passes the allocation's stream; the block remembers it, and a
+  // different one is a bad call (PYALLOC_ANY_STREAM: the caller does not know).
+  const StreamId s = reinterpret_cast<StreamId>(stream);
   Runtime* r = fast_runtime(device);
   if (PYALLOC_LIKELY(r != nullptr && ptr != nullptr)) {
     DeviceAllocator* d = r->devices[static_cast<unsigned>(device)].get();
     if (PYALLOC_LIKELY(d->try_lock())) {
-      return d->free_cached(reinterpret_cast<uintptr_t>(ptr), size, [=] { unlock_then_free(d, ptr, size); });
+      return d->free_cached(reinterpret_cast<uintptr_t>(ptr), size, s, [=] { unlock_then_free(d, ptr, size, s); });
     }
   }
-  free_general(ptr, size, device);
+  free_general(ptr, size, device, s);
 }
 
 void pyalloc_record_stream(void* ptr, void* stream) {
@@ -240,7 +242,7 @@ void* pyalloc_cupy_malloc(void* /*param*/, size_t size, int device) {
 }
 
 void pyalloc_cupy_free(void* /*param*/, void* ptr, int device) {
-  guarded<int>(0, [&] { return free_impl(ptr, pyalloc::kAnySize, device), 0; });
+  guarded<int>(0, [&] { return free_impl(ptr, pyalloc::kAnySize, device, pyalloc::kAnyStream), 0; });
 }
 
 void pyalloc_cupy_set_stream(void* stream) { t_cupy_stream = reinterpret_cast<StreamId>(stream); }

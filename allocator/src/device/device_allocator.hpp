@@ -80,8 +80,9 @@ class DeviceHooks {
 
 // Passed as `size` to free() when the caller does not know it (CuPy).
 constexpr size_t kAnySize = SIZE_MAX;
+constexpr StreamId kAnyStream = ~StreamId{0};  // PYALLOC_ANY_STREAM
 
-enum class FreeResult { kOk, kUnknownPointer, kDoubleFree, kSizeMismatch, kRetired };
+enum class FreeResult { kOk, kUnknownPointer, kDoubleFree, kSizeMismatch, kStreamMismatch, kRetired };
 
 class DeviceAllocator {
  public:
@@ -97,7 +98,7 @@ class DeviceAllocator {
   // (0, kMaxRequest].
   void* malloc(size_t size, StreamId stream, int pool_id, int* status);
   // A bad call is counted and described in the thread's last error.
-  FreeResult free(uintptr_t addr, size_t size);
+  FreeResult free(uintptr_t addr, size_t size, StreamId stream);
   // The fast path (Note [Fast path] in fast_path.hpp). After
   // try_lock(), malloc_cached() (default pool) and free_cached() serve the
   // request from the cache and release the lock; a request that needs the
@@ -108,7 +109,7 @@ class DeviceAllocator {
   template <typename Otherwise>
   void* malloc_cached(size_t size, StreamId stream, Otherwise otherwise);
   template <typename Otherwise>
-  void free_cached(uintptr_t addr, size_t size, Otherwise otherwise);
+  void free_cached(uintptr_t addr, size_t size, StreamId stream, Otherwise otherwise);
   // False when `addr` is not a live allocation of this device.
   bool record_stream(uintptr_t addr, StreamId stream);
   // False when `addr` is not a live allocation of this device; else the
@@ -310,6 +311,7 @@ class DeviceAllocator {
   // Reports (reports.cpp).
   FreeResult classify_bad_free(uintptr_t addr);
   FreeResult refuse_size_mismatch(Block* block, size_t size);
+  FreeResult refuse_stream_mismatch(Block* block, StreamId stream);
   size_t largest_free_block() const;
   std::string oom_report(size_t size, size_t rounded, StreamId stream, size_t callback_freed,
                          size_t daemon_freed);

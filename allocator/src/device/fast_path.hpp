@@ -16,7 +16,8 @@
 //     peaks), no fitting block (the slow path), a live map that must grow, a
 //     split with no spare Block object, a split in an arena that starts the
 //     block on a granule boundary (Note [Whole granules]);
-//   - free: a bad call, a block used on other streams (record_stream), a
+//   - free: a bad call (a size or stream other than the malloc's), a block
+//     used on other streams (record_stream), a
 //     free that takes the cache past max_cached, a merge with fewer than two
 //     free slots on the spare-Block stack (a merge recycles up to two Blocks).
 // The state changes are shared: hand_out() and give_back() make no call
@@ -72,12 +73,13 @@ PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream
 }
 
 template <typename Otherwise>
-PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, Otherwise otherwise) {
+PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, StreamId stream, Otherwise otherwise) {
   if (PYALLOC_UNLIKELY(divert_ || trace_.on())) return otherwise();
   auto* entry = live_.find(addr);
   if (PYALLOC_UNLIKELY(entry == nullptr)) return otherwise();
   Block* block = entry->value;
-  if (PYALLOC_UNLIKELY((size != block->requested && size != kAnySize) || !block->uses.empty() ||
+  if (PYALLOC_UNLIKELY((size != block->requested && size != kAnySize) ||
+                       (stream != block->stream && stream != kAnyStream) || !block->uses.empty() ||
                        cached_free_bytes_ + block->size > max_cached_)) {
     return otherwise();
   }
@@ -224,13 +226,14 @@ PYALLOC_INLINE void* DeviceAllocator::take(Pool& pool, Block* block, size_t size
   return p;
 }
 
-PYALLOC_INLINE FreeResult DeviceAllocator::free(uintptr_t addr, size_t size) {
+PYALLOC_INLINE FreeResult DeviceAllocator::free(uintptr_t addr, size_t size, StreamId stream) {
   Lock lock(mutex_);
   if (PYALLOC_UNLIKELY(divert_ & kDivertRetired)) return FreeResult::kRetired;
   auto* entry = live_.find(addr);
   if (PYALLOC_UNLIKELY(entry == nullptr)) return classify_bad_free(addr);
   Block* block = entry->value;
   if (PYALLOC_UNLIKELY(size != kAnySize && size != block->requested)) return refuse_size_mismatch(block, size);
+  if (PYALLOC_UNLIKELY(stream != kAnyStream && stream != block->stream)) return refuse_stream_mismatch(block, stream);
   if (PYALLOC_UNLIKELY(divert_ & kDivertPlanner)) watch_free(block);
   count_freed(block);
   live_.erase(entry);

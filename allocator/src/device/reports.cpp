@@ -27,6 +27,15 @@ __attribute__((noinline, cold)) FreeResult DeviceAllocator::refuse_size_mismatch
   return FreeResult::kSizeMismatch;
 }
 
+__attribute__((noinline, cold)) FreeResult DeviceAllocator::refuse_stream_mismatch(Block* block, StreamId stream) {
+  ++stats_.num_invalid_free_stream;
+  set_last_error("pyalloc_free: stream " + hex(stream) + " is not stream " + hex(block->stream) + " that the block at " +
+                 hex(block->addr) + " on device " + std::to_string(device_) +
+                 " was allocated on; the block was not freed (free it with its own stream, after "
+                 "pyalloc_record_stream for a use on another one)");
+  return FreeResult::kStreamMismatch;
+}
+
 __attribute__((noinline, cold)) FreeResult DeviceAllocator::classify_bad_free(uintptr_t addr) {
   const std::string where = hex(addr) + " on device " + std::to_string(device_);
   auto it = segments_.upper_bound(addr);

@@ -102,7 +102,7 @@ void DeviceStats::reset_accumulated() {
   num_daemon_requests = daemon_freed_bytes = 0;
   num_stitches = stitched_bytes = num_shared_granules = num_sliver_indexes = 0;
   num_plans = num_plan_drops = plan_served = plan_misses = lifetime_long = 0;
-  num_invalid_free = num_invalid_double_free = num_invalid_size = 0;
+  num_invalid_free = num_invalid_double_free = num_invalid_size = num_invalid_free_stream = 0;
 }
 
 void DeviceStats::write_fields(JsonWriter& w, int64_t num_invalid_device, int64_t num_invalid_record_stream) const {
@@ -145,6 +145,7 @@ void DeviceStats::write_fields(JsonWriter& w, int64_t num_invalid_device, int64_
   w.key("num_invalid_free").value(num_invalid_free);
   w.key("num_invalid_double_free").value(num_invalid_double_free);
   w.key("num_invalid_size").value(num_invalid_size);
+  w.key("num_invalid_free_stream").value(num_invalid_free_stream);
   w.key("num_invalid_device").value(num_invalid_device);
   w.key("num_invalid_record_stream").value(num_invalid_record_stream);
   w.key("last_oom.request_bytes").value(last_oom.request_bytes);

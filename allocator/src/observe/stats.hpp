@@ -140,6 +140,7 @@ struct DeviceStats {
   int64_t num_invalid_free = 0;     // pointer not allocated here
   int64_t num_invalid_double_free = 0;  // pointer of a block already free
   int64_t num_invalid_size = 0;     // free size != malloc size, or absurd malloc size
+  int64_t num_invalid_free_stream = 0;  // free stream != malloc stream
 
   OomRecord last_oom;
 
