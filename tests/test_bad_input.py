@@ -38,6 +38,14 @@ def test_configure_changes_only_the_keys_it_names() -> None:
     assert pyalloc.device_count() == 1
 
 
+def test_a_bad_configure_string_is_named_as_such_not_as_pyalloc_conf(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 24 item 8: with no PYALLOC_CONF set, an error blamed it.
+    monkeypatch.delenv("PYALLOC_CONF", raising=False)
+    pyalloc.configure(fresh_conf("host"))
+    with pytest.raises(pyalloc.PyallocError, match="^pyalloc_configure: bad value 'lots' for capacity"):
+        pyalloc.configure("capacity=lots")
+
+
 def test_one_device_may_still_keep_the_largest_trace() -> None:
     pyalloc.configure(fresh_conf("host", "devices=1,trace=16777216"))
     assert pyalloc.config()["trace"] == 16777216

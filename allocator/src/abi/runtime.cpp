@@ -137,7 +137,7 @@ Runtime* initial_runtime_locked(Process& p) {
   Config config;
   std::string error;
   const char* env = std::getenv("PYALLOC_CONF");
-  if (env != nullptr && !parse_config(env, Config{}, &config, &error)) {
+  if (env != nullptr && !parse_config(env, Config{}, "PYALLOC_CONF", &config, &error)) {
     r = new Runtime(Config{});
     r->error = error;
     std::fprintf(stderr, "pyalloc: %s; every allocation will fail until pyalloc_configure() succeeds\n", error.c_str());
@@ -164,7 +164,7 @@ int configure(const char* text, std::string* error) {
   std::lock_guard<std::mutex> lock(p.configure_mutex);
   Runtime* cur = initial_runtime_locked(p);
   Config next;
-  if (!parse_config(text, cur->config, &next, error)) return PYALLOC_EINVAL;
+  if (!parse_config(text, cur->config, "pyalloc_configure", &next, error)) return PYALLOC_EINVAL;
 
   if (cur->error.empty() && !cur->config.layout_differs(next)) {
     cur->config = next;

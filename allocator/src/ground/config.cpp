@@ -196,7 +196,8 @@ bool parse_size(const std::string& raw, size_t* out) {
   return true;
 }
 
-bool parse_config(const std::string& text, const Config& base, Config* out, std::string* error) {
+bool parse_config(const std::string& text, const Config& base, const char* source, Config* out,
+                  std::string* error) {
   Config next = base;
   std::stringstream items(text);
   std::string item;
@@ -205,7 +206,7 @@ bool parse_config(const std::string& text, const Config& base, Config* out, std:
     if (item.empty()) continue;
     const size_t eq = item.find('=');
     if (eq == std::string::npos) {
-      *error = "PYALLOC_CONF: '" + item + "' is not key=value";
+      *error = std::string(source) + ": '" + item + "' is not key=value";
       return false;
     }
     const std::string key = lower(trim(item.substr(0, eq)));
@@ -217,27 +218,27 @@ bool parse_config(const std::string& text, const Config& base, Config* out, std:
     if (spec == nullptr) {
       std::string known;
       for (const KeySpec& s : key_specs()) known += (known.empty() ? "" : ", ") + std::string(s.key);
-      *error = "PYALLOC_CONF: unknown key '" + key + "' (known keys: " + known + ")";
+      *error = std::string(source) + ": unknown key '" + key + "' (known keys: " + known + ")";
       return false;
     }
     if (!spec->apply(value, &next)) {
-      *error = "PYALLOC_CONF: bad value '" + value + "' for " + key + ": expected " + spec->form;
+      *error = std::string(source) + ": bad value '" + value + "' for " + key + ": expected " + spec->form;
       return false;
     }
   }
   if (next.large_segment < next.small_segment) {
-    *error = "PYALLOC_CONF: large_segment must be at least small_segment";
+    *error = std::string(source) + ": large_segment must be at least small_segment";
     return false;
   }
   if (next.capacity != 0 && next.capacity < kMinCapacity) {
-    *error = "PYALLOC_CONF: capacity " + std::to_string(next.capacity) +
+    *error = std::string(source) + ": capacity " + std::to_string(next.capacity) +
              " bytes is less than one 2 MiB granule: every allocation would fail (0 is the backend's default)";
     return false;
   }
   // Each device has a ring of its own: together they must fit in memory.
   const size_t rings = next.backend == BackendKind::kCuda ? 1 : static_cast<size_t>(next.devices);
   if (next.trace > kMaxTraceBytes / kTraceEventBytes / rings) {
-    *error = "PYALLOC_CONF: trace=" + std::to_string(next.trace) + " on " + std::to_string(rings) +
+    *error = std::string(source) + ": trace=" + std::to_string(next.trace) + " on " + std::to_string(rings) +
              " devices needs " + std::to_string(next.trace * rings * kTraceEventBytes >> 20) +
              " MiB of trace rings; at most " + std::to_string(kMaxTraceBytes >> 20) + " MiB (lower trace or devices)";
     return false;

@@ -70,7 +70,9 @@ struct Config {
 // Parses `text` on top of `base` into `*out`. All-or-nothing: on error
 // returns false, leaves *out untouched and writes a message naming the key
 // and the accepted form.
-bool parse_config(const std::string& text, const Config& base, Config* out, std::string* error);
+// `source` names where the text came from in an error ("PYALLOC_CONF", "pyalloc_configure").
+bool parse_config(const std::string& text, const Config& base, const char* source, Config* out,
+                  std::string* error);
 
 // Parses sizes like "512", "512B", "64KiB", "1.5GiB", "2GB".
 bool parse_size(const std::string& text, size_t* out);
