@@ -156,7 +156,7 @@ double run_replay(uint64_t n, const char* path, uint64_t* pairs) {
         size_of[e.slot] = e.size;
         ++*pairs;
       } else {
-        pyalloc_free(addr[e.slot], e.size, 0, stream);
+        pyalloc_free(addr[e.slot], e.size, 0, PYALLOC_ANY_STREAM);  // a trace's free may name another stream
         addr[e.slot] = nullptr;
       }
     }

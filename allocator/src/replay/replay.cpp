@@ -56,8 +56,10 @@ class PyallocPolicy final : public Policy {
   uintptr_t malloc(size_t size, uint64_t stream) override {
     return reinterpret_cast<uintptr_t>(pyalloc_malloc(size, 0, reinterpret_cast<void*>(stream)));
   }
-  void free(uintptr_t addr, size_t size, uint64_t stream) override {
-    pyalloc_free(reinterpret_cast<void*>(addr), size, 0, reinterpret_cast<void*>(stream));
+  // A trace's free may name another stream than its alloc (a consumer's,
+  // TRACE_FORMAT: optional, default 0): the block keeps its own.
+  void free(uintptr_t addr, size_t size, uint64_t /*stream*/) override {
+    pyalloc_free(reinterpret_cast<void*>(addr), size, 0, PYALLOC_ANY_STREAM);
   }
   size_t largest_free() override { return device_->usage().largest_free; }
   size_t reserved() override { return device_->usage().reserved; }
