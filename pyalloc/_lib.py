@@ -62,6 +62,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pyalloc_free_neighbours": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
                                                ctypes.POINTER(ctypes.c_size_t)]),
     "pyalloc_empty_cache": (None, []),
+    "pyalloc_memory_info": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "pyalloc_set_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
     "pyalloc_cupy_malloc": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
     "pyalloc_cupy_free": (None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),

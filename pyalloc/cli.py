@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -47,9 +48,18 @@ def _register_config(subparsers: Subparsers) -> None:
     parser.set_defaults(handler=_config)
 
 
+# Keys whose values are sizes: printed in binary units, with the bytes.
+SIZE_KEYS = frozenset({"capacity", "small_segment", "large_segment", "max_cached"})
+
+
 def _config(args: argparse.Namespace) -> int:
     from .core import config, configure, startup_error
 
+    error = startup_error()
+    if error is not None and error.startswith("PYALLOC_CONF"):
+        # Nothing of $PYALLOC_CONF is in force: a table of defaults would look like success.
+        print(f"pyalloc: error: ${error}", file=sys.stderr)
+        return 1
     if args.conf:
         try:
             configure(args.conf)
@@ -58,24 +68,32 @@ def _config(args: argparse.Namespace) -> int:
                 raise UsageError(f"--conf: {exc}") from None
             raise
     settings = config()
+    error = startup_error()
     if args.json:
         print(json.dumps(settings, indent=2, sort_keys=True))
     else:
         width = max((len(k) for k in settings), default=0)
         for key, value in settings.items():
-            print(f"{key:<{width}}  {_format_value(value)}")
-    error = startup_error()
+            print(f"{key:<{width}}  {_format_value(key, value, running=error is None)}")
     if error:
-        # A bad $PYALLOC_CONF is the user's to fix: fail. A backend that cannot
-        # start here (no GPU driver) is a fact about this machine: say so.
+        # A backend that cannot start here (no GPU driver) is a fact about this machine: say so.
         print(f"pyalloc: the allocator is not running: {error}", file=sys.stderr)
-        return 1 if error.startswith("PYALLOC_CONF") else 0
     return 0
 
 
-def _format_value(value: Any) -> str:
+def _format_value(key: str, value: Any, running: bool) -> str:
+    from .core import memory_info
+    from .sizes import format_size
+
     if isinstance(value, bool):
         return "1" if value else "0"
+    if key == "capacity" and value == 0:
+        if not running:
+            return "0 (the backend's default: the device's memory)"
+        total = memory_info(0)["device_total"]
+        return f"{format_size(total)} ({total} bytes: the backend's default)"
+    if key in SIZE_KEYS and isinstance(value, int):
+        return format_size(value) if value < 1024 else f"{format_size(value)} ({value} bytes)"
     return str(value)
 
 
@@ -100,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pyalloc`` console script; returns the exit status."""
+    # The commands report a bad $PYALLOC_CONF themselves, in one line: the library stays quiet.
+    os.environ["PYALLOC_CLI"] = "1"
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     handler: Handler = args.handler

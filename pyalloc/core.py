@@ -9,25 +9,17 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from . import sizes
 from ._lib import PressureCallback, PyallocError, check_status, last_error, lib, read_json
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
-          "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
 def parse_size(text: str) -> int:
-    """Parses sizes as PYALLOC_CONF does: ``512``, ``64KiB``, ``1.5GiB``, ``2GB``."""
-    t = text.strip().lower()
-    number = t.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
-    unit = t[len(number):].strip()
+    """Parses sizes as PYALLOC_CONF does (pyalloc.sizes): ``512``, ``64KiB``, ``1.5GiB``, ``2GB``
+    (10^9 bytes). A bad one raises PyallocError naming it."""
     try:
-        value = float(number) * _UNITS[unit]
-    except (KeyError, ValueError):
-        raise PyallocError(f"bad size {text!r}: expected a number with an optional unit such as 512MiB or 2GB") from None
-    if value < 0 or value != int(value):
-        raise PyallocError(f"bad size {text!r}: must be a whole, non-negative number of bytes")
-    return int(value)
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise PyallocError(str(exc)) from None
 
 
 def parse_budget(text: str) -> int | None:
@@ -148,6 +140,20 @@ def release_cached(device: int = 0, nbytes: int = 0) -> int:
 def check(device: int = 0) -> None:
     """Walks every invariant of ``device``; raises PyallocError on the first violation."""
     check_status(lib().pyalloc_check(device), "pyalloc_check")
+
+
+class _MemoryInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "device_total", "device_free", "reserved", "allocated", "limit", "largest_cached", "largest_request")]
+
+
+def memory_info(device: int = 0) -> dict[str, int]:
+    """pyalloc_memory_info: the device's total and free bytes, what this allocator reserves,
+    allocates and may reserve (``limit``), its largest cached block and largest request it can
+    serve without releasing anything. Raises PyallocError when the allocator is not running."""
+    info = _MemoryInfo()
+    check_status(lib().pyalloc_memory_info(device, ctypes.addressof(info)), "pyalloc_memory_info")
+    return {name: int(getattr(info, name)) for name, _ in _MemoryInfo._fields_}
 
 
 def memory_stats(device: int = 0) -> "OrderedDict[str, Any]":

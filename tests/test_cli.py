@@ -229,3 +229,36 @@ def test_config_bad_conf_is_one_line_error_naming_the_key() -> None:
     result = pyalloc_cli("config", "--conf", "capacity=big")
     assert result.returncode == 2
     assert "capacity" in assert_one_line_error(result)
+
+
+def test_config_prints_sizes_in_binary_units_and_the_capacity_in_force() -> None:
+    # Issue 23: raw bytes and "capacity 0" told a user nothing.
+    result = pyalloc_cli("config", env=child_env(PYALLOC_CONF="backend=host,max_cached=1.5GiB"))
+    assert result.returncode == 0, result.stderr
+    rows = dict(line.split(None, 1) for line in result.stdout.strip().splitlines())
+    assert rows["capacity"] == "4 GiB (4294967296 bytes: the backend's default)"
+    assert rows["max_cached"] == "1.5 GiB (1610612736 bytes)"
+    assert rows["large_segment"] == "20 MiB (20971520 bytes)"
+    sim = pyalloc_cli("config", env=child_env(PYALLOC_CONF="backend=sim,capacity=2GB"))
+    assert dict(line.split(None, 1) for line in sim.stdout.splitlines())["capacity"] == "1.86 GiB (2000000000 bytes)"
+
+
+@pytest.mark.parametrize("conf", ["max_cache=8GiB", "vmm=maybe"])
+def test_a_bad_pyalloc_conf_is_one_line_and_nothing_that_looks_like_success(conf: str) -> None:
+    # Issue 23: `pyalloc config` printed the default table as if in force; `pyalloc run` ran the
+    # program and exited 0; the library printed a second line of its own.
+    config = pyalloc_cli("config", env=child_env(PYALLOC_CONF=conf))
+    assert config.returncode == 1 and config.stdout == ""
+    assert assert_one_line_error(config).startswith(f"pyalloc: error: $PYALLOC_CONF: ")
+    ran = run_python("print('the program ran')", env=child_env(PYALLOC_CONF=conf))
+    assert ran.returncode == 2 and "the program ran" not in ran.stdout
+    line = assert_one_line_error(ran)
+    assert conf.split("=")[0] in line and line.endswith("(nothing was run)")
+
+
+def test_install_refuses_a_bad_pyalloc_conf_at_once() -> None:
+    # Before: the error showed at the first allocation, as a traceback from inside torch.
+    code = "import pyalloc\ntry:\n    pyalloc.install()\nexcept pyalloc.PyallocError as e:\n    print(e)\n"
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(PYALLOC_CONF="vmm=maybe"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout.startswith("PYALLOC_CONF: bad value 'maybe' for vmm"), result.stdout + result.stderr

@@ -30,17 +30,20 @@ LAYER_OF: dict[str, str] = {
     "pyalloc.traces": "traces",
     "pyalloc.gpumemd": "gpumemd",
     "pyalloc.gpucheck": "gpucheck",
+    "pyalloc.sizes": "sizes",
     "pyalloc": "facade",
 }
+# The size syntax (pyalloc.sizes) imports nothing and every layer may use it.
 MAY_IMPORT: dict[str, frozenset[str]] = {
-    CORE: frozenset({CORE}),
+    "sizes": frozenset(),
+    CORE: frozenset({CORE, "sizes"}),
     "command contract": frozenset(),
     "cupy": frozenset({CORE}),
     "cli": frozenset({CORE, "command contract"}),  # the commands of subpackages: by name only
     "pytorch": frozenset({CORE, "command contract", "pytorch"}),
     "offloading": frozenset({CORE, "pytorch", "offloading"}),
     "traces": frozenset({CORE, "command contract", "pytorch", "traces"}),
-    "gpumemd": frozenset({"gpumemd"}),
+    "gpumemd": frozenset({"gpumemd", "sizes"}),
     "gpucheck": frozenset({CORE, "command contract", "pytorch", "traces", "gpucheck"}),
     "facade": frozenset({CORE, "cupy", "pytorch", "offloading"}),
 }

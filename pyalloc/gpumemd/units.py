@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import re
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-               "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+from .. import sizes
+
 _TIME_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_size(text: str | int) -> int:
-    """'512MiB', '2g', '1024' -> bytes (binary units: GPU memory is counted in them)."""
+    """'512MiB', '2G', '1024' -> bytes: pyalloc's one size syntax (pyalloc.sizes; ``GB`` is 10^9
+    bytes, ``GiB`` and ``G`` 2^30). ValueError names a bad one."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return sizes.parse_size(text)
 
 
 def parse_duration(text: str | int | float) -> float:

@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from .._lib import PyallocError, lib, library_path
-from ..core import config, configure, device_count
+from ..core import config, configure, device_count, startup_error
 from ..core import snapshot as _pyalloc_snapshot
 from . import layer
 from .memory_api import HISTORY_FUNCTIONS, patch_torch_memory_api
@@ -73,6 +73,9 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
     """
     import torch
 
+    error = startup_error()  # a bad $PYALLOC_CONF is the user's to fix: say it now, not at the first malloc
+    if error is not None and error.startswith("PYALLOC_CONF"):
+        raise PyallocError(error)
     with _lock:
         if _installed_allocator is not None:
             if conf:

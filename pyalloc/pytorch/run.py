@@ -85,6 +85,7 @@ def child_environment(
 ) -> dict[str, str]:
     """The environment of ``pyalloc run``'s child: bootstrap first on PYTHONPATH."""
     env = dict(base)
+    env.pop("PYALLOC_CLI", None)  # the command's programs report a bad $PYALLOC_CONF as programs do
     env["PYALLOC_AUTOINSTALL"] = "1"
     bootstrap = str(BOOTSTRAP_DIR)
     entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != bootstrap]
@@ -112,16 +113,22 @@ def _validate_offload(args: argparse.Namespace) -> None:
         raise UsageError("--offload-stats needs --offload")
 
 
-def _validate_conf(conf: str) -> None:
-    """Rejects a bad --conf here, in one line, rather than in every child.
+def _validate_conf(conf: str | None) -> None:
+    """Rejects a bad $PYALLOC_CONF or --conf here, in one line, before the command
+    starts, rather than in every child (where it would only show at the first
+    allocation).
 
     Only syntax errors count: a backend that cannot start on this machine
     (no driver for backend=cuda) is the child's business.
     """
-    from ..core import configure
+    from ..core import configure, startup_error
 
     try:
-        configure(conf)
+        error = startup_error()  # loading the library read $PYALLOC_CONF
+        if error is not None and error.startswith("PYALLOC_CONF"):
+            raise UsageError(f"${error} (nothing was run)")
+        if conf:
+            configure(conf)
     except PyallocError as exc:
         if exc.code == PYALLOC_EINVAL:
             raise UsageError(f"--conf: {exc}") from None
@@ -144,8 +151,7 @@ def _run(args: argparse.Namespace) -> int:
             "run: missing command (usage: pyalloc run [--conf CONF] [--offload[=BUDGET]] [--] CMD ARGS...)"
         )
     _validate_offload(args)
-    if args.conf:
-        _validate_conf(args.conf)
+    _validate_conf(args.conf)
     env = child_environment(dict(os.environ), args.conf, args.offload, args.offload_stats)
     sys.stdout.flush()
     sys.stderr.flush()

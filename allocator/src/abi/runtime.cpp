@@ -140,7 +140,11 @@ Runtime* initial_runtime_locked(Process& p) {
   if (env != nullptr && !parse_config(env, Config{}, "PYALLOC_CONF", &config, &error)) {
     r = new Runtime(Config{});
     r->error = error;
-    std::fprintf(stderr, "pyalloc: %s; every allocation will fail until pyalloc_configure() succeeds\n", error.c_str());
+    // The pyalloc command reports it itself, in one line (PYALLOC_CLI, set by pyalloc/cli.py).
+    if (std::getenv("PYALLOC_CLI") == nullptr) {
+      std::fprintf(stderr, "pyalloc: %s; every allocation will fail until pyalloc_configure() succeeds\n",
+                   error.c_str());
+    }
   } else {
     r = build_runtime(config);
   }
