@@ -30,6 +30,7 @@ LAYER_OF: dict[str, str] = {
     "pyalloc.traces": "traces",
     "pyalloc.gpumemd": "gpumemd",
     "pyalloc.gpucheck": "gpucheck",
+    "pyalloc.diagnosis": "diagnosis",
     "pyalloc": "facade",
 }
 MAY_IMPORT: dict[str, frozenset[str]] = {
@@ -42,7 +43,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "traces": frozenset({CORE, "command contract", "pytorch", "traces"}),
     "gpumemd": frozenset({"gpumemd"}),
     "gpucheck": frozenset({CORE, "command contract", "pytorch", "traces", "gpucheck"}),
-    "facade": frozenset({CORE, "cupy", "pytorch", "offloading"}),
+    "diagnosis": frozenset({CORE, "command contract", "pytorch", "gpumemd", "diagnosis"}),
+    "facade": frozenset({CORE, "cupy", "pytorch", "offloading", "diagnosis"}),
 }
 # Third-party packages a layer must never import, anywhere in its code.
 NEVER: dict[str, frozenset[str]] = {
@@ -164,7 +166,7 @@ def test_modules_named_by_string_exist() -> None:
 
 
 @pytest.mark.parametrize("package", ["pyalloc", "pyalloc.pytorch", "pyalloc.offloading", "pyalloc.traces",
-                                     "pyalloc.gpumemd"])
+                                     "pyalloc.gpumemd", "pyalloc.diagnosis"])
 def test_each_layer_says_what_lives_there(package: str) -> None:
     init = ROOT.joinpath(*package.split(".")) / "__init__.py"
     doc = ast.get_docstring(ast.parse(init.read_text())) or ""

@@ -1,0 +1,261 @@
+"""Growth across iterations: which allocation sites keep more live bytes after every iteration,
+and what keeps them.
+
+Note [Doctor's growth test]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+At each iteration boundary (after an optimizer step; failing that, after a backward) the
+session records the live bytes of every allocation site, and for the live tensors that have an
+autograd history, how many graph nodes each site's tensors reach. The first boundary is
+warm-up: optimizer state made at the first step, lazily built buffers and the allocator's
+cache (never seen: the tracker counts tensors, not cached memory) settle there. From the
+second boundary on, a site leaks when its live bytes end higher than they started, never fall
+from one boundary to the next, and rise in at least half of the intervals: a clean loop keeps
+every site exactly level, and a site whose bytes go up and down (variable batch shapes)
+is not a leak. Bytes per iteration are the rise divided by the iterations it took.
+
+A loss summed with its graph (``total += loss``) keeps no tensor bytes once backward freed the
+saved tensors, but its autograd graph (host memory) grows by one iteration's nodes each time:
+a site whose tensors reach more graph nodes at every boundary is reported too, with its
+nodes per iteration, and named as the holder in the reasons of the sites whose saved tensors
+that graph keeps.
+
+Reasons (``reason_for``): a leaking site's newest surviving tensors are looked up among the
+program's containers (``gc.get_referrers``): in a list (named when a module global, a local of
+a running function or an attribute holds it) or an attribute of an object; whether the tensor
+has an autograd history; whether autograd holds its storage for backward (SavedRef), and then
+whether the module that saved it was in eval mode (evaluation without ``torch.no_grad()``) or
+training (a graph that outlives its iteration: a tensor carried across iterations). Walking
+graphs is bounded (MAX_GRAPH_NODES a boundary), and so is the number of boundaries kept
+(MAX_BOUNDARIES: the first two and the most recent ones).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sites import SiteTable
+from .tracker import StorageTracker
+
+MAX_BOUNDARIES = 256
+MAX_GRAPH_NODES = 200_000  # graph nodes walked at one boundary, over all roots
+REASON_SAMPLES = 3  # newest surviving tensors of a leaking site looked up
+
+
+@dataclass
+class Boundary:
+    iteration: int
+    total: int
+    sites: dict[int, int]  # site -> live bytes
+    graphs: dict[int, int]  # site -> most graph nodes reached from one live tensor made there
+
+
+class Boundaries:
+    """The boundaries kept: the first two and the newest, at most MAX_BOUNDARIES."""
+
+    def __init__(self) -> None:
+        self.items: list[Boundary] = []
+        self.count = 0
+
+    def add(self, b: Boundary) -> None:
+        self.count += 1
+        self.items.append(b)
+        if len(self.items) > MAX_BOUNDARIES:
+            del self.items[2]
+
+
+def graph_sizes(tracker: StorageTracker) -> dict[int, int]:
+    """Site -> the most autograd nodes reachable from one live tensor the site made."""
+    seen_roots: set[int] = set()
+    budget = MAX_GRAPH_NODES
+    out: dict[int, int] = {}
+    for record in list(tracker.live.values()):
+        t = record.tensor() if record.tensor is not None else None
+        fn = getattr(t, "grad_fn", None) if t is not None else None
+        if fn is None or id(fn) in seen_roots:
+            continue
+        seen_roots.add(id(fn))
+        count, budget = _count_nodes(fn, budget)
+        if count > out.get(record.site, 0):
+            out[record.site] = count
+        if budget <= 0:
+            break
+    return out
+
+
+def _count_nodes(root: Any, budget: int) -> tuple[int, int]:
+    seen = {id(root)}
+    stack = [root]
+    while stack and budget > 0:
+        node = stack.pop()
+        budget -= 1
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    return len(seen), budget
+
+
+def boundary(tracker: StorageTracker, iteration: int) -> Boundary:
+    return Boundary(iteration, tracker.live_bytes, dict(tracker.site_live), graph_sizes(tracker))
+
+
+@dataclass
+class Leak:
+    site: int
+    bytes_per_iteration: float
+    graph_nodes_per_iteration: float = 0.0
+    reason: str = ""
+
+
+def _rising(values: list[int], strict: bool) -> bool:
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    if not diffs or values[-1] <= values[0] or any(d < 0 for d in diffs):
+        return False
+    ups = sum(1 for d in diffs if d > 0)
+    return ups == len(diffs) if strict else 2 * ups >= len(diffs)
+
+
+def find_leaks(bounds: list[Boundary]) -> tuple[float, list[Leak]]:
+    """(growth of all live bytes per iteration, leaks largest first) from the second boundary on;
+    see Note [Doctor's growth test]. Needs three boundaries."""
+    if len(bounds) < 3:
+        return 0.0, []
+    window = bounds[1:]
+    span = window[-1].iteration - window[0].iteration
+    growth = (window[-1].total - window[0].total) / span
+    leaks: dict[int, Leak] = {}
+    sites = set().union(*(b.sites for b in window))
+    for site in sites:
+        values = [b.sites.get(site, 0) for b in window]
+        if _rising(values, strict=False):
+            leaks[site] = Leak(site, (values[-1] - values[0]) / span)
+    for site in set().union(*(b.graphs for b in window)):
+        values = [b.graphs.get(site, 0) for b in window]
+        if _rising(values, strict=True):
+            leak = leaks.setdefault(site, Leak(site, 0.0))
+            leak.graph_nodes_per_iteration = (values[-1] - values[0]) / span
+    ordered = sorted(leaks.values(), key=lambda k: (-k.bytes_per_iteration, -k.graph_nodes_per_iteration, k.site))
+    return growth, ordered
+
+
+# ---- reasons ------------------------------------------------------------------------------------
+
+
+def _name_of(container: Any) -> str | None:
+    """A name the program knows `container` by: a module global, a local, or obj.attr."""
+    for ref in gc.get_referrers(container):
+        if isinstance(ref, dict):
+            for k, v in ref.items():
+                if v is container and isinstance(k, str):
+                    owner = _dict_owner(ref)
+                    return f"{type(owner).__name__}.{k}" if owner is not None else k
+        elif type(ref).__name__ == "frame":
+            try:
+                for k, v in ref.f_locals.items():
+                    if v is container:
+                        return k
+            except Exception:
+                pass
+    return None
+
+
+def _dict_owner(d: dict[Any, Any]) -> Any:
+    """The object whose __dict__ `d` is, or None (a module's globals or any other dict)."""
+    for ref in gc.get_referrers(d):
+        if getattr(ref, "__dict__", None) is d and not isinstance(ref, type(sys)):
+            return ref
+    return None
+
+
+def _holders(t: torch.Tensor) -> tuple[str, str] | None:
+    """("list"|"attribute", name) when a list, or an object's attribute, holds `t`."""
+    referrers = gc.get_referrers(t)
+    for ref in referrers:
+        if isinstance(ref, list):
+            return "list", _name_of(ref) or "a list"
+        if isinstance(ref, tuple):  # outputs kept as (out, target) pairs
+            for outer in gc.get_referrers(ref):
+                if isinstance(outer, list):
+                    return "list", _name_of(outer) or "a list"
+    for ref in referrers:
+        if isinstance(ref, dict):
+            owner = _dict_owner(ref)
+            if owner is not None and not isinstance(owner, torch.nn.Module):
+                for k, v in ref.items():
+                    if v is t:
+                        return "attribute", f"{type(owner).__name__}.{k}"
+    return None
+
+
+def _holder_text(tracker: StorageTracker, sites: SiteTable, holder_sites: list[int]) -> str:
+    if not holder_sites:
+        return ""
+    names = []
+    for site in holder_sites[:2]:
+        name = None
+        for record in list(tracker.live.values()):
+            t = record.tensor() if (record.site == site and record.tensor is not None) else None
+            if t is not None and t.grad_fn is not None:
+                name = _name_of(t)
+                if name:
+                    break
+        where = sites[site].where()
+        names.append(f"`{name}` ({where})" if name else where)
+    return ", kept by the graph of " + " and ".join(names)
+
+
+def reason_for(leak: Leak, tracker: StorageTracker, sites: SiteTable, since: int,
+               holder_sites: list[int]) -> str:
+    """Why the site's storages made after iteration `since` are still alive, when it can be told."""
+    newest = sorted(((k, r) for k, r in list(tracker.live.items()) if r.site == leak.site and r.iteration >= since),
+                    key=lambda kr: -kr[1].iteration)[:REASON_SAMPLES]
+    if not newest and leak.graph_nodes_per_iteration:
+        newest = [(k, r) for k, r in list(tracker.live.items()) if r.site == leak.site][:REASON_SAMPLES]
+    kept = None
+    has_graph = False
+    saved = None
+    for key, record in newest:
+        t = record.tensor() if record.tensor is not None else None
+        if t is not None:
+            kept = kept or _holders(t)
+            has_graph = has_graph or t.grad_fn is not None
+        saved = saved or tracker.saved_owner.get(key)
+    if kept is not None:
+        kind, name = kept
+        what = f"appended to the list `{name}` every iteration" if kind == "list" and name != "a list" else \
+            "appended to a list every iteration" if kind == "list" else f"kept in the attribute `{name}`"
+        if has_graph:
+            return (f"{what}, and each keeps its autograd graph: keep .detach() of it "
+                    f"(or .item() for a number)")
+        return f"{what}: keep only what you need (.item() for a number) or bound the list"
+    if saved is not None:
+        # A tensor made at the leaking site itself that keeps a growing graph (an RNN's state)
+        # is the likeliest holder; then the others, largest first.
+        ordered = sorted(holder_sites, key=lambda s: s != leak.site)
+        holder = _holder_text(tracker, sites, ordered)
+        if not saved.training:
+            return (f"saved for backward by forward passes of {saved.top} run in eval mode without "
+                    f"torch.no_grad(){holder}: run evaluation under torch.no_grad() "
+                    f"(and accumulate .item() of its results)")
+        return (f"saved for backward by an autograd graph that outlives its iteration{holder}: a tensor "
+                f"carried across iterations keeps its history; .detach() it (for a number, .item()); "
+                f"if this is evaluation, run it under torch.no_grad()")
+    if leak.graph_nodes_per_iteration:
+        name = None
+        for _key, record in newest:
+            t = record.tensor() if record.tensor is not None else None
+            if t is not None and t.grad_fn is not None:
+                name = _name_of(t)
+                break
+        subject = f"`{name}`" if name else "a tensor made here"
+        return (f"{subject} keeps an autograd graph that grows by {leak.graph_nodes_per_iteration:.0f} nodes "
+                f"an iteration (host memory, and the graph's saved tensors when backward has not freed them): "
+                f"accumulate .item() (a number) or .detach() instead")
+    if has_graph:
+        return "the tensor keeps an autograd graph: keep .detach() of it (or .item() for a number)"
+    return ""
