@@ -43,7 +43,8 @@ from .tracker import StorageTracker
 
 MAX_BOUNDARIES = 256
 MAX_GRAPH_NODES = 200_000  # graph nodes walked at one boundary, over all roots
-REASON_SAMPLES = 3  # newest surviving tensors of a leaking site looked up
+REASON_SAMPLES = 2  # newest surviving tensors of a leaking site looked up
+HOLDER_SAMPLES = 3  # tensors of a graph-holding site whose name is looked up
 
 
 @dataclass
@@ -68,11 +69,13 @@ class Boundaries:
             del self.items[2]
 
 
-def graph_sizes(tracker: StorageTracker) -> dict[int, int]:
-    """Site -> the most autograd nodes reachable from one live tensor the site made."""
+def graph_sizes(tracker: StorageTracker) -> tuple[dict[int, int], dict[int, Any]]:
+    """Site -> the most autograd nodes reachable from one live tensor the site made, and
+    site -> a weak reference to that tensor."""
     seen_roots: set[int] = set()
     budget = MAX_GRAPH_NODES
     out: dict[int, int] = {}
+    roots: dict[int, Any] = {}
     for record in list(tracker.live.values()):
         t = record.tensor() if record.tensor is not None else None
         fn = getattr(t, "grad_fn", None) if t is not None else None
@@ -82,9 +85,10 @@ def graph_sizes(tracker: StorageTracker) -> dict[int, int]:
         count, budget = _count_nodes(fn, budget)
         if count > out.get(record.site, 0):
             out[record.site] = count
+            roots[record.site] = record.tensor
         if budget <= 0:
             break
-    return out
+    return out, roots
 
 
 def _count_nodes(root: Any, budget: int) -> tuple[int, int]:
@@ -100,8 +104,10 @@ def _count_nodes(root: Any, budget: int) -> tuple[int, int]:
     return len(seen), budget
 
 
-def boundary(tracker: StorageTracker, iteration: int) -> Boundary:
-    return Boundary(iteration, tracker.live_bytes, dict(tracker.site_live), graph_sizes(tracker))
+def boundary(tracker: StorageTracker, iteration: int) -> tuple[Boundary, dict[int, Any]]:
+    """The boundary, and the largest graph's root tensor of each site (weak references)."""
+    sizes, roots = graph_sizes(tracker)
+    return Boundary(iteration, tracker.live_bytes, dict(tracker.site_live), sizes), roots
 
 
 @dataclass
@@ -146,21 +152,36 @@ def find_leaks(bounds: list[Boundary]) -> tuple[float, list[Leak]]:
 # ---- reasons ------------------------------------------------------------------------------------
 
 
-def _name_of(container: Any) -> str | None:
-    """A name the program knows `container` by: a module global, a local, or obj.attr."""
+def _name_of(container: Any, sites: SiteTable) -> str | None:
+    """A name the program knows `container` by: a local of a function running now, a global of
+    the main script, or an attribute (Class.attr). Names are looked up before referrers, since
+    one gc.get_referrers() call scans every object of the process."""
+    seen: set[int] = set()
+    scopes: list[dict[str, Any]] = []
+    frame = sites.user_frame(sys._getframe(1))
+    while frame is not None:
+        try:
+            scopes.append(frame.f_locals)
+            scopes.append(frame.f_globals)
+        except Exception:
+            pass
+        frame = sites.user_frame(frame.f_back)
+    main = sys.modules.get("__main__")
+    if main is not None:
+        scopes.append(vars(main))
+    for scope in scopes:
+        if id(scope) in seen:
+            continue
+        seen.add(id(scope))
+        for k, v in list(scope.items()):
+            if v is container and isinstance(k, str):
+                return k
     for ref in gc.get_referrers(container):
-        if isinstance(ref, dict):
+        if isinstance(ref, dict) and id(ref) not in seen:
             for k, v in ref.items():
                 if v is container and isinstance(k, str):
                     owner = _dict_owner(ref)
                     return f"{type(owner).__name__}.{k}" if owner is not None else k
-        elif type(ref).__name__ == "frame":
-            try:
-                for k, v in ref.f_locals.items():
-                    if v is container:
-                        return k
-            except Exception:
-                pass
     return None
 
 
@@ -172,16 +193,16 @@ def _dict_owner(d: dict[Any, Any]) -> Any:
     return None
 
 
-def _holders(t: torch.Tensor) -> tuple[str, str] | None:
+def _holders(t: torch.Tensor, sites: SiteTable) -> tuple[str, str] | None:
     """("list"|"attribute", name) when a list, or an object's attribute, holds `t`."""
     referrers = gc.get_referrers(t)
     for ref in referrers:
         if isinstance(ref, list):
-            return "list", _name_of(ref) or "a list"
+            return "list", _name_of(ref, sites) or "a list"
         if isinstance(ref, tuple):  # outputs kept as (out, target) pairs
             for outer in gc.get_referrers(ref):
                 if isinstance(outer, list):
-                    return "list", _name_of(outer) or "a list"
+                    return "list", _name_of(outer, sites) or "a list"
     for ref in referrers:
         if isinstance(ref, dict):
             owner = _dict_owner(ref)
@@ -192,25 +213,43 @@ def _holders(t: torch.Tensor) -> tuple[str, str] | None:
     return None
 
 
-def _holder_text(tracker: StorageTracker, sites: SiteTable, holder_sites: list[int]) -> str:
+def _holder_text(tracker: StorageTracker, sites: SiteTable, holder_sites: list[int],
+                 roots: dict[int, Any]) -> str:
     if not holder_sites:
         return ""
     names = []
     for site in holder_sites[:2]:
-        name = None
-        for record in list(tracker.live.values()):
-            t = record.tensor() if (record.site == site and record.tensor is not None) else None
-            if t is not None and t.grad_fn is not None:
-                name = _name_of(t)
-                if name:
-                    break
+        root = roots.get(site)
+        t = root() if root is not None else None
+        name = _name_of(t, sites) if t is not None else None
+        if name is None:
+            # The root seen at the last boundary may have been replaced since (x = x + ...):
+            # the largest graph among the site's newest tensors is the likeliest holder.
+            t = _largest_root(tracker, site)
+            name = _name_of(t, sites) if t is not None else None
         where = sites[site].where()
         names.append(f"`{name}` ({where})" if name else where)
     return ", kept by the graph of " + " and ".join(names)
 
 
+def _largest_root(tracker: StorageTracker, site: int) -> torch.Tensor | None:
+    records = [r for r in list(tracker.live.values()) if r.site == site and r.tensor is not None]
+    newest = max((r.iteration for r in records), default=0)
+    best, best_count, budget = None, 0, MAX_GRAPH_NODES
+    for record in records:
+        t = record.tensor() if record.iteration == newest and record.tensor is not None else None
+        if t is None or t.grad_fn is None:
+            continue
+        count, budget = _count_nodes(t.grad_fn, budget)
+        if count > best_count:
+            best, best_count = t, count
+        if budget <= 0:
+            break
+    return best
+
+
 def reason_for(leak: Leak, tracker: StorageTracker, sites: SiteTable, since: int,
-               holder_sites: list[int]) -> str:
+               holder_sites: list[int], roots: dict[int, Any]) -> str:
     """Why the site's storages made after iteration `since` are still alive, when it can be told."""
     newest = sorted(((k, r) for k, r in list(tracker.live.items()) if r.site == leak.site and r.iteration >= since),
                     key=lambda kr: -kr[1].iteration)[:REASON_SAMPLES]
@@ -222,7 +261,7 @@ def reason_for(leak: Leak, tracker: StorageTracker, sites: SiteTable, since: int
     for key, record in newest:
         t = record.tensor() if record.tensor is not None else None
         if t is not None:
-            kept = kept or _holders(t)
+            kept = kept or _holders(t, sites)
             has_graph = has_graph or t.grad_fn is not None
         saved = saved or tracker.saved_owner.get(key)
     if kept is not None:
@@ -237,7 +276,7 @@ def reason_for(leak: Leak, tracker: StorageTracker, sites: SiteTable, since: int
         # A tensor made at the leaking site itself that keeps a growing graph (an RNN's state)
         # is the likeliest holder; then the others, largest first.
         ordered = sorted(holder_sites, key=lambda s: s != leak.site)
-        holder = _holder_text(tracker, sites, ordered)
+        holder = _holder_text(tracker, sites, ordered, roots)
         if not saved.training:
             return (f"saved for backward by forward passes of {saved.top} run in eval mode without "
                     f"torch.no_grad(){holder}: run evaluation under torch.no_grad() "
@@ -246,12 +285,12 @@ def reason_for(leak: Leak, tracker: StorageTracker, sites: SiteTable, since: int
                 f"carried across iterations keeps its history; .detach() it (for a number, .item()); "
                 f"if this is evaluation, run it under torch.no_grad()")
     if leak.graph_nodes_per_iteration:
-        name = None
-        for _key, record in newest:
-            t = record.tensor() if record.tensor is not None else None
-            if t is not None and t.grad_fn is not None:
-                name = _name_of(t)
-                break
+        root = roots.get(leak.site)
+        t = root() if root is not None else None
+        name = _name_of(t, sites) if t is not None else None
+        if name is None:
+            t = _largest_root(tracker, leak.site)
+            name = _name_of(t, sites) if t is not None else None
         subject = f"`{name}`" if name else "a tensor made here"
         return (f"{subject} keeps an autograd graph that grows by {leak.graph_nodes_per_iteration:.0f} nodes "
                 f"an iteration (host memory, and the graph's saved tensors when backward has not freed them): "

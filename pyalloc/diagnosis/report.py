@@ -28,6 +28,10 @@ def _short(path: str) -> str:
     return rel if not rel.startswith("..") else path
 
 
+def _iterations(n: int) -> str:
+    return f"{n} iteration" if n == 1 else f"{n} iterations"
+
+
 def _breakdown_lines(b: dict[str, Any], indent: str = "  ") -> list[str]:
     lines = []
     for key, label in OWNER_LABELS:
@@ -84,7 +88,7 @@ def format_report(r: dict[str, Any]) -> str:
     out.append("")
     phase = f", in the {peak['phase']}" if peak.get("phase") else ""
     out.append(f"Peak: {size(r.get('peak_bytes', peak.get('total')))} of live tensors "
-               f"(after {peak.get('iteration', 0)} iterations{phase}); by owner:")
+               f"(after {_iterations(peak.get('iteration', 0))}{phase}); by owner:")
     out += _breakdown_lines(peak)
     devices = r.get("devices") or {}
     if len(devices) > 1:

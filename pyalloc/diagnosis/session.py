@@ -62,6 +62,7 @@ class Doctor:
         self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self.step_bounds = Boundaries()
         self.backward_bounds = Boundaries()
+        self._graph_roots: dict[int, Any] = {}  # site -> weakref to its largest graph's root
         self.crash: dict[str, Any] | None = None
         self.oom: dict[str, Any] | None = None
         self.stopped = False
@@ -145,7 +146,8 @@ class Doctor:
             return
         self.optimizer_steps += 1
         self.tracker.iteration = self.optimizer_steps
-        self.step_bounds.add(boundary(self.tracker, self.optimizer_steps))
+        b, self._graph_roots = boundary(self.tracker, self.optimizer_steps)
+        self.step_bounds.add(b)
         if self.steps is not None and self.optimizer_steps >= self.steps:
             self.stopped = True
             raise DoctorStop()
@@ -167,7 +169,8 @@ class Doctor:
         if self._primary is not None:
             return
         self.tracker.iteration = self.backward_calls
-        self.backward_bounds.add(boundary(self.tracker, self.backward_calls))
+        b, self._graph_roots = boundary(self.tracker, self.backward_calls)
+        self.backward_bounds.add(b)
         # With an optimizer its first step follows the first backward; one backward more
         # than asked for, with no step, says there is none.
         if self.steps is not None and self.backward_calls > self.steps and sys.exc_info()[0] is None:
@@ -237,7 +240,7 @@ class Doctor:
             leaks = [leak for leak in leaks if leak.bytes_per_iteration > 0]
         leak_rows = []
         for leak in leaks:
-            leak.reason = reason_for(leak, self.tracker, self.sites, since, holders)
+            leak.reason = reason_for(leak, self.tracker, self.sites, since, holders, self._graph_roots)
             site = self.sites[leak.site]
             leak_rows.append({
                 "file": site.file, "line": site.line, "function": site.function,
@@ -330,8 +333,8 @@ def other_processes() -> dict[str, Any]:
                 "processes": []}
     rows = []
     for p in snap.processes:
-        if p.pid == os.getpid():
-            continue
+        if p.pid == os.getpid() or not p.device.startswith("cuda"):
+            continue  # this process, or one on a host/sim backend (no GPU to share)
         rows.append({"pid": p.pid, "device": p.device, "used_bytes": p.used_bytes,
                      "pyalloc_reserved_bytes": p.allocator.reserved_bytes if p.allocator else None,
                      "command": p.command})
