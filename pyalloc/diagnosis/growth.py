@@ -265,9 +265,10 @@ def reason_for(leak: Leak, tracker: StorageTracker, sites: SiteTable, since: int
             has_graph = has_graph or t.grad_fn is not None
         saved = saved or tracker.saved_owner.get(key)
     if kept is not None:
-        kind, name = kept
-        what = f"appended to the list `{name}` every iteration" if kind == "list" and name != "a list" else \
-            "appended to a list every iteration" if kind == "list" else f"kept in the attribute `{name}`"
+        kind, holder_name = kept
+        what = (f"appended to the list `{holder_name}` every iteration" if kind == "list" and holder_name != "a list"
+                else "appended to a list every iteration" if kind == "list"
+                else f"kept in the attribute `{holder_name}`")
         if has_graph:
             return (f"{what}, and each keeps its autograd graph: keep .detach() of it "
                     f"(or .item() for a number)")

@@ -75,13 +75,13 @@ def breakdown(tracker: StorageTracker, optimizers: Iterable[torch.optim.Optimize
     optimizers = list(optimizers)
     for opt in optimizers:
         for group in opt.param_groups:
-            for p in group["params"]:
-                params[id(p)] = p
-    for p in params.values():
-        claim(p, "parameters")
-    for p in params.values():
-        if p.grad is not None:
-            claim(p.grad, "gradients")
+            for q in group["params"]:
+                params[id(q)] = q
+    for t in params.values():
+        claim(t, "parameters")
+    for t in params.values():
+        if t.grad is not None:
+            claim(t.grad, "gradients")
     for opt in optimizers:
         for t in _tensors(opt.state.values()):
             claim(t, "optimizer_state")

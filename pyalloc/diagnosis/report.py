@@ -133,7 +133,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     under ``processes``."""
     if len(reports) == 1:
         return reports[0]
-    main = dict(max(reports, key=lambda r: r.get("peak_bytes", 0)))
+    main: dict[str, Any] = dict(max(reports, key=lambda r: int(r["peak_bytes"])))
     leaks = [dict(leak, pid=r["pid"]) for r in reports for leak in r["leaks"]]
     leaks.sort(key=lambda k: -k["bytes_per_iteration"])
     main["leaks"] = leaks
