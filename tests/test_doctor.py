@@ -193,6 +193,33 @@ for step in range(6):
     assert "eval mode" in leak["reason"] and "torch.no_grad()" in leak["reason"] and "`val_loss`" in leak["reason"]
 
 
+def test_losses_kept_in_an_attribute_list_are_named_by_class_and_attribute(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train_attr.py", MLP + """
+class Trainer:
+    def __init__(self):
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.history = []
+
+    def step(self, x, y):
+        self.opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.history.append(loss)
+
+
+trainer = Trainer()
+for _ in range(6):
+    trainer.step(torch.randn(16, 32), torch.randint(0, 8, (16,)))
+""")
+    report = _in_process(script)
+    leak = report["leaks"][0]
+    assert (leak["file"], leak["line"]) == (str(script), _line_of(script, "loss = nn.functional.cross_entropy"))
+    assert leak["called_from"] == f"{script}:{_line_of(script, 'trainer.step(')}"
+    assert leak["bytes_per_iteration"] == 4  # one float32 scalar an iteration, and its graph
+    assert "`Trainer.history`" in leak["reason"] and ".item()" in leak["reason"]
+
+
 # ---- no false alarm, and the peak by hand -----------------------------------------------------------
 
 

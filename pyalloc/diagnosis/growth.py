@@ -182,6 +182,25 @@ def _name_of(container: Any, sites: SiteTable) -> str | None:
                 if v is container and isinstance(k, str):
                     owner = _dict_owner(ref)
                     return f"{type(owner).__name__}.{k}" if owner is not None else k
+        else:
+            attr = _attribute_of(ref, container)
+            if attr is not None:
+                return attr
+    return None
+
+
+def _attribute_of(obj: Any, value: Any) -> str | None:
+    """"Class.attr" when `value` is an attribute of `obj` (an object whose attributes live in
+    the object itself, as CPython 3.11+ keeps them until __dict__ is asked for)."""
+    if isinstance(obj, (type, type(sys), list, tuple, dict)) or type(obj).__name__ == "frame":
+        return None
+    try:
+        attrs = vars(obj)
+    except TypeError:
+        return None
+    for k, v in attrs.items():
+        if v is value:
+            return f"{type(obj).__name__}.{k}"
     return None
 
 
@@ -204,12 +223,18 @@ def _holders(t: torch.Tensor, sites: SiteTable) -> tuple[str, str] | None:
                 if isinstance(outer, list):
                     return "list", _name_of(outer, sites) or "a list"
     for ref in referrers:
+        if isinstance(ref, torch.nn.Module):
+            continue
         if isinstance(ref, dict):
             owner = _dict_owner(ref)
             if owner is not None and not isinstance(owner, torch.nn.Module):
                 for k, v in ref.items():
                     if v is t:
                         return "attribute", f"{type(owner).__name__}.{k}"
+        else:
+            attr = _attribute_of(ref, t)
+            if attr is not None:
+                return "attribute", attr
     return None
 
 
