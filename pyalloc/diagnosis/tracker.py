@@ -26,6 +26,11 @@ Backward on CPU runs on the thread that called it, so the mode sees gradients an
 but have no user frame: gradients are then attributed to ``<no user frame>``.
 
 Only the thread that started the tracker is seen (dispatch modes are thread-local).
+
+The death callback only keeps the books. It runs while a storage is being freed, possibly in
+the middle of PyTorch's own code: breaking the peak down there (reading ``.grad`` while
+``zero_grad`` is setting it to None) crashed the interpreter when tried. So a peak is broken down
+when it is reached, in ``note``, after the operator that made it returned.
 """
 
 from __future__ import annotations
