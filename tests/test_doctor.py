@@ -220,6 +220,25 @@ for _ in range(6):
     assert "`Trainer.history`" in leak["reason"] and ".item()" in leak["reason"]
 
 
+def test_without_an_optimizer_iterations_are_backward_calls(tmp_path: Path) -> None:
+    script = _script(tmp_path, "train_manual.py", MLP + """
+logits = []
+for step in range(6):
+    out = model(torch.randn(16, 32))
+    out.square().mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.01 * p.grad
+            p.grad = None
+    logits.append(out)
+""")
+    report = _in_process(script)
+    assert report["iteration_kind"] == "backward" and report["iterations"] == 6
+    [leak] = report["leaks"]
+    assert leak["line"] == _line_of(script, "out = model(") and leak["bytes_per_iteration"] == 16 * 8 * 4
+    assert "`logits`" in leak["reason"]
+
+
 # ---- no false alarm, and the peak by hand -----------------------------------------------------------
 
 

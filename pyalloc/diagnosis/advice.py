@@ -60,7 +60,7 @@ def advise(b: Breakdown) -> list[Advice]:
     grads = b.owners["gradients"]
     if grads and b.phase == "forward":
         out.append(Advice("optimizer.zero_grad(set_to_none=True) before the forward", grads,
-                          "the peak was in a forward while gradients were alive"))
+                          "gradients were alive during the forward that made the peak"))
     out = [a for a in out if a.saves_bytes > 0]
     out.sort(key=lambda a: -a.saves_bytes)
     return out

@@ -65,7 +65,8 @@ def format_report(r: dict[str, Any]) -> str:
         out.append(f"  stopped after {r['stopped_after_steps']} iterations, as asked (--steps)")
     crash = r.get("crash")
     if crash:
-        out.append(f"  the program failed: {crash['type']}: {crash['message']} (traceback above); "
+        message = crash["message"] if len(crash["message"]) <= 160 else crash["message"][:157] + "..."
+        out.append(f"  the program failed: {crash['type']}: {message} (traceback above); "
                    "this report covers what ran until then")
     window = r.get("growth_window")
     if kind and window:
@@ -110,6 +111,12 @@ def format_report(r: dict[str, Any]) -> str:
         out.append(f"Out of memory{where}: the failing request was {size(oom.get('request_bytes'))}; "
                    f"at that moment, by owner:")
         out += _breakdown_lines(oom["breakdown"])
+        mine = oom.get("pyalloc")
+        if mine:
+            out.append(f"  pyalloc's allocator at the failure: reserved {size(mine.get('reserved_bytes'))}, "
+                       f"allocated {size(mine.get('allocated_bytes'))}, cached free "
+                       f"{size(mine.get('cached_free_bytes'))}, largest free block "
+                       f"{size(mine.get('largest_free_bytes'))}, limit {size(mine.get('limit_bytes'))}")
         others = oom.get("other_processes") or {}
         if others.get("processes"):
             out.append("  other processes on the GPUs:")

@@ -29,6 +29,7 @@ from .sites import SiteTable
 from .tracker import StorageTracker
 
 REPORT_VERSION = 1
+MAX_REASONS = 10  # leaks whose reason is looked for, largest first
 
 
 class DoctorStop(SystemExit):
@@ -64,6 +65,7 @@ class Doctor:
         self.backward_bounds = Boundaries()
         self._graph_roots: dict[int, Any] = {}  # site -> weakref to its largest graph's root
         self.crash: dict[str, Any] | None = None
+        self.internal_error: str | None = None  # the first error inside the doctor, if any
         self.oom: dict[str, Any] | None = None
         self.stopped = False
         self.report: dict[str, Any] | None = None
@@ -132,7 +134,10 @@ class Doctor:
     # ---- events ------------------------------------------------------------------------------------
 
     def _new_peak(self) -> None:
-        self.peak = breakdown(self.tracker, list(self._optimizers), self.phase)
+        try:
+            self.peak = breakdown(self.tracker, list(self._optimizers), self.phase)
+        except Exception as exc:
+            self._internal_error(exc)
 
     def _step_pre(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self._optimizers.add(opt)
@@ -146,8 +151,7 @@ class Doctor:
             return
         self.optimizer_steps += 1
         self.tracker.iteration = self.optimizer_steps
-        b, self._graph_roots = boundary(self.tracker, self.optimizer_steps)
-        self.step_bounds.add(b)
+        self._add_boundary(self.step_bounds, self.optimizer_steps)
         if self.steps is not None and self.optimizer_steps >= self.steps:
             self.stopped = True
             raise DoctorStop()
@@ -157,23 +161,35 @@ class Doctor:
         self._backward_depth += 1
         self.phase = "backward"
         try:
-            return self._original_backward(*args, **kwargs)
+            result = self._original_backward(*args, **kwargs)
         finally:
             self._backward_depth -= 1
             if self._backward_depth == 0:
                 self.phase = "forward"
-                self._after_backward()
+        if self._backward_depth == 0:
+            self._after_backward()
+        return result
+
+    def _add_boundary(self, bounds: Boundaries, iteration: int) -> None:
+        try:
+            b, self._graph_roots = boundary(self.tracker, iteration)
+            bounds.add(b)
+        except Exception as exc:  # the doctor must never break the program it watches
+            self._internal_error(exc)
+
+    def _internal_error(self, exc: BaseException) -> None:
+        if self.internal_error is None:
+            self.internal_error = f"{type(exc).__name__}: {exc}"
 
     def _after_backward(self) -> None:
         self.backward_calls += 1
         if self._primary is not None:
             return
         self.tracker.iteration = self.backward_calls
-        b, self._graph_roots = boundary(self.tracker, self.backward_calls)
-        self.backward_bounds.add(b)
+        self._add_boundary(self.backward_bounds, self.backward_calls)
         # With an optimizer its first step follows the first backward; one backward more
         # than asked for, with no step, says there is none.
-        if self.steps is not None and self.backward_calls > self.steps and sys.exc_info()[0] is None:
+        if self.steps is not None and self.backward_calls > self.steps:
             self.stopped = True
             raise DoctorStop()
 
@@ -196,12 +212,14 @@ class Doctor:
         try:
             b = breakdown(self.tracker, list(self._optimizers), self.phase)
             text = str(exc)
+            device = parse_device(text)
             return {
                 "request_bytes": parse_request(text),
-                "device": parse_device(text),
+                "device": device,
                 "breakdown": b.to_json(),
                 "other_processes": other_processes(),
                 "allocator": allocator_state(),
+                "pyalloc": pyalloc_at_oom(int(device.split(":")[1]) if device else 0),
                 "advice": [a.to_json() for a in advise(b)],
             }
         finally:
@@ -227,6 +245,11 @@ class Doctor:
         items = bounds.items
         growth, leaks = find_leaks(items)
         notes: list[str] = []
+        if self.tracker.errors:
+            self._internal_error(RuntimeError(f"{self.tracker.errors} operator outputs not recorded "
+                                              f"({self.tracker.last_error})"))
+        if self.internal_error:
+            notes.append(f"the doctor hit an error of its own and may have missed something: {self.internal_error}")
         if kind is None:
             notes.append("no iterations were seen (no optimizer step and no backward()): "
                          "only the peak is reported")
@@ -320,6 +343,27 @@ def allocator_state() -> dict[str, Any] | None:
         return out
     except Exception as exc:  # a driver problem must not cost the report
         return {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+
+
+def pyalloc_at_oom(device: int) -> dict[str, int] | None:
+    """pyalloc's own figures of its last OOM on `device` (request, reserved, allocated, cached free,
+    largest free block), when pyalloc's library is loaded in this process; else None."""
+    from .. import _lib
+
+    if _lib._lib is None:
+        return None
+    try:
+        from ..core import memory_stats
+
+        stats = memory_stats(device)
+    except Exception:
+        return None
+    if not stats.get("num_ooms"):
+        return None
+    out = {k.split(".", 1)[1]: int(v) for k, v in stats.items() if k.startswith("last_oom.")}
+    out["num_ooms"] = int(stats["num_ooms"])
+    out["fragmented_bytes"] = int(stats.get("inactive_split_bytes.all.current", 0))
+    return out
 
 
 def other_processes() -> dict[str, Any]:

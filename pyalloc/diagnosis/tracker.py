@@ -127,6 +127,8 @@ class StorageTracker(TorchDispatchMode):
         self._child_names: dict[int, dict[int, str]] = {}
         self._class_counts: dict[str, int] = {}
         self.paused = False
+        self.errors = 0  # exceptions inside note(), swallowed
+        self.last_error = ""
 
     # ---- storages ----------------------------------------------------------------------------
 
@@ -180,12 +182,16 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
-        if isinstance(out, torch.Tensor):
-            self.note(out)
-        elif isinstance(out, (tuple, list)):
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.note(t)
+        try:
+            if isinstance(out, torch.Tensor):
+                self.note(out)
+            elif isinstance(out, (tuple, list)):
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.note(t)
+        except Exception as exc:  # never break the program's operator
+            self.errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
         return out
 
     # ---- saved for backward --------------------------------------------------------------------
