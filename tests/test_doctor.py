@@ -119,8 +119,7 @@ for step in range(6):
     opt.step()
     total_loss += loss
 """)
-    report, done = _doctor_json(script)
-    assert done.returncode == 0, done.stderr
+    report = _in_process(script)
     [leak] = report["leaks"]
     assert (leak["file"], leak["line"]) == (str(script), _line_of(script, "total_loss += loss"))
     # backward freed the saved tensors: the growth is the graph (host memory), not tensor bytes
@@ -418,6 +417,41 @@ for step in range(3):
     assert imbalance["largest"] == "cpu" and imbalance["smallest"] == "meta"
     assert imbalance["difference_bytes"] == devices["cpu"]["peak_bytes"] - devices["meta"]["peak_bytes"]
     assert set(report["peak"]["devices"]) <= {"cpu", "meta"}
+
+
+def test_several_processes_are_reported_each_and_merged(tmp_path: Path) -> None:
+    # As torchrun starts one Python process per rank: a launcher that imports no torch starts two
+    # workers; each gets a doctor through the bootstrap, and the command merges their reports.
+    worker = _script(tmp_path, "worker.py", """
+import sys
+import torch
+import torch.nn as nn
+
+rank = int(sys.argv[1])
+model = nn.Linear(64, 64)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    opt.zero_grad()
+    model(torch.randn(64 * (1 + 3 * rank), 64)).sum().backward()  # rank 1 has 4x the batch
+    opt.step()
+""")
+    launcher = _script(tmp_path, "launch.py", f"""
+import subprocess
+import sys
+
+workers = [subprocess.Popen([sys.executable, {str(worker)!r}, str(rank)]) for rank in (0, 1)]
+sys.exit(max(w.wait() for w in workers))
+""")
+    report, done = _doctor_json(launcher)
+    assert done.returncode == 0, done.stderr
+    ranks = sorted(report["processes"], key=lambda r: r["argv"][-1])
+    assert [r["argv"][-1] for r in ranks] == ["0", "1"] and all(r["iterations"] == 3 for r in ranks)
+    params = (64 * 64 + 64) * 4
+    assert all(r["peak"]["parameters"] == params for r in ranks)
+    cpu = {f"cpu (pid {r['pid']})": r["devices"]["cpu"]["peak_bytes"] for r in ranks}
+    assert {d: v["peak_bytes"] for d, v in report["devices"].items()} == cpu
+    assert report["imbalance"]["largest"] == f"cpu (pid {ranks[1]['pid']})"
+    assert report["peak_bytes"] == ranks[1]["peak_bytes"] > ranks[0]["peak_bytes"]
 
 
 # ---- the context manager ---------------------------------------------------------------------------
