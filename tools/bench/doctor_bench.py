@@ -1,6 +1,6 @@
 """What `pyalloc doctor` costs: a training step's time under the doctor against the same step
 without it, on CPU, for a small CNN and a small transformer; and the doctor's own memory after
-few and after many iterations (it must not grow with the run).
+few and after many iterations of a small MLP (it must level off, not grow with the run).
 
     python3 tools/bench/doctor_bench.py [--steps 30] [--repeats 3] [--json]
 
@@ -89,12 +89,18 @@ def measure(name: str, steps: int, repeats: int) -> dict[str, Any]:
             "storages_seen": report.get("storages_seen")}
 
 
-def own_memory(steps_short: int, steps_long: int) -> dict[str, Any]:
-    """Python heap the doctor holds after a short and a long clean run (tracemalloc, in bytes)."""
+def mlp() -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    return model, lambda: (torch.randn(16, 32), torch.randint(0, 10, (16,)))
+
+
+def own_memory(counts: tuple[int, ...]) -> dict[str, Any]:
+    """Python heap the doctor holds after clean runs of a small MLP of `counts` steps
+    (tracemalloc, in bytes): it must level off (at MAX_BOUNDARIES boundaries), not grow with the run."""
     out = {}
-    for steps in (steps_short, steps_long):
+    for steps in counts:
         torch.manual_seed(0)
-        model, batch = cnn()
+        model, batch = mlp()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         step_times(model, opt, batch, 2)
         tracemalloc.start()
@@ -116,7 +122,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = [measure(name, args.steps, args.repeats) for name in MODELS]
-    memory = own_memory(20, 300)
+    memory = own_memory((20, 300, 2000))
     if args.json:
         print(json.dumps({"torch": torch.__version__, "results": results, "memory": memory}, indent=2))
         return 0
@@ -127,7 +133,7 @@ def main() -> int:
               f"doctor {r['doctor_step_ms']:8.2f} ms  ratio {r['ratio']:.2f}x  "
               f"(leaks found: {r['leaks']}, storages seen: {r['storages_seen']})")
     for steps, m in memory["after_steps"].items():
-        print(f"  doctor's own Python heap after {steps:>4} clean CNN steps: {m['held_bytes']:>9,} bytes "
+        print(f"  doctor's own Python heap after {steps:>4} clean MLP steps: {m['held_bytes']:>9,} bytes "
               f"({m['boundaries_kept']} boundaries kept, {m['sites']} sites)")
     return 0
 
