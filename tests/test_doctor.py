@@ -275,6 +275,25 @@ def test_a_clean_adam_loop_has_no_leak_and_its_peak_matches_the_bytes_by_hand(tm
     assert checksum and checksum[0] in done.stderr.splitlines()
 
 
+def test_optimizer_state_made_late_is_not_a_leak(tmp_path: Path) -> None:
+    # A second head first gets gradients at step 3 of 4: Adam makes its state then, once, in one
+    # of the two intervals after warm-up (rising in half the intervals is not enough: two rises).
+    script = _script(tmp_path, "train_late.py", MLP + """
+head2 = nn.Linear(8, 8)
+opt = torch.optim.Adam(list(model.parameters()) + list(head2.parameters()), lr=1e-3)
+for step in range(4):
+    opt.zero_grad()
+    out = model(torch.randn(16, 32))
+    if step >= 2:
+        out = head2(out)
+    out.square().mean().backward()
+    opt.step()
+""")
+    report = _in_process(script)
+    assert report["iterations"] == 4 and report["leaks"] == []
+    assert report["peak"]["optimizer_state"] == 2 * (MLP_PARAM_BYTES + (8 * 8 + 8) * 4) + (MLP_PARAMS + 2) * 4
+
+
 def test_activations_at_the_peak_are_owned_by_their_top_level_module(tmp_path: Path) -> None:
     script = _script(tmp_path, "train_acts.py", """
 import torch

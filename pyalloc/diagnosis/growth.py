@@ -9,9 +9,11 @@ autograd history, how many graph nodes each site's tensors reach. The first boun
 warm-up: optimizer state made at the first step, lazily built buffers and the allocator's
 cache (never seen: the tracker counts tensors, not cached memory) settle there. From the
 second boundary on, a site leaks when its live bytes end higher than they started, never fall
-from one boundary to the next, and rise in at least half of the intervals: a clean loop keeps
-every site exactly level, and a site whose bytes go up and down (variable batch shapes)
-is not a leak. Bytes per iteration are the rise divided by the iterations it took.
+from one boundary to the next, and rise in at least two intervals and at least half of them:
+a clean loop keeps every site exactly level, a site whose bytes go up and down (variable batch
+shapes) is not a leak, and neither is state made once after warm-up (an optimizer's state for
+a parameter that first gets a gradient at step 3). So growth is judged from four iterations
+on. Bytes per iteration are the rise divided by the iterations it took.
 
 A loss summed with its graph (``total += loss``) keeps no tensor bytes once backward freed the
 saved tensors, but its autograd graph (host memory) grows by one iteration's nodes each time:
@@ -42,6 +44,8 @@ from .sites import SiteTable
 from .tracker import StorageTracker
 
 MAX_BOUNDARIES = 256
+MIN_RISES = 2  # a site must rise in at least this many intervals to leak
+MIN_BOUNDARIES = MIN_RISES + 2  # warm-up, then MIN_RISES intervals
 MAX_GRAPH_NODES = 200_000  # graph nodes walked at one boundary, over all roots
 REASON_SAMPLES = 2  # newest surviving tensors of a leaking site looked up
 HOLDER_SAMPLES = 3  # tensors of a graph-holding site whose name is looked up
@@ -123,13 +127,13 @@ def _rising(values: list[int], strict: bool) -> bool:
     if not diffs or values[-1] <= values[0] or any(d < 0 for d in diffs):
         return False
     ups = sum(1 for d in diffs if d > 0)
-    return ups == len(diffs) if strict else 2 * ups >= len(diffs)
+    return ups == len(diffs) if strict else ups >= MIN_RISES and 2 * ups >= len(diffs)
 
 
 def find_leaks(bounds: list[Boundary]) -> tuple[float, list[Leak]]:
     """(growth of all live bytes per iteration, leaks largest first) from the second boundary on;
-    see Note [Doctor's growth test]. Needs three boundaries."""
-    if len(bounds) < 3:
+    see Note [Doctor's growth test]. Needs MIN_BOUNDARIES boundaries."""
+    if len(bounds) < MIN_BOUNDARIES:
         return 0.0, []
     window = bounds[1:]
     span = window[-1].iteration - window[0].iteration

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .advice import advise
-from .growth import Boundaries, boundary, find_leaks, reason_for
+from .growth import MIN_BOUNDARIES, Boundaries, boundary, find_leaks, reason_for
 from .owners import Breakdown, breakdown
 from .report import imbalance
 from .sites import SiteTable
@@ -253,9 +253,9 @@ class Doctor:
         if kind is None:
             notes.append("no iterations were seen (no optimizer step and no backward()): "
                          "only the peak is reported")
-        elif len(items) < 3:
-            notes.append(f"only {bounds.count} iteration(s) ({kind}) were seen: growth needs 3 "
-                         "(the first is warm-up)")
+        elif len(items) < MIN_BOUNDARIES:
+            notes.append(f"only {bounds.count} iteration(s) ({kind}) were seen: growth is judged from "
+                         f"{MIN_BOUNDARIES} (the first is warm-up)")
         since = items[1].iteration if len(items) > 1 else 0
         holders = [leak.site for leak in leaks if leak.graph_nodes_per_iteration]
         if any(leak.bytes_per_iteration > 0 for leak in leaks):
@@ -283,7 +283,7 @@ class Doctor:
             "iterations": bounds.count,
             "optimizer_steps": self.optimizer_steps,
             "backward_calls": self.backward_calls,
-            "growth_window": [items[1].iteration, items[-1].iteration] if len(items) >= 3 else None,
+            "growth_window": [items[1].iteration, items[-1].iteration] if len(items) >= MIN_BOUNDARIES else None,
             "growth_bytes_per_iteration": round(growth, 1),
             "leaks": leak_rows,
             "peak": peak.to_json(),
