@@ -62,7 +62,7 @@ def format_report(r: dict[str, Any]) -> str:
     for note in r.get("notes") or []:
         out.append(f"  note: {note}")
     if r.get("stopped_after_steps"):
-        out.append(f"  stopped after {r['stopped_after_steps']} iterations, as asked (--steps)")
+        out.append(f"  stopped after {r['stopped_after_steps']} iterations, as asked")
     crash = r.get("crash")
     if crash:
         message = crash["message"] if len(crash["message"]) <= 160 else crash["message"][:157] + "..."
