@@ -499,6 +499,33 @@ def test_the_context_manager_stops_at_steps_and_leaves_nothing_behind() -> None:
     assert d.optimizer_steps == 4 and d.backward_calls == 4
 
 
+def test_storages_made_with_no_user_frame_during_backward_name_the_backward_line() -> None:
+    # CUDA backward runs on autograd's device threads, where no frame is the user's: a thread
+    # running only library code stands in for one (no GPU here).
+    import threading
+
+    model = torch.nn.Linear(4, 4)
+    made: list[torch.Tensor] = []
+    with pyalloc.doctor(print_report=False) as d:
+        library_code = compile("made.append(torch.empty(100)); tracker.note(made[-1])", torch.__file__, "exec")
+        original = d._original_backward
+        assert original is not None
+
+        def backward_on_a_device_thread(*args: Any, **kwargs: Any) -> None:
+            original(*args, **kwargs)
+            worker = threading.Thread(target=exec, args=(library_code, {"torch": torch, "made": made,
+                                                                        "tracker": d.tracker}))
+            worker.start()
+            worker.join()
+
+        d._original_backward = backward_on_a_device_thread
+        model(torch.randn(2, 4)).sum().backward()
+        line = sys._getframe().f_lineno - 1
+    record = next(r for r in d.tracker.live.values() if r.size == 400)
+    site = d.sites[record.site]
+    assert (site.file, site.line) == (__file__, line)
+
+
 def test_the_context_manager_refuses_bad_steps() -> None:
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         pyalloc.doctor(steps=0)

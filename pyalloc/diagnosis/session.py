@@ -160,12 +160,15 @@ class Doctor:
         assert self._original_backward is not None
         self._backward_depth += 1
         self.phase = "backward"
+        if self._backward_depth == 1:
+            self.tracker.fallback_site = self.sites.current()
         try:
             result = self._original_backward(*args, **kwargs)
         finally:
             self._backward_depth -= 1
             if self._backward_depth == 0:
                 self.phase = "forward"
+                self.tracker.fallback_site = None
         if self._backward_depth == 0:
             self._after_backward()
         return result

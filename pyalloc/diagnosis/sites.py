@@ -53,6 +53,7 @@ class SiteTable:
         self._user_code: dict[CodeType, bool] = {}
         self._ids: dict[tuple[str, int, str, str, int], int] = {}
         self.sites: list[Site] = []
+        self.no_user_frame = self.intern(NO_USER_FRAME)
 
     def is_user_file(self, filename: str) -> bool:
         if filename.startswith("<frozen") or filename.startswith(self._prefixes):

@@ -23,7 +23,8 @@ and whether that module was in training mode.
 
 Backward on CPU runs on the thread that called it, so the mode sees gradients and names the
 ``backward()`` line; CUDA backward runs on autograd's device threads, which inherit the mode
-but have no user frame: gradients are then attributed to ``<no user frame>``.
+but have no user frame: what they make is attributed to the ``backward()`` line the session
+recorded when backward began (``fallback_site``; not run here, there is no GPU).
 
 Only the thread that started the tracker is seen (dispatch modes are thread-local).
 
@@ -127,6 +128,7 @@ class StorageTracker(TorchDispatchMode):
         self._child_names: dict[int, dict[int, str]] = {}
         self._class_counts: dict[str, int] = {}
         self.paused = False
+        self.fallback_site: int | None = None  # the backward() line, while a backward runs
         self.errors = 0  # exceptions inside note(), swallowed
         self.last_error = ""
 
@@ -144,6 +146,8 @@ class StorageTracker(TorchDispatchMode):
         device = str(t.device)
         if site is None:
             site = self.sites.current(skip=3)
+            if site == self.sites.no_user_frame and self.fallback_site is not None:
+                site = self.fallback_site
         try:
             tref: "weakref.ref[torch.Tensor] | None" = weakref.ref(t)
         except TypeError:
