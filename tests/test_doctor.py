@@ -327,6 +327,29 @@ for step in range(3):
     assert checkpoint == 256 * 8 * 4  # all but the largest block's
 
 
+def test_activations_under_data_parallel_are_owned_by_the_wrapped_model() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU())
+            self.head = torch.nn.Linear(64, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    model = torch.nn.DataParallel(Net())  # without GPUs it runs the module in this thread
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pyalloc.doctor(print_report=False) as d:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(32, 8)).sum().backward()
+            opt.step()
+    assert d.report is not None
+    peak = d.report["peak"]
+    assert set(peak["activations_by_module"]) == {"Net"}
+    assert set(peak["activations_by_block"]) <= {"Net.body", "Net.head"} and "Net.body" in peak["activations_by_block"]
+
+
 # ---- crash, OOM, no optimizer, --steps -------------------------------------------------------------
 
 

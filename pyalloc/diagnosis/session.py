@@ -294,6 +294,7 @@ class Doctor:
             "devices": devices,
             "imbalance": imbalance({d: v["peak_bytes"] for d, v in devices.items()}),
             "allocator": allocator_state(),
+            "gpu_processes": other_processes() if _cuda_in_use() else None,
             "advice": [a.to_json() for a in advise(peak)],
             "crash": self.crash,
             "oom": self.oom,
@@ -322,6 +323,13 @@ def parse_request(text: str) -> int | None:
 def parse_device(text: str) -> str | None:
     m = re.search(r"GPU\s+(\d+)", text)
     return f"cuda:{m.group(1)}" if m else None
+
+
+def _cuda_in_use() -> bool:
+    try:
+        return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+    except Exception:
+        return False
 
 
 def allocator_state() -> dict[str, Any] | None:

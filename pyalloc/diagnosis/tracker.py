@@ -96,6 +96,13 @@ class SavedOwner:
         self.iteration = iteration
 
 
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DataParallel or DistributedDataParallel, which name it `module`."""
+    wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    inner = getattr(module, "module", None)
+    return inner if isinstance(module, wrappers) and isinstance(inner, torch.nn.Module) else module
+
+
 def storage_key(t: torch.Tensor) -> int | None:
     try:
         return int(t.untyped_storage()._cdata)
@@ -229,12 +236,13 @@ class StorageTracker(TorchDispatchMode):
             ident = id(module)
             entry = self.top_modules.get(ident)
             if entry is None or entry[0]() is not module:
-                name = type(module).__name__
+                inner = _unwrapped(module)
+                name = type(inner).__name__
                 count = self._class_counts.get(name, 0) + 1
                 self._class_counts[name] = count
                 label = name if count == 1 else f"{name}#{count}"
                 self.top_modules[ident] = (weakref.ref(module), label)
-                self._child_names[ident] = {id(c): n for n, c in module.named_children()}
+                self._child_names[ident] = {id(c): n for n, c in inner.named_children()}
         self.module_stack.append(module)
 
     def module_post(self, module: torch.nn.Module, _args: Any, _out: Any) -> None:
@@ -252,8 +260,11 @@ class StorageTracker(TorchDispatchMode):
         entry = self.top_modules.get(id(top))
         label = entry[1] if entry is not None else type(top).__name__
         child = ""
-        if len(stack) > 1:
-            child = self._child_names.get(id(top), {}).get(id(stack[1]), type(stack[1]).__name__)
+        names = self._child_names.get(id(top), {})
+        for module in stack[1:3]:  # under DataParallel / DDP the block is the wrapped module's child
+            if id(module) in names:
+                child = names[id(module)]
+                break
         return label, child, bool(top.training)
 
     def modules(self) -> list[torch.nn.Module]:
