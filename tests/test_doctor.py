@@ -252,7 +252,7 @@ for step in range(6):
     loss.backward()
     opt.step()
     losses.append(loss.item())
-print("checksum", repr(sum(float(p.double().sum()) for p in model.parameters())), file=sys.stderr)
+print("checksum", repr(sum(float(p.detach().double().sum()) for p in model.parameters())), file=sys.stderr)
 """
 
 
