@@ -11,7 +11,9 @@ may import and what must never come to it; tests/test_package_layers.py checks):
 - ``offloading``: the activation offload manager (``pyalloc.offload``);
 - ``traces``: the trace format, record, replay, the stress suite and its workloads;
 - ``gpumemd``: the node daemon, with the registry reader; it needs neither torch nor the
-  library.
+  library;
+- ``diagnosis``: ``pyalloc doctor`` and ``pyalloc.doctor()``: why memory grows, who holds it,
+  what to change.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = [
     "create_pool",
     "current_pool",
     "device_count",
+    "doctor",
     "dump_snapshot",
     "empty_cache",
     "free",
@@ -88,6 +91,10 @@ def __getattr__(name: str) -> object:
         from .offloading.session import offload
 
         return offload
+    if name == "doctor":
+        from .diagnosis.session import Doctor
+
+        return Doctor
     if name == "relocate_training_state":
         from .pytorch.training_state import relocate_training_state
 

@@ -32,6 +32,7 @@ COMMAND_MODULES: list[str] = [
     "pyalloc.traces.record",
     "pyalloc.traces.selftest",
     "pyalloc.gpucheck.run",
+    "pyalloc.diagnosis.run",
 ]
 
 # ---- pyalloc config -----------------------------------------------------------

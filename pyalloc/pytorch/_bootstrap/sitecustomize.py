@@ -22,6 +22,11 @@ the install (or the warning: offload works on CPU too), the same hook starts
 the process-wide offload session on the main thread
 (``pyalloc/offloading/process.py``, Note [Process-wide session]).
 
+``pyalloc doctor`` sets ``PYALLOC_DOCTOR`` (a report path) instead of, or besides,
+``PYALLOC_AUTOINSTALL``: the same hook then starts the doctor on the thread that imported
+torch (``pyalloc/diagnosis/process.py``), last, so that it sees the offload session's work as
+the program's.
+
 Then it chains to the ``sitecustomize`` this one shadows, if any, so a site's
 or a virtual environment's own customization still runs.
 """
@@ -38,6 +43,7 @@ from typing import Any, Sequence
 
 AUTOINSTALL_ENV = "PYALLOC_AUTOINSTALL"
 OFFLOAD_ENV = "PYALLOC_OFFLOAD"  # pyalloc.offloading.process.OFFLOAD_ENV
+DOCTOR_ENV = "PYALLOC_DOCTOR"  # pyalloc.diagnosis.process.DOCTOR_ENV
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The folder holding the pyalloc package that this file belongs to
@@ -72,6 +78,15 @@ def _install_into_torch() -> None:
     """Runs right after ``import torch`` completes."""
     import torch
 
+    if os.environ.get(AUTOINSTALL_ENV) == "1":
+        _install_pyalloc(torch)
+    if os.environ.get(OFFLOAD_ENV, "").strip():
+        _start_offload()
+    if os.environ.get(DOCTOR_ENV, "").strip():
+        _start_doctor()
+
+
+def _install_pyalloc(torch: ModuleType) -> None:
     try:
         pyalloc = _import_pyalloc()
         reason = importlib.import_module("pyalloc.pytorch.install").cuda_unavailable_reason(torch)
@@ -86,8 +101,6 @@ def _install_into_torch() -> None:
         sys.stderr.write(f"pyalloc: error: cannot install pyalloc: {exc}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
-    if os.environ.get(OFFLOAD_ENV, "").strip():
-        _start_offload()
 
 
 def _start_offload() -> None:
@@ -95,6 +108,16 @@ def _start_offload() -> None:
         importlib.import_module("pyalloc.offloading.process").start_from_environment()
     except Exception as exc:  # a bad $PYALLOC_OFFLOAD (pyalloc run validates --offload)
         sys.stderr.write(f"pyalloc: error: cannot start the offload session: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+
+
+def _start_doctor() -> None:
+    try:
+        _import_pyalloc()
+        importlib.import_module("pyalloc.diagnosis.process").start_from_environment()
+    except Exception as exc:
+        sys.stderr.write(f"pyalloc: error: cannot start the doctor: {exc}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
 
@@ -146,7 +169,7 @@ def _remove_hook() -> None:
 
 
 def _arm_autoinstall() -> None:
-    if os.environ.get(AUTOINSTALL_ENV) != "1":
+    if os.environ.get(AUTOINSTALL_ENV) != "1" and not os.environ.get(DOCTOR_ENV, "").strip():
         return
     if "torch" in sys.modules:  # imported by an earlier startup hook (.pth file)
         _install_into_torch()
