@@ -15,6 +15,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pyalloc",
         description="pyalloc: a caching, stream-ordered GPU memory allocator for PyTorch",
     )
+    parser.add_argument("--version", action=_Version, help="print the version of the package and its library")
     subparsers = parser.add_subparsers(dest="command_name", metavar="COMMAND")
     subparsers.required = True
     for register in BUILTIN_COMMANDS:
@@ -117,12 +119,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Version(argparse.Action):
+    """--version: the package's and the loaded library's (they differ only in a broken install)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from .core import version as library_version
+
+        try:
+            package = version("pyalloc")
+        except PackageNotFoundError:
+            package = "(not installed)"
+        try:
+            library = library_version()
+        except (OSError, PyallocError) as exc:
+            library = f"not loaded: {exc}"
+        print(f"pyalloc {package} (library {library})")
+        parser.exit(0)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> str:
+    """One line for arguments no parser took, with the closest option of the command's own."""
+    where = parser
+    if command is not None:
+        for action in parser._actions:  # argparse keeps the subparsers here and nowhere public
+            if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+                where = action.choices[command]
+    options = [o for a in where._actions for o in a.option_strings]
+    first = unknown[0].split("=", 1)[0]
+    close = difflib.get_close_matches(first, options, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else f"; see pyalloc {command or ''} --help".replace("  ", " ")
+    return f"{where.prog}: error: unrecognized argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}{hint}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pyalloc`` console script; returns the exit status."""
     # The commands report a bad $PYALLOC_CONF themselves, in one line: the library stays quiet.
     os.environ["PYALLOC_CLI"] = "1"
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    args, unknown = parser.parse_known_args(list(argv) if argv is not None else None)
+    if unknown:
+        print(_unrecognized(parser, getattr(args, "command_name", None), unknown), file=sys.stderr)
+        return EXIT_USAGE
     handler: Handler = args.handler
     try:
         return int(handler(args))

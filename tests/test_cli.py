@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import site
@@ -262,3 +263,18 @@ def test_install_refuses_a_bad_pyalloc_conf_at_once() -> None:
     result = subprocess.run([sys.executable, "-c", code], env=child_env(PYALLOC_CONF="vmm=maybe"),
                             capture_output=True, text=True, timeout=300)
     assert result.stdout.startswith("PYALLOC_CONF: bad value 'maybe' for vmm"), result.stdout + result.stderr
+
+
+def test_a_mistyped_flag_is_one_line_that_suggests_the_flag() -> None:
+    # Issue 23: `pyalloc stress --quik` printed the top-level usage and no suggestion.
+    result = pyalloc_cli("stress", "--quik")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "pyalloc stress: error: unrecognized argument: --quik (did you mean --quick?)"
+    far = pyalloc_cli("config", "--zzzzzz")
+    assert far.stderr.strip() == "pyalloc config: error: unrecognized argument: --zzzzzz; see pyalloc config --help"
+
+
+def test_version_names_the_package_and_its_library() -> None:
+    result = pyalloc_cli("--version")
+    assert result.returncode == 0
+    assert re.fullmatch(r"pyalloc \S+ \(library \S+\)\n", result.stdout), result.stdout
