@@ -231,7 +231,7 @@ def test_stress_labels_both_models_in_the_table() -> None:
     run_ = stress.WorkloadRun(stress.load_workload("mlp", 0, True))
     for p in ("pyalloc", "native", POLICY):
         run_.runs[p] = stress.run_policy(run_.workload, p, False, 10)
-    table = stress.format_table([run_], ["pyalloc", "native", POLICY])
+    table = stress.format_table([run_], ["pyalloc", "native", POLICY], wide=True)
     header = table.splitlines()[0]
     assert "native (model)" in header and "expandable (model)" in header
     assert "expandable (model): a model of PyTorch's policy with expandable_segments:True" in table

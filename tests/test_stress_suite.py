@@ -369,10 +369,27 @@ def test_table_labels_the_native_policy_as_a_model() -> None:
     run = stress.WorkloadRun(stress.load_workload("mlp", 0, True))
     for policy in ("pyalloc", "native"):
         run.runs[policy] = stress.run_policy(run.workload, policy, False, 10)
-    table = stress.format_table([run], ["pyalloc", "native"])
+    table = stress.format_table([run], ["pyalloc", "native"], wide=True)
     header = table.splitlines()[0]
     assert "native (model)" in header and "pyalloc" in header
     assert " native " not in header.replace("native (model)", "")
+
+
+def test_the_default_table_fits_100_columns_and_says_what_its_column_is() -> None:
+    # Issue 23: the table was 197 columns wide; --wide keeps every column.
+    run = stress.WorkloadRun(stress.load_workload("interleaved_lifetimes", 0, True))
+    for policy in stress.DEFAULT_POLICIES:
+        run.runs[policy] = stress.run_policy(run.workload, policy, True, 10)
+    table = stress.format_table([run], list(stress.DEFAULT_POLICIES))
+    assert max(len(line) for line in table.splitlines()) <= 100
+    top, sub = table.splitlines()[:2]
+    assert "native" in top and "(model)" in sub and "expandable" in top
+    row = table.splitlines()[3].split()
+    live = run.workload.flat.peak_live_bytes
+    assert row[0] == "interleaved_lifetimes" and len(row) == 2 + len(stress.DEFAULT_POLICIES)
+    assert row[2] == f"{run.runs['pyalloc'].min_capacity_bytes / live:.2f}"
+    assert "min cap / peak live" in table and "--wide" in table
+    assert max(len(line) for line in stress.format_table([run], list(stress.DEFAULT_POLICIES), wide=True).splitlines()) > 100
 
 
 def test_load_workload_counts_iterations_of_generated_traces() -> None:

@@ -269,8 +269,21 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MiB:,.0f}"
 
 
-def format_table(runs: list[WorkloadRun], policies: list[str]) -> str:
-    """The table: workload, peak live, then per policy reserved, min cap, min/live, ns/op."""
+def _two_lines(label: str) -> tuple[str, str]:
+    """A column header on two lines, split after its first space or hyphen."""
+    for sep in (" ", "-"):
+        if sep in label:
+            head, tail = label.split(sep, 1)
+            return (head + sep).rstrip(), tail
+    return "", label
+
+
+def format_table(runs: list[WorkloadRun], policies: list[str], wide: bool = False) -> str:
+    """The table. Narrow (the default, under 100 columns for the default policies): workload,
+    peak live, then per policy min cap / peak live. Wide: per policy reserved, min cap, min/live,
+    ns/op."""
+    if not wide:
+        return _format_narrow_table(runs, policies)
     per_policy = ["reserved", "min cap", "min/live", "ns/op"]
     widths = [10, 10, 8, 7]
     head_w = max([len("workload")] + [len(r.workload.name) for r in runs])
@@ -287,18 +300,45 @@ def format_table(runs: list[WorkloadRun], policies: list[str]) -> str:
         row = f"{run.workload.name:<{head_w}}  {_mib(live):>10}"
         for p in policies:
             pr = run.runs[p]
-            ratio = "-" if pr.min_capacity_bytes is None or not live else f"{pr.min_capacity_bytes / live:.2f}"
-            cells = [_mib(pr.result.peak_reserved_bytes), _mib(pr.min_capacity_bytes), ratio,
+            cells = [_mib(pr.result.peak_reserved_bytes), _mib(pr.min_capacity_bytes), _ratio(pr, live),
                      f"{pr.result.ns_per_op:.0f}"]
             row += " | " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
         lines.append(row)
     lines.append("sizes in MiB; min cap: smallest capacity (2 MiB steps) with no failed allocation; "
                  "ns/op: allocator time per malloc or free, sim backend, best of " + str(TIMED_REPEATS) + " replays")
-    if "native" in policies:
-        lines.append("native (model): a model of PyTorch's default caching allocator policy, not PyTorch itself")
-    if "native-expandable" in policies:
-        lines.append("expandable (model): a model of PyTorch's policy with expandable_segments:True, not PyTorch itself")
+    lines += _model_notes(policies)
     return "\n".join(lines)
+
+
+def _ratio(pr: PolicyRun, live: int) -> str:
+    return "-" if pr.min_capacity_bytes is None or not live else f"{pr.min_capacity_bytes / live:.2f}"
+
+
+def _format_narrow_table(runs: list[WorkloadRun], policies: list[str]) -> str:
+    heads = [_two_lines(policy_label(p)) for p in policies]
+    widths = [max(5, len(a), len(b)) for a, b in heads]
+    head_w = max([len("workload")] + [len(r.workload.name) for r in runs])
+    top = f"{'':<{head_w}}  {'peak live':>9}" + "".join(f"  {a:>{w}}" for (a, _), w in zip(heads, widths))
+    sub = f"{'workload':<{head_w}}  {'MiB':>9}" + "".join(f"  {b:>{w}}" for (_, b), w in zip(heads, widths))
+    lines = [top.rstrip(), sub, "-" * len(sub)]
+    for run in runs:
+        live = run.workload.flat.peak_live_bytes
+        row = f"{run.workload.name:<{head_w}}  {_mib(live):>9}"
+        row += "".join(f"  {_ratio(run.runs[p], live):>{w}}" for p, w in zip(policies, widths))
+        lines.append(row)
+    lines.append("each policy: min cap / peak live, where min cap is the smallest capacity (2 MiB steps) with")
+    lines.append("no failed allocation (lower is better); --wide adds reserved, min cap in MiB and ns/op")
+    lines += _model_notes(policies)
+    return "\n".join(lines)
+
+
+def _model_notes(policies: list[str]) -> list[str]:
+    notes = []
+    if "native" in policies:
+        notes.append("native (model): a model of PyTorch's default caching allocator policy, not PyTorch itself")
+    if "native-expandable" in policies:
+        notes.append("expandable (model): a model of PyTorch's policy with expandable_segments:True, not PyTorch itself")
+    return notes
 
 
 def format_device_table(runs: list[WorkloadRun], device_name: str) -> str:
@@ -488,7 +528,7 @@ def _run(args: argparse.Namespace) -> int:
             bar.update(len(names))
 
     report = build_report(runs, policies, args, curve_points, device, time.perf_counter() - started)
-    table = format_table(runs, policies)
+    table = format_table(runs, policies, wide=args.wide)
     if device is not None and device_error is None:
         table += "\n\n" + format_device_table(runs, device["device_name"])
     if args.json == "-":
@@ -530,6 +570,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-device", action="store_true",
                         help="skip the real-GPU run even where torch.cuda.is_available()")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column: per policy reserved, min cap (MiB), min/live and ns/op "
+                             "(default: min cap / peak live alone, under 100 columns)")
 
 
 def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
