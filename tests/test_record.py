@@ -12,6 +12,8 @@ import gzip
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -276,3 +278,13 @@ def test_shipped_workload_is_a_recording_with_marks_that_replays_without_oom(ste
         result = replay.replay(flat, policy, "sim")
         assert result.ooms == 0
         assert result.peak_live_bytes == trace.peak_live_bytes()
+
+
+def test_the_cli_prints_no_profiler_chatter(tmp_path: Path) -> None:
+    # Issue 23: kineto's "USDT: ... profiler_start" lines reached the user's terminal.
+    out = tmp_path / "tiny.jsonl.gz"
+    result = subprocess.run([sys.executable, "-m", "pyalloc.cli", "record", "mlp", "--tiny", "-o", str(out),
+                             ], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "USDT:" not in result.stderr and "profiler_st" not in result.stderr, result.stderr
+    assert result.stdout.startswith(f"{out}: ") and out.is_file()

@@ -40,6 +40,7 @@ per time step where cuDNN takes one workspace), and there is no stream.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -159,6 +160,31 @@ def snapshot_to_trace(snapshot: Any, name: str, device: int = 0, boundaries: Seq
 # ---- CPU: the profiler's allocation events ----------------------------------------------
 
 
+# Lines the profiler's C++ half (kineto) writes to stderr when it starts and stops, whatever
+# KINETO_LOG_LEVEL says: "USDT:... profiler_start", "STAGE:... Completed Stage: Warm Up".
+_PROFILER_CHATTER = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """Runs the block with file descriptor 2 in a temporary file, then writes back to stderr
+    every line of it except the profiler's own chatter (a stray line in the output of
+    ``pyalloc record``, issue 23)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(_PROFILER_CHATTER)]
+            sys.stderr.write("".join(kept))
+
+
 def _profiler_allocations(prof: Any) -> tuple[list[dict[str, Any]], list[int]]:
     """CPU allocator calls as snapshot-form entries (``time_ns``), and the steps' end times.
 
@@ -213,11 +239,17 @@ def record_cpu(setup: Callable[[], Step], steps: int, *, desc: str = "record",
         raise PyallocError(f"steps must be at least 1, got {steps}")
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    with _without_profiler_chatter():
+        prof.start()
+    try:
         step = setup()
         for _ in _progress(steps, desc, progress):
             with record_function(ITERATION_RANGE):
                 step()
+    finally:
+        with _without_profiler_chatter():
+            prof.stop()
     entries, boundaries = _profiler_allocations(prof)
     # Marks are placed with the nanosecond times; only the written times are coarser.
     import torch
