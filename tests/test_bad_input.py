@@ -79,3 +79,20 @@ def test_bad_trace_files_are_one_line_errors(tmp_path: Path, command: str) -> No
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in done.stderr, (name, done.stderr)
         assert str(path) in lines[0], (name, lines[0])
+
+
+def test_the_selftest_table_lines_up_whatever_the_workload_names() -> None:
+    # Issue 23 item 7: names longer than 10 characters pushed their rows out of line.
+    from pyalloc.traces.trace import workloads_dir
+
+    workloads = workloads_dir()
+    paths = [str(workloads / "mlp.jsonl.gz"), str(workloads / "transformer_lm.jsonl.gz")]
+    result = subprocess.run([sys.executable, "-m", "pyalloc.cli", "selftest", *paths],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.splitlines()[:3]
+    assert table[0].startswith("workload") and table[1].startswith("mlp ") and table[2].startswith("transformer_lm ")
+    assert len({len(line) for line in table}) == 1, table
+    for column in ("ops", "time"):  # right-aligned: every line ends each column at the same place
+        end = table[0].index(column) + len(column)
+        assert all(line[end - 1] != " " and (end == len(line) or line[end] == " ") for line in table), table

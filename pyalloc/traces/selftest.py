@@ -98,6 +98,7 @@ def run(paths: list[Path], as_json: bool) -> int:
     if not paths:
         paths = sorted(workloads_dir().glob("*.jsonl.gz"))
     results = []
+    name_w = max([len("workload")] + [len(p.name.split(".")[0]) for p in paths])  # rows print as they finish
     for path in paths:
         name = path.name.split(".")[0]
         try:
@@ -117,9 +118,9 @@ def run(paths: list[Path], as_json: bool) -> int:
         if not as_json:
             r = results[-1]
             if len(results) == 1:
-                print(f"{'workload':<10} {'ops':>7} {'peak live':>11} {'peak reserved':>14} "
+                print(f"{'workload':<{name_w}} {'ops':>7} {'peak live':>11} {'peak reserved':>14} "
                       f"{'reserved/live':>13} {'verified':>11} {'checks':>6} {'time':>7}")
-            print(f"{r.workload:<10} {r.ops:>7} {r.peak_live_bytes / MiB:>7.1f} MiB {r.peak_reserved_bytes / MiB:>10.1f} MiB "
+            print(f"{r.workload:<{name_w}} {r.ops:>7} {r.peak_live_bytes / MiB:>7.1f} MiB {r.peak_reserved_bytes / MiB:>10.1f} MiB "
                   f"{r.reserved_over_live:>13.3f} {r.bytes_verified / MiB:>7.0f} MiB {r.checks:>6} {r.seconds:>6.2f}s")
     if as_json:
         json.dump({"backend": "host", "results": [asdict(r) for r in results]}, sys.stdout, indent=2)
