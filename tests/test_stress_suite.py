@@ -410,3 +410,23 @@ def test_the_plan_policy_serves_a_repeated_loop_from_a_plan() -> None:
     assert find_min_capacity(w.flat, "pyalloc-plan") <= find_min_capacity(w.flat, "native")
     replay(w.flat, "pyalloc", "sim")
     assert pyalloc.config()["plan"] is False  # the policy does not leak into the next replay
+
+
+def test_the_plot_has_one_legend_and_draws_plain_segments_visibly_under_the_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 23 item 9: pyalloc-plain's curve lay exactly under native (model)'s, invisible, and
+    # each of the panels had a legend over its data.
+    import matplotlib.figure
+
+    saved: list[matplotlib.figure.Figure] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    run = stress.WorkloadRun(stress.load_workload("mlp", 0, True))
+    for policy in ("pyalloc", "pyalloc-plain", "native"):
+        run.runs[policy] = stress.run_policy(run.workload, policy, False, 10)
+    stress.plot([run, run], ["pyalloc", "pyalloc-plain", "native"], 10, tmp_path / "p.png")
+    (fig,) = saved
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    plain, native = lines["pyalloc-plain reserved"], lines["native (model) reserved"]
+    assert list(plain.get_ydata()) == list(native.get_ydata())  # the same curve here...
+    assert plain.get_linewidth() > 2 * native.get_linewidth() and native.get_linestyle() == "--"  # ...both seen

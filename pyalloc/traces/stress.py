@@ -439,9 +439,11 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
+    # pyalloc-plain places as PyTorch does, so its curve often lies exactly on native's: it is
+    # drawn wide and light under the others, native thin and dashed over it, both visible.
     styles = {"pyalloc": {"color": "tab:blue", "linestyle": "-"},
               "pyalloc-small-pool": {"color": "tab:cyan", "linestyle": "-"},
-              "pyalloc-plain": {"color": "tab:purple", "linestyle": "-."},
+              "pyalloc-plain": {"color": "tab:purple", "linestyle": "-", "linewidth": 4.0, "alpha": 0.35},
               "pyalloc-plan": {"color": "tab:green", "linestyle": ":"},
               "pyalloc-lifetime": {"color": "tab:red", "linestyle": ":"},
               "pyalloc-plain-lifetime": {"color": "tab:brown", "linestyle": ":"},
@@ -458,8 +460,8 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
         live = run.runs[policies[0]].result.curve_live
         ax.plot(x, [v / scale for v in live], color="black", linewidth=1.2, label="live")
         for p in policies:
-            style = styles.get(p, {})
-            ax.plot(x, [v / scale for v in run.runs[p].result.curve_reserved], linewidth=1.2,
+            style = {"linewidth": 1.2, **styles.get(p, {})}
+            ax.plot(x, [v / scale for v in run.runs[p].result.curve_reserved],
                     label=f"{policy_label(p)} reserved", **style)
         if run.device is not None:
             ax.plot(x, [v / scale for v in run.device["curve_reserved_bytes"]], color="tab:green",
@@ -468,12 +470,14 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
         ax.set_xlabel("event index")
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     fig.suptitle("pyalloc stress: memory over time (sim backend; native, expandable = models of PyTorch's allocator)",
                  fontsize=11)
-    fig.tight_layout()
+    # One legend for the figure, below the panels, not one over each panel's data.
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.9 / (3.4 * nrows), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
