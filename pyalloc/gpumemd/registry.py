@@ -427,6 +427,40 @@ def scan(directory: Path | str | None = None, as_uid: int | None = None) -> Scan
     return out
 
 
+@dataclass(frozen=True)
+class DirHealth:
+    problem: str | None  # why pyalloc processes cannot publish records there; None: they can
+    free_bytes: int | None  # space left for records (statvfs), None when unknown
+
+
+def dir_health(directory: Path | str | None = None) -> DirHealth:
+    """Whether pyalloc processes can publish records in ``directory``: a missing, read-only or
+    full registry folder leaves every process unseen (the library then runs without a record),
+    and the daemon is the one that can tell the operator."""
+    where = Path(directory or registry_dir())
+    try:
+        st = os.stat(where)
+    except OSError as e:
+        return DirHealth(f"{where}: {os.strerror(e.errno or 0)}: no pyalloc process can publish a record there",
+                         None)
+    if not stat.S_ISDIR(st.st_mode):
+        return DirHealth(f"{where}: not a directory", None)
+    try:
+        vfs = os.statvfs(where)
+    except OSError:
+        return DirHealth(None, None)
+    free = vfs.f_bavail * vfs.f_frsize
+    if vfs.f_flag & os.ST_RDONLY:
+        return DirHealth(f"{where}: read-only file system: pyalloc processes cannot publish records", free)
+    if st.st_mode & 0o222 == 0:
+        return DirHealth(f"{where}: mode {stat.S_IMODE(st.st_mode):o} lets no one write: pyalloc processes "
+                         f"cannot publish records", free)
+    if free < RECORD_SIZE:
+        return DirHealth(f"{where}: full ({free} bytes free, a record takes {RECORD_SIZE}): new pyalloc "
+                         f"processes cannot publish records", free)
+    return DirHealth(None, free)
+
+
 # --- liveness -----------------------------------------------------------------------------
 
 def proc_start_ticks(pid: int) -> int | None:
