@@ -68,11 +68,11 @@ class _Family:
         self.lines: list[str] = []
 
     def add(self, labels: str, value: float | int) -> None:
-        self.lines.append(f"{self.name}{labels} {_number(value)}")
+        self.lines.append(f"{self.name}{labels} {_number(value)}")  # lines end in "<value>", no newline
 
     def text(self) -> str:
         head = f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n"
-        return head + "".join(line + "\n" for line in self.lines)
+        return head + "".join(("\n".join(self.lines), "\n")) if self.lines else head
 
 
 def _scalar(name: str, help_text: str, value: float | int) -> _Family:
@@ -102,8 +102,10 @@ def _device_families(devices: list[DeviceRow]) -> list[_Family]:
 
 
 def _process_families(processes: list[ProcessRow], now: float) -> list[_Family]:
+    """The per-process families: the hot loop of a scrape (tens of thousands of lines on a big
+    node), so each row's label text is built once and lines are appended without calls."""
     used = _Family("gpumemd_process_used_bytes", "Device memory the driver charges the process (NVML).")
-    alloc = {key: _Family(f"gpumemd_process_{name}", h) for key, name, h in _ALLOCATOR_GAUGES}
+    alloc = [(key, _Family(f"gpumemd_process_{name}", h)) for key, name, h in _ALLOCATOR_GAUGES]
     ooms = _Family("gpumemd_process_ooms_total", "Out-of-memory failures of the allocator.", "counter")
     hb = _Family("gpumemd_process_heartbeat_age_seconds", "Seconds since the process's registry heartbeat.")
     sm = _Family("gpumemd_process_sm_utilization_ratio", "SM utilization of the process, 0..1 (NVML).")
@@ -113,28 +115,30 @@ def _process_families(processes: list[ProcessRow], now: float) -> list[_Family]:
     idle = _Family("gpumemd_process_idle_seconds",
                    "Seconds the process has been idle (no SM use, CPU under threshold).")
     flags = _Family("gpumemd_process_flag", "1 when the process has the flag.")
+    alloc_out = [(key, f.name, f.lines.append) for key, f in alloc]
     for p in processes:
-        pairs = [("UUID", p.uuid or ""), ("backend", p.device.split(":")[0]), ("gpu", str(p.gpu)),
-                 ("pid", str(p.pid)), ("user", p.user or "")]
-        labels = _labels(pairs)
+        uuid, backend, user = _escape(p.uuid or ""), _escape(p.device.split(":")[0]), _escape(p.user or "")
+        head = f'UUID="{uuid}",backend="{backend}"'
+        tail = f'gpu="{p.gpu}",pid="{p.pid}",user="{user}"'
+        labels = "{" + head + "," + tail + "} "
         if p.used_bytes is not None:
-            used.add(labels, p.used_bytes)
+            used.lines.append(f"{used.name}{labels}{p.used_bytes}")
         if p.sm_util is not None:
-            sm.add(labels, p.sm_util / 100.0)
+            sm.lines.append(f"{sm.name}{labels}{p.sm_util / 100.0!r}")
         if p.cpu_seconds is not None:
-            cpu.add(labels, round(p.cpu_seconds, 2))
+            cpu.lines.append(f"{cpu.name}{labels}{round(p.cpu_seconds, 2)!r}")
         if p.flags.idle_since is not None:
-            idle.add(labels, max(0.0, now - p.flags.idle_since))
+            idle.lines.append(f"{idle.name}{labels}{max(0.0, now - p.flags.idle_since)!r}")
         for name in _FLAGS:
             if getattr(p.flags, name):
-                flags.add(_labels(pairs[:2] + [("flag", name)] + pairs[2:]), 1)
+                flags.lines.append(f'{flags.name}{{{head},flag="{name}",{tail}}} 1')
         a = p.allocator
         if a is not None:
-            for key, _name, _h in _ALLOCATOR_GAUGES:
-                alloc[key].add(labels, getattr(a, key))
-            ooms.add(labels, a.num_ooms)
-            hb.add(labels, a.heartbeat_age_s)
-    return [used, *alloc.values(), ooms, hb, sm, cpu, idle, flags]
+            for key, name, append in alloc_out:
+                append(f"{name}{labels}{getattr(a, key)}")
+            ooms.lines.append(f"{ooms.name}{labels}{a.num_ooms}")
+            hb.lines.append(f"{hb.name}{labels}{float(a.heartbeat_age_s)!r}")
+    return [used, *(f for _k, f in alloc), ooms, hb, sm, cpu, idle, flags]
 
 
 def render(snap: Snapshot | None, stats: dict[str, float]) -> bytes:
