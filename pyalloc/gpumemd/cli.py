@@ -9,11 +9,12 @@ import json
 import os
 import shutil
 import signal
+import textwrap
 import sys
 import threading
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NoReturn
 
 from . import registry
 from . import reaper
@@ -271,9 +272,21 @@ a dash (-) is a process without a pyalloc record; N/A is a value no source gave.
 """
 
 
+def _wrap(text: str) -> str:
+    """A description as paragraphs of 79 columns (the raw formatter keeps the column legend as written)."""
+    return textwrap.fill(text, 79)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the bad input, the reason, and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="gpumemd", description=__doc__, formatter_class=fmt)
+    p = _Parser(prog="gpumemd", description=__doc__, formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"gpumemd {_version()}")
     p.add_argument("--registry-dir", default=None, metavar="DIR",
                    help="folder of the pyalloc processes' records (default: $PYALLOC_REGISTRY_DIR, else /dev/shm)")
@@ -282,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: use NVML when a driver is present)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("status", help="one table of GPU processes", description="One table of devices and GPU "
-                       "processes, then exit.", epilog=COLUMNS_HELP, formatter_class=fmt)
+    s = sub.add_parser("status", help="one table of GPU processes", description=_wrap("One table of devices and GPU "
+                       "processes, then exit."), epilog=COLUMNS_HELP, formatter_class=fmt)
     s.add_argument("--json", action="store_true", help="the snapshot as JSON instead of the table")
     s.add_argument("--cpu-sample", type=_duration, default=0.2, metavar="DURATION",
                    help="window over which CPU%% is measured, e.g. 200ms, 1s (default: 200ms)")
@@ -292,17 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "not a terminal)")
     s.set_defaults(fn=cmd_status)
 
-    t = sub.add_parser("top", help="live view; q quits", description="The status table refreshed in place "
+    t = sub.add_parser("top", help="live view; q quits", description=_wrap("The status table refreshed in place "
                        "(q or Esc quits). Needs a terminal; in a narrow one the less important columns are "
-                       "dropped first.", epilog=COLUMNS_HELP, formatter_class=fmt)
+                       "dropped first."), epilog=COLUMNS_HELP, formatter_class=fmt)
     t.add_argument("--interval", type=_duration, default=1.0, metavar="DURATION",
                    help="time between refreshes, e.g. 500ms, 2s (default: 1s)")
     t.set_defaults(fn=cmd_top)
 
     v = sub.add_parser("serve", help="metrics, status JSON, pressure socket, reaper",
-                       description="The daemon: collects every --interval, serves /metrics and /v1/status over "
+                       description=_wrap("The daemon: collects every --interval, serves /metrics and /v1/status over "
                        "HTTP, answers the pressure socket, and runs the reaper on each pass when --policy is "
-                       "given. Logs one JSON line per event on stdout.", formatter_class=fmt)
+                       "given. Logs one JSON line per event on stdout."), formatter_class=fmt)
     v.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 9877), metavar="HOST:PORT",
                    help="address of /metrics and /v1/status; :PORT means loopback, port 0 picks a free one "
                         "(default: 127.0.0.1:9877)")
@@ -333,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_serve)
 
     r = sub.add_parser("reap", help="one reaper pass (dry run unless --enforce)",
-                       description="One collection and one reaper pass: prints each decision with its evidence "
-                       "and appends it to the audit log.", formatter_class=fmt)
+                       description=_wrap("One collection and one reaper pass: prints each decision with its evidence "
+                       "and appends it to the audit log."), formatter_class=fmt)
     r.add_argument("--policy", default=None, metavar="FILE",
                    help="reaper policy (TOML, see docs/deployment.md) (default: the built-in policy: report "
                         "zombies, kill orphans holding memory, no idle reaping, report stale heartbeats)")
@@ -349,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_reap)
 
     m = sub.add_parser("trim", help="ask a pyalloc process to release cached memory",
-                       description="Writes a trim request into the process's registry mailbox and waits for "
-                       "its answer.", formatter_class=fmt)
+                       description=_wrap("Writes a trim request into the process's registry mailbox and waits for "
+                       "its answer."), formatter_class=fmt)
     m.add_argument("pid", type=int, help="the pyalloc process")
     m.add_argument("--device", type=int, default=0, metavar="N", help="device index in that process (default: 0)")
     m.add_argument("--bytes", default=None, metavar="SIZE",

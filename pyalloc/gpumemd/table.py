@@ -97,6 +97,8 @@ def render(snap: Snapshot, width: int | None = 100) -> str:
     lines.append(_row([c.name for c in columns], columns) + " COMMAND")
     for p in snap.processes:
         lines.append(_row([c.cell(p, now) for c in columns], columns) + " " + (p.command or "?"))
+    if width is not None:
+        lines = [line[:width] for line in lines]  # the notes below are not cut: they say what is wrong
     if not snap.processes:
         lines.append("(no GPU processes)")
     if snap.registry_problem:
@@ -106,4 +108,4 @@ def render(snap: Snapshot, width: int | None = 100) -> str:
         lines.append("")
         for s in snap.skipped_records:
             lines.append(f"skipped {s.path}: {s.reason}")
-    return "\n".join(line if width is None else line[:width] for line in lines)
+    return "\n".join(lines)
