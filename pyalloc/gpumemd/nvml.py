@@ -124,6 +124,7 @@ def _device(nvml: Any, i: int) -> NvmlDevice:
         procs = _running_processes(nvml, handle)
     except nvml.NVMLError as e:
         dev.error = f"running processes: {e}"
+        dev.total_bytes = dev.used_bytes = dev.free_bytes = None  # a device that failed mid-poll: N/A
         return dev
     for p in procs:
         used = getattr(p, "usedGpuMemory", None)
