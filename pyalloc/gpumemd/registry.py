@@ -45,6 +45,7 @@ MAX_BYTES = 1 << 60  # 1 EiB: any counter above this is garbage, not a device
 HEARTBEAT_FUTURE_SLACK_NS = 60 * 10**9  # clocks drift; a heartbeat further ahead is garbage
 
 _NAME = re.compile(r"^pyalloc\.(\d{1,10})\.(\d{1,10})$")
+_UNPUBLISHED = re.compile(r"^pyalloc\.\d{1,10}\.\d{1,10}\.new$")  # a record being made (registry.cpp)
 
 
 class RegistryDevice(ctypes.Structure):
@@ -103,6 +104,10 @@ _RESPONSE_BYTES = RegistryRecord.response_bytes.offset
 
 class RecordError(Exception):
     """A registry file that can't be trusted; the message is the reason it was skipped."""
+
+
+class RecordGone(RecordError):
+    """The file was removed between the listing and the open: its process exited (not a fault)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,8 @@ def _open_checked(path: Path | str, writable: bool, as_uid: int | None) -> tuple
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise RecordError("symlink refused") from None
+        if e.errno == errno.ENOENT:
+            raise RecordGone("removed while being read") from None
         raise RecordError(f"cannot open: {os.strerror(e.errno or 0)}") from None
     try:
         st = os.fstat(fd)
@@ -394,7 +401,7 @@ def _list(directory: Path) -> _Listing:
                 if not entry.name.startswith(PREFIX):
                     continue
                 if _NAME.match(entry.name) is None:
-                    ignored += 1
+                    ignored += _UNPUBLISHED.match(entry.name) is None  # the library's own, mid-creation
                 elif len(paths) < MAX_RECORDS:
                     paths.append(directory / entry.name)
                 else:
@@ -420,6 +427,8 @@ def scan(directory: Path | str | None = None, as_uid: int | None = None) -> Scan
     for path in listing.paths:
         try:
             out.records.append(read_record(path, as_uid=as_uid))
+        except RecordGone:
+            pass  # its process exited while we listed: nothing to report
         except RecordError as e:
             out.skipped.append(Skipped(str(path), str(e)))
         except Exception as e:  # noqa: BLE001 - a hostile file must never stop the scan
