@@ -31,7 +31,6 @@ for v in "$@"; do
   py="$pyenv_root/versions/$v/bin/python3"
   venv="$work/venv-$v"
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --upgrade pip
   # The wheel without its dependencies, then every declared dependency but torch, as the
   # wheel's own metadata states them (markers included: tomli on 3.10 only).
   "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"
