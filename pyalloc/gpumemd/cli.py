@@ -201,7 +201,8 @@ class _ChangeLog:
         keys = {(d.pid, d.criterion, d.action, d.dry_run) for d in decisions}
         fresh = self._new("reap", keys)
         for d in decisions:
-            if (d.pid, d.criterion, d.action, d.dry_run) in fresh or not d.dry_run:
+            acted = not d.dry_run and d.action in ("kill", "signal-parent")
+            if (d.pid, d.criterion, d.action, d.dry_run) in fresh or acted:
                 self.log("reaper-decision", pid=d.pid, criterion=d.criterion, action=d.action, dry_run=d.dry_run,
                          result=d.result, protected_reason=d.protected_reason,
                          user=d.evidence.get("user"), held_bytes=d.evidence.get("held_bytes"))

@@ -315,12 +315,14 @@ def _gone(pid: int) -> bool:
 
 
 class AuditLog:
-    """The audit file, opened once per pass; every line is written whole (O_APPEND) and fsynced
-    before ``write`` returns, so a line announcing a signal is on disk before the signal."""
+    """The audit file, opened once per pass; every line is written whole (O_APPEND). A line that
+    announces a signal is fsynced before ``write`` returns, so it is on disk before the signal;
+    the other lines of an enforcing pass are fsynced together when the log is closed."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, sync_at_close: bool = False) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.sync_at_close = sync_at_close
         # O_NOFOLLOW: a symlink planted at the configured path (by anyone who can write its folder)
         # must not make root append to a file of the planter's choice.
         try:
@@ -330,10 +332,15 @@ class AuditLog:
 
     def write(self, d: Decision, **extra: Any) -> None:
         os.write(self.fd, (json.dumps({**asdict(d), **extra}, default=str) + "\n").encode())
-        os.fsync(self.fd)
+        if extra.get("phase") == "signalling":
+            os.fsync(self.fd)
 
     def close(self) -> None:
-        os.close(self.fd)
+        try:
+            if self.sync_at_close:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
 
 
 def _target(d: Decision) -> tuple[int, float | None, int | None, signal.Signals] | None:
@@ -390,8 +397,8 @@ def enforce(decisions: list[Decision], grace_s: float, log: AuditLog | None = No
 
 
 def audit(decisions: list[Decision], path: str | Path) -> None:
-    """Appends one JSON line a decision (fsynced)."""
-    log = AuditLog(path)
+    """Appends one JSON line a decision, fsynced."""
+    log = AuditLog(path, sync_at_close=True)
     try:
         for d in decisions:
             log.write(d)
@@ -401,7 +408,7 @@ def audit(decisions: list[Decision], path: str | Path) -> None:
 
 def reap_once(snap: Snapshot, policy: Policy, enforce_: bool, audit_log: str | Path | None) -> list[Decision]:
     decisions = decide(snap, policy, dry_run=not enforce_)
-    log = AuditLog(audit_log or policy.audit_log or default_audit_log())
+    log = AuditLog(audit_log or policy.audit_log or default_audit_log(), sync_at_close=enforce_)
     try:
         if enforce_:
             enforce(decisions, policy.grace_s, log)
