@@ -23,7 +23,8 @@ done
 work=$(mktemp -d /tmp/pyalloc-smoke.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 echo "python-smoke: building the wheel once"
-python3 -m pip wheel --quiet --no-deps . -w "$work/wheel"
+python3 -m pip wheel --quiet --no-deps . -w "$work/wheel" 2>"$work/wheel.txt" ||
+  { cat "$work/wheel.txt" >&2; echo "python-smoke: building the wheel failed" >&2; exit 1; }
 wheel=$(ls "$work"/wheel/pyalloc-*.whl)
 
 for v in "$@"; do
@@ -40,9 +41,12 @@ print("\n".join(r for r in requires("pyalloc") if "extra ==" not in r and not r.
 EOF
 )
   mapfile -t dep_list <<<"$deps"
-  "$venv/bin/python" -m pip install --quiet "${dep_list[@]}" "pytest>=7"
+  # pip reports the missing torch as a "dependency conflict" on stderr: kept in a file, shown on failure.
+  "$venv/bin/python" -m pip install --quiet "${dep_list[@]}" "pytest>=7" 2>"$work/pip-$v.txt" ||
+    { cat "$work/pip-$v.txt" >&2; echo "python-smoke: Python $v: installing the dependencies failed" >&2; exit 1; }
   (cd "$work" && "$venv/bin/gpumemd" --no-nvml status >/dev/null)
-  (cd "$work" && "$venv/bin/pyalloc" stress --quick >"$work/stress-$v.txt")
+  (cd "$work" && "$venv/bin/pyalloc" stress --quick >"$work/stress-$v.txt" 2>"$work/stress-$v.err") ||
+    { tail -5 "$work/stress-$v.err" >&2; echo "python-smoke: Python $v: pyalloc stress --quick failed" >&2; exit 1; }
   lib=$(cd "$work" && "$venv/bin/python" -c "from pyalloc._lib import library_path; print(library_path())")
   PYALLOC_LIBRARY="$lib" "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/gpumemd
   echo "python-smoke: Python $v passed (install, gpumemd status, pyalloc stress --quick, gpumemd tests) in $((SECONDS - started)) s"
