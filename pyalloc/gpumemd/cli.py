@@ -9,8 +9,8 @@ import json
 import os
 import shutil
 import signal
-import textwrap
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import asdict
@@ -157,6 +157,14 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 500ms, 2s, 1m)") from None
 
 
+def _period(text: str) -> float:
+    """A duration that paces a loop or a wait: zero would spin or close everything at once."""
+    seconds = _duration(text)
+    if seconds < 0.01:
+        raise argparse.ArgumentTypeError(f"{text!r} is too short: at least 10ms")
+    return seconds
+
+
 def _listen(state: Any, host: str, port: int, show_commands: bool, log: EventLog) -> Any:
     from .metrics import make_server
 
@@ -187,12 +195,12 @@ class _ChangeLog:
         skipped = {(s.path, s.reason) for s in snap.skipped_records}
         for path, reason in sorted(self._new("skipped", skipped)):
             self.log("record-skipped", path=path, reason=reason)
+        was_lost = {device for device, _uuid, _error in self._seen.get("lost", set())}
         lost = {(d.device, d.uuid, d.error) for d in snap.devices if d.error}
         for device, uuid, error in sorted(self._new("lost", lost), key=str):
             self.log("device-lost", device=device, uuid=uuid, error=error)
-        for device in sorted({d for d, _u, _e in self._seen.get("lost_prev", set())} - {d for d, _u, _e in lost}):
+        for device in sorted(was_lost - {device for device, _uuid, _error in lost}):
             self.log("device-back", device=device)
-        self._seen["lost_prev"] = lost
         problem = {snap.registry_problem} if snap.registry_problem else set()
         for p in self._new("registry", problem):
             self.log("registry-problem", dir=snap.registry_dir, problem=p)
@@ -309,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("top", help="live view; q quits", description=_wrap("The status table refreshed in place "
                        "(q or Esc quits). Needs a terminal; in a narrow one the less important columns are "
                        "dropped first."), epilog=COLUMNS_HELP, formatter_class=fmt)
-    t.add_argument("--interval", type=_duration, default=1.0, metavar="DURATION",
+    t.add_argument("--interval", type=_period, default=1.0, metavar="DURATION",
                    help="time between refreshes, e.g. 500ms, 2s (default: 1s)")
     t.set_defaults(fn=cmd_top)
 
@@ -323,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--show-commands", action="store_true",
                    help="show full command lines in /v1/status (default: program names only; any local "
                         "user can read /v1/status, and arguments may carry secrets)")
-    v.add_argument("--interval", type=_duration, default=2.0, metavar="DURATION",
+    v.add_argument("--interval", type=_period, default=2.0, metavar="DURATION",
                    help="time between collections (NVML, registry, /proc) and reaper passes, e.g. 100ms, "
                         "2s (default: 2s)")
     v.add_argument("--policy", default=None, metavar="FILE",
@@ -339,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--socket", default=None, metavar="PATH",
                    help="pressure socket path, or 'none' for no socket (default: /run/gpumemd.sock as root, "
                         "else $XDG_RUNTIME_DIR/gpumemd.sock, else /tmp/gpumemd-<uid>/gpumemd.sock)")
-    v.add_argument("--idle-timeout", type=_duration, default=2.0, metavar="DURATION",
+    v.add_argument("--idle-timeout", type=_period, default=2.0, metavar="DURATION",
                    help="a pressure connection that has not sent its request by then is closed (default: 2s)")
     v.add_argument("--max-per-uid", type=_positive, default=4, metavar="N",
                    help="pressure connections one non-root user may hold at once, of 32 in all; more are "
@@ -369,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", type=int, default=0, metavar="N", help="device index in that process (default: 0)")
     m.add_argument("--bytes", default=None, metavar="SIZE",
                    help="how much to release, e.g. 512MiB (default: all of the device's cache)")
-    m.add_argument("--timeout", type=_duration, default=2.0, metavar="DURATION",
+    m.add_argument("--timeout", type=_period, default=2.0, metavar="DURATION",
                    help="how long to wait for the process's answer (default: 2s)")
     m.add_argument("--json", action="store_true", help="the answer as JSON")
     m.set_defaults(fn=cmd_trim)

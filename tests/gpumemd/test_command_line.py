@@ -69,6 +69,7 @@ def test_version() -> None:
     (["serve", "--listen", "127.0.0.1:99999"], "'127.0.0.1:99999' is not HOST:PORT"),
     (["serve", "--interval", "soon"], "'soon' is not a duration"),
     (["serve", "--max-per-uid", "0"], "'0' is not a whole number"),
+    (["serve", "--interval", "0s"], "'0s' is too short"),
     (["top", "--interval", "5 fortnights"], "'5 fortnights' is not a duration"),
 ])
 def test_a_bad_flag_value_is_one_line_naming_it(args: list[str], named: str, reg_dir: Path) -> None:
