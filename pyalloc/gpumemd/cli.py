@@ -236,7 +236,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log("listening", metrics=f"http://{host}:{server.server_address[1]}/metrics",
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
+    log("listening", metrics=f"http://{shown}:{server.server_address[1]}/metrics",
         socket=pressure.path if pressure else None, registry_dir=str(args.registry_dir or registry.registry_dir()),
         interval_s=args.interval, policy=args.policy, enforce=args.enforce)
     changes = _ChangeLog(log)

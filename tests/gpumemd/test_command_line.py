@@ -146,3 +146,25 @@ def test_top_at_80_columns_keeps_flags_and_command(holders: Holders) -> None:
     text = screen.decode(errors="replace")
     assert "FLAGS" in text and "COMMAND" in text and "Traceback" not in text
     assert "LFREE" not in text and "SWAP" not in text  # dropped first, to make room
+
+
+def test_serve_listens_on_ipv6_loopback(reg_dir: Path, tmp_path: Path) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    import json
+    import urllib.request
+
+    d = subprocess.Popen([sys.executable, "-m", "pyalloc.gpumemd", "--registry-dir", str(reg_dir), "--no-nvml",
+                          "serve", "--listen", "[::1]:0", "--socket", "none"], stdout=subprocess.PIPE, text=True,
+                         env=env())
+    try:
+        assert d.stdout is not None
+        url = json.loads(d.stdout.readline())["metrics"]
+        assert url.startswith("http://[::1]:")
+        assert b"gpumemd_up" in urllib.request.urlopen(url, timeout=30).read()
+    finally:
+        d.terminate()
+        d.wait(timeout=30)
