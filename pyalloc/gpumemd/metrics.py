@@ -20,6 +20,7 @@ text against prometheus_client's parser.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LISTEN_BACKLOG = 1024  # connections the kernel queues for accept(): a burst of scrapers is not refused
 HTTP_IDLE_TIMEOUT_S = 10.0  # a client that connects and says nothing is dropped
 
-# (metric, help, unit of the value, how to get it from a row); the type is gauge unless it ends in _total.
+# (AllocatorView field, metric name after gpumemd_process_, help): one gauge each, in bytes.
 _ALLOCATOR_GAUGES = [
     ("allocated_bytes", "allocated_bytes", "Bytes handed out by the process's pyalloc allocator."),
     ("reserved_bytes", "reserved_bytes", "Bytes the allocator holds from the device (allocated + cached)."),
@@ -55,13 +56,18 @@ def _labels(pairs: list[tuple[str, str]]) -> str:
 
 
 def _number(value: float | int) -> str:
+    """The exposition's spelling of a value: integers as they are, floats by repr, +Inf/-Inf/NaN."""
     if isinstance(value, int):
-        return str(value)
-    return repr(float(value)) if value == value else "NaN"
+        return str(int(value))  # int(): a bool would print True
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
 
 
 class _Family:
-    """One metric family's lines; only families with samples are written, except scalars."""
+    """One metric family: its HELP and TYPE lines, then one line a sample (possibly none)."""
 
     def __init__(self, name: str, help_text: str, kind: str = "gauge") -> None:
         self.name, self.help, self.kind = name, help_text, kind
