@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     churners = Churners(reg, env)
     rng = random.Random(21)
     result: dict[str, Any] = {"procs": args.procs, "duration_s": parse_duration(args.duration),
-                              "interval": args.interval, "rss_samples": []}
+                              "interval": args.interval, "rss_samples": [], "log": str(log_path)}
     try:
         for _ in range(args.procs):
             churners.start()
@@ -204,6 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             daemon.kill()
         log_file.close()
+        shutil.rmtree(reg, ignore_errors=True)  # the daemon's log stays, in result["log"]
 
 
 def _events(path: Path) -> dict[str, int]:
@@ -234,6 +236,7 @@ def report(r: dict[str, Any]) -> str:
         f"  /metrics  showed {r['processes_seen_min']}..{r['processes_seen_max']} processes; daemon alive at the end: "
         f"{r['daemon_alive']}; {r['log_lines']} log lines {r['log_events']}",
     ]
+    lines.append(f"  the daemon's log: {r['log']}")
     if r["request_errors"]:
         lines.append(f"  first request errors: {r['request_errors'][:3]}")
     return "\n".join(lines)
