@@ -52,6 +52,7 @@ class DeviceRow:
     mig_enabled: bool | None = None
     allocator_reserved_bytes: int = 0  # sum over pyalloc processes on it
     allocator_allocated_bytes: int = 0
+    error: str | None = None  # NVML failed on this device in the last poll (lost, timed out): its figures are N/A
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ProcessRow:
     start_time: float | None
     allocator: AllocatorView | None
     flags: Flags = field(default_factory=Flags)
+    cpu_seconds: float | None = None  # user + system CPU time since the process started (psutil)
 
 
 @dataclass
@@ -92,6 +94,9 @@ class Snapshot:
     processes: list[ProcessRow]
     skipped_records: list[registry.Skipped]
     removed_records: list[registry.Skipped]
+    registry_dir: str = ""
+    registry_problem: str | None = None  # why processes may be unable to publish there (missing, full, ...)
+    registry_free_bytes: int | None = None
 
     def to_json(self, full: bool = True) -> dict[str, Any]:
         """The snapshot as JSON. ``full`` False (what /v1/status serves to any local client) keeps
@@ -110,6 +115,8 @@ class Snapshot:
             "processes": processes,
             "skipped_records": [asdict(s) for s in self.skipped_records],
             "removed_records": [asdict(s) for s in self.removed_records],
+            "registry": {"dir": self.registry_dir, "problem": self.registry_problem,
+                         "free_bytes": self.registry_free_bytes},
         }
 
 
@@ -151,6 +158,7 @@ class Collector:
         self.nvml_module = nvml_module
         self.sampler = ProcessSampler()
         self._idle_since: dict[tuple[int, str], float] = {}
+        self._known_devices: dict[int, tuple[str, str]] = {}  # NVML index -> (name, UUID) last seen
 
     def collect(self, cpu_sample_s: float = 0.0) -> Snapshot:
         now = time.time()
@@ -164,9 +172,14 @@ class Collector:
 
         devices: dict[str, DeviceRow] = {}
         for d in nv.devices:
+            name, uuid = d.name, d.uuid
+            if d.error is None or uuid:
+                self._known_devices[d.index] = (name, uuid)
+            else:  # a lost device keeps the name and UUID it last answered with, for the labels
+                name, uuid = self._known_devices.get(d.index, (name, uuid))
             devices[f"cuda:{d.index}"] = DeviceRow(
-                f"cuda:{d.index}", d.index, d.uuid, d.name, "nvml", d.total_bytes, d.used_bytes,
-                d.free_bytes, d.mig_enabled)
+                f"cuda:{d.index}", d.index, uuid or None, name, "nvml", d.total_bytes, d.used_bytes,
+                d.free_bytes, d.mig_enabled, error=d.error)
         rows: dict[tuple[int, str], ProcessRow] = {}
         for d in nv.devices:
             key = f"cuda:{d.index}"
@@ -202,10 +215,12 @@ class Collector:
         for idle_key in list(self._idle_since):
             if idle_key not in live_keys:
                 del self._idle_since[idle_key]
+        where = str(self.registry_dir or registry.registry_dir())
+        health = registry.dir_health(where)
         return Snapshot(now, nv.available, nv.error,
                         sorted(devices.values(), key=lambda d: d.device),
                         sorted(rows.values(), key=lambda r: (r.device, r.pid)),
-                        scan.skipped, removed)
+                        scan.skipped, removed, where, health.problem, health.free_bytes)
 
     def _device_for(self, rec: registry.Record, index: int, devices: dict[str, DeviceRow],
                     nv: nvml_collector.NvmlState) -> DeviceRow:
@@ -226,7 +241,7 @@ class Collector:
         info = info or ProcInfo(pid, exists=False)
         row = ProcessRow(pid, dev.device, dev.gpu, dev.uuid, info.user, info.uid, info.command,
                          None, None, info.cpu_percent, info.status, info.ppid, info.create_time,
-                         None)
+                         None, cpu_seconds=info.cpu_seconds)
         row.flags.zombie = info.zombie
         row.flags.orphan, row.flags.orphan_evidence = info.orphan(self.subreapers)
         row.flags.no_proc = not info.exists

@@ -32,6 +32,7 @@ class NvmlDevice:
     free_bytes: int | None
     mig_enabled: bool | None
     processes: list[NvmlProcess] = field(default_factory=list)
+    error: str | None = None  # why the device did not answer this poll (lost, timed out); None: it did
 
 
 @dataclass
@@ -63,7 +64,9 @@ def _running_processes(nvml: Any, handle: Any) -> list[Any]:
                 break
             except nvml.NVMLError_FunctionNotFound:
                 continue
-            except nvml.NVMLError:
+            except nvml.NVMLError as e:
+                if _unanswered(nvml, e):
+                    raise  # the device stopped answering: _device reports it
                 break
     return out
 
@@ -87,6 +90,52 @@ def _sm_utilization(nvml: Any, handle: Any, index: int) -> dict[int, int] | None
     return util
 
 
+def _unanswered(nvml: Any, e: Exception) -> bool:
+    """Whether an NVML error means the device did not answer (lost, timed out, unknown) rather than
+    "this value is not available here" (not supported, no permission), which is only an N/A."""
+    return not isinstance(e, (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission))
+
+
+def _device(nvml: Any, i: int) -> NvmlDevice:
+    """Device ``i``, with ``error`` set when it failed in the middle of the poll: a device that
+    is lost (Xid 79) or times out is reported as such, and must not hide the others."""
+    dev = NvmlDevice(i, "?", "", None, None, None, None)
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(i)
+        dev.name = _text(nvml.nvmlDeviceGetName(handle))
+        dev.uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+    except nvml.NVMLError as e:
+        dev.error = f"device {i}: {e}"
+        return dev
+    try:
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        dev.total_bytes, dev.used_bytes, dev.free_bytes = int(mem.total), int(mem.used), int(mem.free)
+    except nvml.NVMLError as e:
+        if _unanswered(nvml, e):
+            dev.error = f"memory info: {e}"
+            return dev
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        dev.mig_enabled = bool(current)
+    except nvml.NVMLError:
+        dev.mig_enabled = None  # not supported: not a MIG-capable device
+    util = _sm_utilization(nvml, handle, i)
+    try:
+        procs = _running_processes(nvml, handle)
+    except nvml.NVMLError as e:
+        dev.error = f"running processes: {e}"
+        dev.total_bytes = dev.used_bytes = dev.free_bytes = None  # a device that failed mid-poll: N/A
+        return dev
+    for p in procs:
+        used = getattr(p, "usedGpuMemory", None)
+        if used is None or used == NVML_VALUE_NOT_AVAILABLE:
+            used = None
+        pid = int(p.pid)
+        sm = None if util is None else util.get(pid, 0)
+        dev.processes.append(NvmlProcess(pid, used, sm, os.path.exists(f"/proc/{pid}")))
+    return dev
+
+
 def collect(nvml: Any = None) -> NvmlState:
     """One NVML sample; ``nvml`` may be a stand-in module (tests)."""
     global _initialized
@@ -108,30 +157,5 @@ def collect(nvml: Any = None) -> NvmlState:
     except nvml.NVMLError as e:
         return NvmlState(False, f"NVML error: {e}")
     for i in range(count):
-        try:
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            dev = NvmlDevice(i, _text(nvml.nvmlDeviceGetName(handle)),
-                             _text(nvml.nvmlDeviceGetUUID(handle)), None, None, None, None)
-        except nvml.NVMLError:
-            continue  # a lost device (Xid 79) must not hide the others
-        try:
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            dev.total_bytes, dev.used_bytes, dev.free_bytes = int(mem.total), int(mem.used), int(mem.free)
-        except nvml.NVMLError:
-            pass
-        try:
-            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
-            dev.mig_enabled = bool(current)
-        except nvml.NVMLError:
-            dev.mig_enabled = None  # not supported: not a MIG-capable device
-        util = _sm_utilization(nvml, handle, i)
-        for p in _running_processes(nvml, handle):
-            used = getattr(p, "usedGpuMemory", None)
-            if used is None or used == NVML_VALUE_NOT_AVAILABLE:
-                used = None
-            pid = int(p.pid)
-            sm = None if util is None else util.get(pid, 0)
-            dev.processes.append(NvmlProcess(pid, used, sm,
-                                             os.path.exists(f"/proc/{pid}")))
-        state.devices.append(dev)
+        state.devices.append(_device(nvml, i))
     return state

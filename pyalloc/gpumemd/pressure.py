@@ -22,16 +22,18 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import registry
+from .events import EventLog, silent
 
 MAX_REQUEST_BYTES = 4096
-READ_TIMEOUT_S = 2.0
+IDLE_TIMEOUT_S = 2.0  # a connection that has not sent its whole request by then is closed
 TRIM_TIMEOUT_S = 0.5
 REQUEST_DEADLINE_S = 5.0
 MAX_CONNECTIONS = 32  # connections served at once; more are closed at once (the socket is 0666)
 MAX_PER_UID = 4  # of those, what one non-root uid may hold: its silent clients cannot starve the others
+READ_TIMEOUT_S = IDLE_TIMEOUT_S  # the name earlier releases used
 
 
 def default_socket_path() -> str:
@@ -83,16 +85,31 @@ def _read_line(conn: socket.socket, deadline: float) -> bytes:
 
 
 class PressureServer:
+    """The pressure socket. Connection handling no local user can starve (Note [Pressure slots]).
+
+    Note [Pressure slots]: the socket is 0666, so any local user can connect as often as they
+    like. Each connection is read by a thread of its own, so the number served at once is
+    capped (``max_connections``); of those one non-root uid may hold ``max_per_uid``, and a
+    connection that has not sent its request within ``idle_timeout_s`` is closed. A connection
+    over either cap is closed at once, before anything is read: a user holding a thousand
+    connections open keeps ``max_per_uid`` slots, and every other uid finds one free. Root's
+    connections count against the total only (the library running as root is a trainer too).
+    """
+
     def __init__(self, path: str, registry_dir: str | Path | None = None,
-                 trim_timeout_s: float = TRIM_TIMEOUT_S, log: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 trim_timeout_s: float = TRIM_TIMEOUT_S, log: EventLog | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 max_per_uid: int = MAX_PER_UID) -> None:
         self.path = path
         self.registry_dir = registry_dir
         self.trim_timeout_s = trim_timeout_s
-        self.log = log or (lambda _e: None)
+        self.idle_timeout_s = idle_timeout_s
+        self.max_per_uid = max_per_uid
+        self.log = log or silent()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._per_uid: dict[int, int] = {}
         self._per_uid_lock = threading.Lock()
         self.handled = 0
@@ -129,29 +146,37 @@ class PressureServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (socket.timeout, OSError):
+            except socket.timeout:
+                continue
+            except OSError as e:  # out of descriptors (EMFILE) or memory: wait, do not spin
+                self.log.limited("pressure-accept-error", e.errno, error=str(e))
+                self._stop.wait(0.05)
                 continue
             try:
-                uid = peer_credentials(conn)[1]
+                pid, uid, _gid = peer_credentials(conn)
             except OSError:
                 conn.close()
                 continue
             if not self._take_uid_slot(uid):
-                self.refused += 1  # one user's flood takes at most MAX_PER_UID slots
-                conn.close()
+                self._refuse(conn, pid, uid, f"uid {uid} already holds {self.max_per_uid} connections")
                 continue
             if not self._slots.acquire(blocking=False):
-                self._give_uid_slot(uid)
-                self.refused += 1  # a flood of silent clients must not cost a thread each
-                conn.close()
+                self._give_uid_slot(uid)  # a flood of silent clients must not cost a thread each
+                self._refuse(conn, pid, uid, "every connection slot is taken")
                 continue
-            threading.Thread(target=self._serve_slot, args=(conn, uid), daemon=True).start()
+            threading.Thread(target=self._serve_slot, args=(conn, pid, uid), daemon=True).start()
+
+    def _refuse(self, conn: socket.socket, pid: int, uid: int, reason: str) -> None:
+        """Closes ``conn`` unread; one log line per uid per window however many are refused."""
+        conn.close()
+        self.refused += 1
+        self.log.limited("pressure-refused", uid, peer_pid=pid, peer_uid=uid, reason=reason)
 
     def _take_uid_slot(self, uid: int) -> bool:
         if uid == 0:
             return True
         with self._per_uid_lock:
-            if self._per_uid.get(uid, 0) >= MAX_PER_UID:
+            if self._per_uid.get(uid, 0) >= self.max_per_uid:
                 return False
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             return True
@@ -166,47 +191,61 @@ class PressureServer:
             else:
                 self._per_uid.pop(uid, None)
 
-    def _serve_slot(self, conn: socket.socket, uid: int) -> None:
+    def _serve_slot(self, conn: socket.socket, pid: int, uid: int) -> None:
         try:
-            self._serve(conn)
+            self._serve(conn, pid, uid)
         finally:
             self._slots.release()
             self._give_uid_slot(uid)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, pid: int, uid: int) -> None:
         with conn:
             try:
-                answer = self._handle(conn)
+                answer, kind = self._handle(conn, pid, uid)
+            except (TimeoutError, ValueError, OSError) as e:  # the peer's doing: too slow, too long, gone
+                answer, kind = {"ok": False, "error": f"{type(e).__name__}: {e}"}, "pressure-client-error"
             except Exception as e:  # noqa: BLE001 - one bad client must not stop the server
-                answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                answer, kind = {"ok": False, "error": f"{type(e).__name__}: {e}"}, "pressure-error"
             self.handled += 1
-            self.log({"event": "pressure", **answer})
+            self._log_answer(kind, pid, uid, answer)
             try:
-                conn.settimeout(READ_TIMEOUT_S)
+                conn.settimeout(self.idle_timeout_s)
                 conn.sendall((json.dumps(answer) + "\n").encode())
             except OSError:
                 pass  # the client died before the answer: nothing to do
 
-    def _handle(self, conn: socket.socket) -> dict[str, Any]:
-        pid, uid, _gid = peer_credentials(conn)
+    def _log_answer(self, kind: str, pid: int, uid: int, answer: dict[str, Any]) -> None:
+        """A served request is logged each time (its trims changed other processes); a refusal
+        or a client's error once per uid per window (a peer could repeat it without end)."""
+        fields = {"peer_pid": pid, "peer_uid": uid}
+        if kind == "pressure":
+            self.log("pressure", **fields, device=answer["device"], requested_bytes=answer["requested_bytes"],
+                     freed_bytes=answer["freed_bytes"], asked=answer["asked"])
+        else:
+            self.log.limited(kind, uid, **fields, error=answer["error"])
+
+    def _handle(self, conn: socket.socket, pid: int, uid: int) -> tuple[dict[str, Any], str]:
+        """The answer to one connection, and the kind of event it is for the log."""
         if uid != 0:
             path = registry.record_path(pid, uid, self.registry_dir)
             try:
                 rec = registry.read_record(path)
             except registry.RecordError as e:
-                return {"ok": False, "error": f"peer pid {pid} uid {uid} has no valid registry record: {e}"}
+                return ({"ok": False, "error": f"peer pid {pid} uid {uid} has no valid registry record: {e}"},
+                        "pressure-refused")
             if rec.uid != uid or not registry.is_alive(rec.pid, rec.start_time_ticks):
-                return {"ok": False, "error": f"peer pid {pid} uid {uid} does not own its record"}
-        line = _read_line(conn, time.monotonic() + READ_TIMEOUT_S)
+                return {"ok": False, "error": f"peer pid {pid} uid {uid} does not own its record"}, "pressure-refused"
+        line = _read_line(conn, time.monotonic() + self.idle_timeout_s)
         try:
             req = json.loads(line)
             device, want = int(req["device"]), int(req["bytes"])
-        except (ValueError, KeyError, TypeError):
-            return {"ok": False, "error": "request must be one JSON line {\"device\": d, \"bytes\": n}"}
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return ({"ok": False, "error": "request must be one JSON line {\"device\": d, \"bytes\": n}"},
+                    "pressure-client-error")
         if not (0 <= device < registry.MAX_DEVICES and 0 < want <= registry.MAX_BYTES):
-            return {"ok": False, "error": "device or bytes out of range"}
-        return {"ok": True, "requester": pid, "device": device, "requested_bytes": want,
-                **self.coordinate(pid, device, want)}
+            return {"ok": False, "error": "device or bytes out of range"}, "pressure-client-error"
+        return ({"ok": True, "requester": pid, "device": device, "requested_bytes": want,
+                 **self.coordinate(pid, device, want)}, "pressure")
 
     def coordinate(self, requester: int, device: int, want: int) -> dict[str, Any]:
         """Asks opted-in processes to trim, largest idle cache first, until ``want`` is freed."""

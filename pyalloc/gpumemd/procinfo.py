@@ -31,6 +31,7 @@ class ProcInfo:
     create_time: float | None = None
     command: str | None = None
     cpu_percent: float | None = None
+    cpu_seconds: float | None = None  # user + system time since start
     sid: int | None = None
     pgid: int | None = None
     first_ppid: int | None = None  # parent when first seen by this sampler
@@ -117,6 +118,8 @@ class ProcessSampler:
                     info.command = None
                 try:
                     info.cpu_percent = h.cpu_percent(None)
+                    times = h.cpu_times()
+                    info.cpu_seconds = times.user + times.system
                 except psutil.Error:
                     info.cpu_percent = None
         except psutil.NoSuchProcess:

@@ -17,9 +17,18 @@ Policy (TOML, see docs/deployment.md), one table per criterion, each with
 
 Never touched: PID 1, the daemon and its ancestors, uids under
 ``protect.min_uid`` (system daemons), listed pids/users/command patterns,
-and other users' processes unless running as root with
-``protect.allow_other_users``. Every decision, dry run or not, is one JSON
-line in the audit log with its evidence.
+and other users' processes unless running as root with the user named in
+``protect.allow_other_users`` (a list of user names or uids; ``true`` means
+every user at or above ``min_uid``). Every decision, dry run or not, is one
+JSON line in the audit log with its evidence.
+
+Note [Signal only who was judged]: between the decision and the signal, the
+process may exit and its pid go to a newcomer. Right before each signal the
+reaper opens a pidfd for the pid (which pins that very process), then checks
+through /proc that it is the judged one: same start time, same uid. Only then
+is the signal sent, through the pidfd, after the audit line that announces it
+has been written and fsynced: the log says what was done even if the daemon
+dies the next instant.
 """
 
 from __future__ import annotations
@@ -28,13 +37,18 @@ import json
 import os
 import re
 import signal
+import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, maintained outside the standard library
+    import tomli as tomllib
 
 from .model import ProcessRow, Snapshot
 from .units import parse_duration, parse_size
@@ -63,7 +77,8 @@ class Policy:
     protected_pids: list[int] = field(default_factory=list)
     protected_users: list[str] = field(default_factory=list)
     protected_commands: list[str] = field(default_factory=list)
-    allow_other_users: bool = False
+    allow_other_users: bool = False  # every other user (at or above min_uid); see other_users
+    other_users: list[str] = field(default_factory=list)  # user names or uids that may be signalled
     subreapers: list[str] = field(default_factory=lambda: ["systemd"])
     audit_log: str | None = None
 
@@ -71,8 +86,13 @@ class Policy:
     def load(cls, path: str | Path | None) -> "Policy":
         if path is None:
             return cls()
-        with open(path, "rb") as f:
-            return cls.from_dict(tomllib.load(f))
+        try:
+            with open(path, "rb") as f:
+                return cls.from_dict(tomllib.load(f))
+        except OSError as e:
+            raise ValueError(f"policy {path}: {e.strerror or e}") from None
+        except (ValueError, TypeError, re.error) as e:  # TOMLDecodeError is a ValueError
+            raise ValueError(f"policy {path}: {e}") from None
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> "Policy":
@@ -117,7 +137,13 @@ class Policy:
         p.protected_commands = [str(x) for x in prot.get("commands", [])]
         for pattern in p.protected_commands:
             re.compile(pattern)
-        p.allow_other_users = bool(prot.get("allow_other_users", False))
+        others = prot.get("allow_other_users", False)
+        if isinstance(others, bool):
+            p.allow_other_users = others
+        elif isinstance(others, list) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in others):
+            p.other_users = [str(x) for x in others]
+        else:
+            raise ValueError("protect.allow_other_users must be a list of user names or uids (or true for all)")
         return p
 
 
@@ -165,8 +191,12 @@ def protected_reason(pid: int, uid: int | None, user: str | None, command: str |
     if uid < policy.min_uid:
         return f"system uid {uid} < protect.min_uid {policy.min_uid}"
     me = os.geteuid()
-    if uid != me and not (me == 0 and policy.allow_other_users):
-        return f"another user's process (uid {uid})"
+    if uid != me:
+        if me != 0:
+            return f"another user's process (uid {uid}): only root signals other users"
+        named = str(uid) in policy.other_users or (user is not None and user in policy.other_users)
+        if not (policy.allow_other_users or named):
+            return f"another user's process (uid {uid}) not named in protect.allow_other_users"
     if user is not None and user in policy.protected_users:
         return f"user {user} listed in protect.users"
     for pattern in policy.protected_commands:
@@ -241,6 +271,7 @@ def decide(snap: Snapshot, policy: Policy, dry_run: bool) -> list[Decision]:
             if action == "signal-parent" and target is not None:
                 try:
                     pp = psutil.Process(target)
+                    ev["parent_start_time"], ev["parent_uid"] = pp.create_time(), pp.uids().real
                     reason = protected_reason(target, pp.uids().real, pp.username(),
                                               " ".join(pp.cmdline()), policy)
                 except psutil.Error:
@@ -254,20 +285,26 @@ def decide(snap: Snapshot, policy: Policy, dry_run: bool) -> list[Decision]:
     return out
 
 
-def _verify_and_open(pid: int, start_time: float | None) -> int | None:
-    """A pidfd for ``pid`` if it is still the process we judged (not a reused pid)."""
+def _verify_and_open(pid: int, start_time: float | None, uid: int | None) -> tuple[int | None, str]:
+    """A pidfd for ``pid`` if it is still the process that was judged (Note [Signal only who was
+    judged]): opened first, so the checks that follow are about the process the pidfd pins."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
-        return None
+        return None, "gone before signalling"
     try:
-        if start_time is not None and abs(psutil.Process(pid).create_time() - start_time) > 0.01:
-            os.close(fd)
-            return None
+        proc = psutil.Process(pid)
+        if start_time is None or abs(proc.create_time() - start_time) > 0.01:
+            problem = "pid reused before signalling (start time differs)" if start_time is not None \
+                else "start time unknown: identity cannot be checked"
+        elif uid is None or uid not in (proc.uids().real, proc.uids().effective):
+            problem = f"pid reused before signalling (uid {proc.uids().real}, judged {uid})"
+        else:
+            return fd, ""
     except psutil.Error:
-        os.close(fd)
-        return None
-    return fd
+        problem = "gone before signalling"
+    os.close(fd)
+    return None, problem
 
 
 def _gone(pid: int) -> bool:
@@ -277,41 +314,81 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def enforce(decisions: list[Decision], grace_s: float) -> None:
-    """SIGTERM every target, wait up to ``grace_s`` for all, SIGKILL the rest; results in place."""
+class AuditLog:
+    """The audit file, opened once per pass; every line is written whole (O_APPEND). A line that
+    announces a signal is fsynced before ``write`` returns, so it is on disk before the signal;
+    the other lines of an enforcing pass are fsynced together when the log is closed."""
+
+    def __init__(self, path: str | Path, sync_at_close: bool = False) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.sync_at_close = sync_at_close
+        # O_NOFOLLOW: a symlink planted at the configured path (by anyone who can write its folder)
+        # must not make root append to a file of the planter's choice.
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise OSError(e.errno, f"audit log {path}: {e.strerror} (a symlink is refused)") from None
+
+    def write(self, d: Decision, **extra: Any) -> None:
+        os.write(self.fd, (json.dumps({**asdict(d), **extra}, default=str) + "\n").encode())
+        if extra.get("phase") == "signalling":
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        try:
+            if self.sync_at_close:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+def _target(d: Decision) -> tuple[int, float | None, int | None, signal.Signals] | None:
+    """Whom ``d`` signals, with the identity judged (start time, uid), and with which signal."""
+    ev = d.evidence
+    if d.action == "kill":
+        return d.pid, ev.get("start_time"), ev.get("uid"), signal.SIGTERM
+    if d.action == "signal-parent":
+        sig = signal.SIGCHLD if ev["criterion_thresholds"]["signal_parent"] == "SIGCHLD" else signal.SIGTERM
+        return ev["ppid"], ev.get("parent_start_time"), ev.get("parent_uid"), sig
+    return None
+
+
+def enforce(decisions: list[Decision], grace_s: float, log: AuditLog | None = None) -> None:
+    """SIGTERM every target, wait up to ``grace_s`` for all, SIGKILL the rest; results in place.
+    Each signal is preceded by its audit line (``phase: "signalling"``) when ``log`` is given."""
     pending: dict[int, tuple[Decision, int]] = {}
     for d in decisions:
-        if d.action == "kill":
-            target, start = d.pid, d.evidence.get("start_time")
-            sig = signal.SIGTERM
-        elif d.action == "signal-parent":
-            target, start = d.evidence["ppid"], None
-            sig = signal.SIGCHLD if d.evidence["criterion_thresholds"]["signal_parent"] == "SIGCHLD" else signal.SIGTERM
-        else:
+        target = _target(d)
+        if target is None:
             continue
-        fd = _verify_and_open(target, start)
+        pid, start, uid, sig = target
+        fd, problem = _verify_and_open(pid, start, uid)
         if fd is None:
-            d.result = "gone or pid reused before signalling"
+            d.result = problem
             continue
         try:
+            if log is not None:
+                log.write(d, phase="signalling", signal=sig.name, target=pid)
             signal.pidfd_send_signal(fd, sig)
-            d.result = f"sent {sig.name} to {target}"
+            d.result = f"sent {sig.name} to {pid}"
             if sig == signal.SIGTERM:
-                pending[target] = (d, fd)
-            else:
-                os.close(fd)
+                pending[pid] = (d, fd)
+                continue
         except OSError as e:
             d.result = f"signal failed: {e}"
-            os.close(fd)
+        os.close(fd)
     deadline = time.monotonic() + grace_s
     while pending and time.monotonic() < deadline:
-        for target in [t for t in pending if _gone(t)]:
-            d, fd = pending.pop(target)
+        for gone in [t for t in pending if _gone(t)]:
+            d, fd = pending.pop(gone)
             d.result = "SIGTERM: exited"
             os.close(fd)
         time.sleep(0.05)
-    for target, (d, fd) in pending.items():
+    for pid, (d, fd) in pending.items():
         try:
+            if log is not None:
+                log.write(d, phase="signalling", signal="SIGKILL", target=pid)
             signal.pidfd_send_signal(fd, signal.SIGKILL)
             d.result = f"SIGTERM ignored for {grace_s:g}s: SIGKILL sent"
         except OSError as e:
@@ -320,28 +397,25 @@ def enforce(decisions: list[Decision], grace_s: float) -> None:
 
 
 def audit(decisions: list[Decision], path: str | Path) -> None:
-    """Appends one JSON line a decision; O_APPEND keeps lines whole across writers."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # O_NOFOLLOW: a symlink planted at the configured path (by anyone who can write its folder)
-    # must not make root append to a file of the planter's choice.
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as e:
-        raise OSError(e.errno, f"audit log {path}: {e.strerror} (a symlink is refused)") from None
+    """Appends one JSON line a decision, fsynced."""
+    log = AuditLog(path, sync_at_close=True)
     try:
         for d in decisions:
-            os.write(fd, (json.dumps(asdict(d), default=str) + "\n").encode())
+            log.write(d)
     finally:
-        os.close(fd)
+        log.close()
 
 
 def reap_once(snap: Snapshot, policy: Policy, enforce_: bool, audit_log: str | Path | None) -> list[Decision]:
     decisions = decide(snap, policy, dry_run=not enforce_)
-    if enforce_:
-        enforce(decisions, policy.grace_s)
-    else:
+    log = AuditLog(audit_log or policy.audit_log or default_audit_log(), sync_at_close=enforce_)
+    try:
+        if enforce_:
+            enforce(decisions, policy.grace_s, log)
         for d in decisions:
-            d.result = "dry run" if d.action not in ("report", "protected") else d.action
-    audit(decisions, audit_log or policy.audit_log or default_audit_log())
+            if d.result is None:
+                d.result = "dry run" if d.action not in ("report", "protected") else d.action
+            log.write(d, phase="done")
+    finally:
+        log.close()
     return decisions

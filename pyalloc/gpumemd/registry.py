@@ -45,6 +45,7 @@ MAX_BYTES = 1 << 60  # 1 EiB: any counter above this is garbage, not a device
 HEARTBEAT_FUTURE_SLACK_NS = 60 * 10**9  # clocks drift; a heartbeat further ahead is garbage
 
 _NAME = re.compile(r"^pyalloc\.(\d{1,10})\.(\d{1,10})$")
+_UNPUBLISHED = re.compile(r"^pyalloc\.\d{1,10}\.\d{1,10}\.new$")  # a record being made (registry.cpp)
 
 
 class RegistryDevice(ctypes.Structure):
@@ -103,6 +104,10 @@ _RESPONSE_BYTES = RegistryRecord.response_bytes.offset
 
 class RecordError(Exception):
     """A registry file that can't be trusted; the message is the reason it was skipped."""
+
+
+class RecordGone(RecordError):
+    """The file was removed between the listing and the open: its process exited (not a fault)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,8 @@ def _open_checked(path: Path | str, writable: bool, as_uid: int | None) -> tuple
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise RecordError("symlink refused") from None
+        if e.errno == errno.ENOENT:
+            raise RecordGone("removed while being read") from None
         raise RecordError(f"cannot open: {os.strerror(e.errno or 0)}") from None
     try:
         st = os.fstat(fd)
@@ -394,7 +401,7 @@ def _list(directory: Path) -> _Listing:
                 if not entry.name.startswith(PREFIX):
                     continue
                 if _NAME.match(entry.name) is None:
-                    ignored += 1
+                    ignored += _UNPUBLISHED.match(entry.name) is None  # the library's own, mid-creation
                 elif len(paths) < MAX_RECORDS:
                     paths.append(directory / entry.name)
                 else:
@@ -420,11 +427,47 @@ def scan(directory: Path | str | None = None, as_uid: int | None = None) -> Scan
     for path in listing.paths:
         try:
             out.records.append(read_record(path, as_uid=as_uid))
+        except RecordGone:
+            pass  # its process exited while we listed: nothing to report
         except RecordError as e:
             out.skipped.append(Skipped(str(path), str(e)))
         except Exception as e:  # noqa: BLE001 - a hostile file must never stop the scan
             out.skipped.append(Skipped(str(path), f"unreadable: {type(e).__name__}: {e}"))
     return out
+
+
+@dataclass(frozen=True)
+class DirHealth:
+    problem: str | None  # why pyalloc processes cannot publish records there; None: they can
+    free_bytes: int | None  # space left for records (statvfs), None when unknown
+
+
+def dir_health(directory: Path | str | None = None) -> DirHealth:
+    """Whether pyalloc processes can publish records in ``directory``: a missing, read-only or
+    full registry folder leaves every process unseen (the library then runs without a record),
+    and the daemon is the one that can tell the operator."""
+    where = Path(directory or registry_dir())
+    try:
+        st = os.stat(where)
+    except OSError as e:
+        return DirHealth(f"{where}: {os.strerror(e.errno or 0)}: no pyalloc process can publish a record there",
+                         None)
+    if not stat.S_ISDIR(st.st_mode):
+        return DirHealth(f"{where}: not a directory", None)
+    try:
+        vfs = os.statvfs(where)
+    except OSError:
+        return DirHealth(None, None)
+    free = vfs.f_bavail * vfs.f_frsize
+    if vfs.f_flag & os.ST_RDONLY:
+        return DirHealth(f"{where}: read-only file system: pyalloc processes cannot publish records", free)
+    if st.st_mode & 0o222 == 0:
+        return DirHealth(f"{where}: mode {stat.S_IMODE(st.st_mode):o} lets no one write: pyalloc processes "
+                         f"cannot publish records", free)
+    if free < RECORD_SIZE:
+        return DirHealth(f"{where}: full ({free} bytes free, a record takes {RECORD_SIZE}): new pyalloc "
+                         f"processes cannot publish records", free)
+    return DirHealth(None, free)
 
 
 # --- liveness -----------------------------------------------------------------------------

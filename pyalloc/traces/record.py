@@ -493,14 +493,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from . import models
+    try:
+        from . import models  # the workloads are PyTorch models
+        workloads = ", ".join(models.names())
+    except ImportError:  # without torch every other pyalloc command still works
+        workloads = "the built-in models (they need torch, which is not installed)"
 
     parser = subparsers.add_parser(
         "record", help="record a built-in workload's allocation trace, or convert a PyTorch snapshot",
         description=__doc__.split("\n\n", 1)[1].split("Note [", 1)[0].rstrip() if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help=f"workload to record: {', '.join(models.names())}; with --meta: "
+                        help=f"workload to record: {workloads}; with --meta: "
                              "llama1b, llama7b, vit_l, resnet50")
     parser.add_argument("--from-snapshot", metavar="PICKLE",
                         help="convert a torch.cuda.memory._snapshot() pickle instead (needs -o)")

@@ -77,6 +77,11 @@ def main() -> None:
         time.sleep(0.1)
         print(f"pid {pid}", flush=True)
         sys.exit(0)
+    if args.busy:
+        try:  # busy means busy on a loaded machine too: ahead of the other tests' processes (root only)
+            os.nice(-10)
+        except OSError:
+            pass
     w = publish(args)
     print(f"pid {os.getpid()}", flush=True)
     while True:

@@ -158,4 +158,8 @@ def test_reaper_dry_run_names_exactly_the_stale_ones_and_enforce_kills_only_them
     eventually(lambda: not alive(orphan) and not alive(idle))
     assert alive(busy) and alive(recent) and alive(protected)
     lines = [json.loads(x) for x in audit.read_text().splitlines()]
-    assert len(lines) == 8 and all("evidence" in x for x in lines)
+    assert all("evidence" in x for x in lines)
+    assert [x["phase"] for x in lines].count("done") == 8
+    # Each signal was announced in the log before it was sent: one line per killed process.
+    announced = [(x["pid"], x["signal"]) for x in lines if x["phase"] == "signalling"]
+    assert sorted(announced) == sorted([(orphan, "SIGTERM"), (idle, "SIGTERM")])

@@ -70,3 +70,13 @@ def test_the_audit_log_is_never_opened_through_a_symlink(tmp_path: Path) -> None
     with pytest.raises(OSError, match="symlink is refused"):
         reaper.audit([decision], planted)
     assert victim.read_text() == "untouched\n"
+
+
+def test_a_record_the_library_is_still_creating_is_not_reported(reg_dir: Path) -> None:
+    """The soak (issue 21) logged every starting process's pyalloc.<uid>.<pid>.new as junk."""
+    (reg_dir / f"pyalloc.{os.getuid()}.{os.getpid()}.new").touch()
+    (reg_dir / "pyalloc.junk").touch()
+    scan = registry.scan(reg_dir)
+    assert [s.reason for s in scan.skipped] == ["1 files named pyalloc.* that are not pyalloc.<uid>.<pid> ignored"]
+    with pytest.raises(registry.RecordGone):  # a record removed between the listing and the open
+        registry.read_record(reg_dir / f"pyalloc.{os.getuid()}.1")

@@ -16,6 +16,14 @@
 // not write its parent's record: the atfork handler drops the mapping, and
 // the child publishes a record of its own the next time it configures or
 // reaches the slow path.
+//
+// Note [Registry folder unusable]: a missing, read-only or full registry folder
+// must cost the process its record, never its allocations. The record's pages
+// are reserved with posix_fallocate before they are mapped: on a full tmpfs a
+// file made with ftruncate alone is sparse, and the first store into the mapping
+// raises SIGBUS, killing the process. The reason is written to stderr once per
+// process (gpumemd says the same from its side); the next configure or slow
+// path tries again, so a folder that is fixed later is used.
 #include "node/registry.hpp"
 
 #include <fcntl.h>
@@ -25,6 +33,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -40,6 +49,16 @@ namespace pyalloc {
 namespace {
 
 constexpr auto kRefreshPeriod = std::chrono::milliseconds(250);
+
+// Once per process, why the record could not be published (Note [Registry folder unusable]).
+void say_unpublished(const char* dir, int err) {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  std::fprintf(stderr,
+               "pyalloc: no registry record in %s: %s; allocating goes on, but gpumemd cannot see this "
+               "process (set PYALLOC_REGISTRY_DIR to a writable tmpfs, or registry=0 to run without one)\n",
+               dir, std::strerror(err));
+}
 
 uint64_t unix_ns() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -164,10 +183,15 @@ class Publisher {
     ::unlink(name);  // stale records of an earlier process with our pid
     ::unlink(unpublished.c_str());
     const int fd = ::open(unpublished.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd < 0) return false;  // no /dev/shm: run without a record
-    if (ftruncate(fd, sizeof(pyalloc_registry_record)) != 0) {
+    if (fd < 0) {  // no such folder, not writable, read-only: run without a record
+      say_unpublished(dir, errno);
+      return false;
+    }
+    const int err = posix_fallocate(fd, 0, sizeof(pyalloc_registry_record));  // not sparse: no SIGBUS
+    if (err != 0) {
       ::close(fd);
       ::unlink(unpublished.c_str());
+      say_unpublished(dir, err);
       return false;
     }
     void* p = mmap(nullptr, sizeof(pyalloc_registry_record), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
