@@ -18,6 +18,7 @@ import contextlib
 import functools
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, TypeVar
 
@@ -27,10 +28,12 @@ from ..core import add_stats_source
 from . import cost
 from .args import TensorMap
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
+from .plan import OUTPUT, Plan, Profile, make_plan
+from .regions import PlannedStep
 from .saved import DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
 
-__all__ = ["ActivationOffload", "OffloadError", "latest_session_stats", "offload"]
+__all__ = ["ActivationOffload", "OffloadError", "OffloadFloorWarning", "POLICIES", "latest_session_stats", "offload"]
 
 MIN_EVICT_BYTES = 64 << 10
 """Tensors under 64 KiB are never evicted: bookkeeping would cost more than they free."""
@@ -43,7 +46,22 @@ MAX_REPLAY_CHAIN = 400
 """Hard stop for a replay chain (cost.MAX_REPLAY_DEPTH, the estimate's limit, may be exceeded when
 ancestors are evicted later)."""
 
+BUDGET_SLACK = 0.05
+"""A planned step may hold this fraction over the budget before the session re-plans tighter
+(the plan's peak is an estimate from the profiled step)."""
+
+MAX_REPLANS = 3
+"""Re-plans after a planned step overshot the budget, before the session settles for the plan."""
+
+POLICIES = ("plan", "dtr")
+"""``plan``: profile the first step, then drop and recompute by module along a plan (Note
+[Planned recompute] in plan.py); ``dtr``: per-operator DTR with swap, every step."""
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class OffloadFloorWarning(UserWarning):
+    """The budget is below the bytes the plan cannot drop: the step runs at that floor."""
 
 
 class OffloadError(RuntimeError):
@@ -73,13 +91,18 @@ class ActivationOffload:
 
     def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
                  *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
-                 pressure_callback: bool = True) -> None:
+                 pressure_callback: bool = True, policy: str = "plan") -> None:
         if isinstance(budget, str):
             from ..core import parse_size
 
             budget = parse_size(budget)
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be a non-negative number of bytes, got {budget}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        # The plan needs a budget to plan for and recompute to plan with; otherwise DTR does it
+        # all (pressure-driven eviction, swap-only sessions).
+        self.policy = "plan" if policy == "plan" and budget is not None and recompute else "dtr"
         self.budget = budget
         self.swap = swap
         self.recompute = recompute
@@ -106,13 +129,21 @@ class ActivationOffload:
         self.unevictable_bytes = 0
         self.swapped_bytes = 0
         self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
+        self._profile: Profile | None = None  # the step being profiled (policy "plan")
+        self._profiled: Profile | None = None  # the last profile, for re-plans
+        self._plan: Plan | None = None
+        self._planned: PlannedStep | None = None  # the step running under the plan
+        self._target = budget  # what the plan aims at (lowered after an overshoot)
+        self._replans = 0
+        self._floor_warned = False
         self._new_step()
         self._stats: dict[str, float] = {k: 0 for k in (
             "saved_tensors_total", "swap_outs_total", "swap_ins_total", "drops_total", "recomputed_tensors_total",
             "replays_total", "prefetches_total", "swap_out_bytes_total", "swap_in_bytes_total", "dropped_bytes_total",
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
-            "swap_outs_reverted_total")}
+            "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
+            "step_saved_bytes_peak")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -142,8 +173,15 @@ class ActivationOffload:
         """
         with self._lock:
             self._host.reap(wait=False)
+            reinstall = self._process_wide and self._stack is not None
+            if reinstall:
+                self._stack.close()  # type: ignore[union-attr]
+            if self.policy == "plan":
+                self._finish_plan_step()
             self._new_step()
             self._stats["steps_total"] += 1
+            if reinstall:
+                self._stack = self._install()
 
     # -- context manager / decorator -------------------------------------------------------
 
@@ -158,20 +196,78 @@ class ActivationOffload:
                                "sessions are not supported (use one session around the whole step)")
         with self._lock:
             self._new_step()
+        self._stack = self._install()
+        _active.session = self
+        _latest = weakref.ref(self)
+        return self
+
+    def _install(self) -> contextlib.ExitStack:
+        """The hooks for the coming step: the plan's (Note [Planned recompute] in plan.py), or
+        DTR's with the call-recording mode (and, for policy ``plan``, the step's profile)."""
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-            if self.recompute:
-                stack.enter_context(CallTracker(self))
+            if self.policy == "plan" and self._plan is not None:
+                self._planned = PlannedStep(self, self._plan, self._cuda)
+                self._planned.install(stack)
+            else:
+                if self.policy == "plan":
+                    self._profile = Profile()
+                    self._profile.start()
+                    stack.callback(self._profile.stop)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+                if self.recompute:
+                    stack.enter_context(CallTracker(self))
             if self.pressure_callback:
                 self._register_pressure_callback(stack)
         except BaseException:
             stack.close()
             raise
-        self._stack = stack
-        _active.session = self
-        _latest = weakref.ref(self)
-        return self
+        return stack
+
+    def _finish_plan_step(self) -> None:
+        """After a step under policy ``plan``: plan from a profiled step, or check a planned
+        step against the budget (re-plan tighter after an overshoot, re-profile a step that
+        did not match the profile)."""
+        assert self.budget is not None and self._target is not None
+        st = self._stats
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            profile.stop()
+            st["profile_steps_total"] += 1
+            if profile.packs:
+                self._profiled = profile
+                self._replans = 0
+                self._target = self.budget
+                self._set_plan(make_plan(profile, self.budget))
+            return
+        run, self._planned = self._planned, None
+        if run is None or self._plan is None:
+            return
+        st["planned_steps_total"] += 1
+        st["saved_tensors_total"] += run.seq
+        st["drops_total"] += run.dropped
+        st["dropped_bytes_total"] += run.dropped_bytes
+        peak = run.bytes.peak
+        st["step_saved_bytes_peak"] = peak
+        st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
+        st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
+        if run.diverged:
+            self._plan = None  # profile the next step again
+        elif (peak > self.budget * (1 + BUDGET_SLACK) and self.budget >= self._plan.floor_bytes
+              and self._replans < MAX_REPLANS and self._profiled is not None):
+            self._replans += 1
+            st["replans_total"] += 1
+            self._target = max(0, int(self._target * self.budget / peak))
+            self._set_plan(make_plan(self._profiled, self._target))
+
+    def _set_plan(self, plan: Plan) -> None:
+        self._plan = plan
+        if plan.floor_bytes > self.budget and not self._floor_warned:  # type: ignore[operator]
+            self._floor_warned = True
+            warnings.warn(f"pyalloc.offload: the budget of {self.budget} bytes is below the floor of "
+                          f"{plan.floor_bytes} bytes (saved activations no module re-run can free: the "
+                          f"inputs kept for recompute and what is saved outside recomputable modules); "
+                          f"steps run at the floor", OffloadFloorWarning, stacklevel=2)
 
     def __exit__(self, *exc: Any) -> None:
         self._leave_thread()
@@ -224,6 +320,14 @@ class ActivationOffload:
         """
         st = self._stats
         out = dict(st)
+        plan = self._plan
+        out.update(policy_plan=1 if self.policy == "plan" else 0,
+                   baseline_saved_bytes=plan.baseline_bytes if plan else -1,
+                   plan_estimate_bytes=plan.estimate_bytes if plan else -1,
+                   plan_floor_bytes=plan.floor_bytes if plan else -1,
+                   plan_regions=len(plan.regions) if plan else 0,
+                   plan_outputs=len({o for o, a in zip(plan.owners, plan.actions) if a == OUTPUT}) if plan else 0,
+                   plan_recompute_seconds=plan.recompute_seconds if plan else 0.0)
         out.update(budget_bytes=self.budget if self.budget is not None else -1,
                    resident_bytes=self.resident_bytes, swapped_out_bytes=self.swapped_bytes,
                    unevictable_bytes=self.unevictable_bytes,
@@ -244,6 +348,8 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._replaying or self._inert:
             return t
+        if self._profile is not None:
+            self._profile.note_pack(t)
         with self._lock:
             if self._host:
                 self._host.reap(wait=False)

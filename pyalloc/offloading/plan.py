@@ -1,0 +1,448 @@
+"""A plan learned from one profiled step: which saved activations to keep, and which to drop and
+recompute by re-running a module (issue 20).
+
+Note [Planned recompute]
+    Per-operator DTR records every torch call of every step in Python, which costs more than the
+    recompute it enables. A training step repeats itself, so the session profiles one step
+    (:class:`Profile`: every module call, its forward time, the tensors it takes and returns,
+    and every tensor autograd saves, with the module calls open when it was saved), plans once
+    (:func:`make_plan`), and afterwards only module hooks on the planned modules and one
+    saved-tensor hook run. Two ways to free a saved tensor, both exact (RNG state replayed,
+    module buffers such as batch-norm statistics put back after the re-run):
+
+    - a *region*: a module call whose saves are all dropped but for its inputs, which the
+      session keeps; the first use of a dropped save in backward re-runs the module on those
+      inputs and captures what autograd saves, in order (what ``torch.utils.checkpoint`` does,
+      chosen per call instead of by hand);
+    - an *output*: a module call whose output is saved by later calls (a GELU's output saved by
+      the next linear layer); the session keeps the module's inputs (held anyway when something
+      saves them, or regenerated the same way through the module that made them, up to
+      ``MAX_CHAIN`` deep) and re-runs the module when the output is needed.
+
+    Candidates are taken greedily by bytes freed per second of recompute (forward time measured
+    in the profile), the cheapest one that closes the remaining gap last, until the estimated
+    peak fits the budget. The estimate is the bytes still held plus the largest transient of a
+    recompute; the floor is the estimate with every candidate taken. Saves are identified across
+    steps by their order in the step and checked by shape and dtype: a step that differs from
+    the profile keeps what it saves from there on and has the next step profiled again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "Profile", "make_plan",
+           "storage_key", "is_activation"]
+
+MAX_CHAIN = 3
+"""How many module calls back an output's recompute may go to regenerate its inputs."""
+
+KEEP, REGION, OUTPUT = 0, 1, 2
+
+StorageKey = tuple[int, str]
+ProfileKey = tuple[int, str, int]  # storage_key and a generation: the address used again
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """A tensor's storage, for counting each saved storage once however many views save it."""
+    return (t.untyped_storage().data_ptr(), str(t.device))
+
+
+def is_activation(t: torch.Tensor) -> bool:
+    """A tensor the step made with history: not a parameter, a leaf (input batch, a mask made
+    without grad) or a view of one. Only these count against the budget: the rest exists anyway."""
+    if isinstance(t, torch.nn.Parameter) or t.is_leaf:
+        return False
+    base = t._base
+    return not (base is not None and base.is_leaf)
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a module call's arguments or result (tuples, lists and dicts, one level deep
+    is what modules pass; deeper ones are walked too)."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+    return out
+
+
+@dataclass
+class CallInfo:
+    """One module call of the profiled step."""
+
+    index: int
+    module: "weakref.ref[torch.nn.Module]"
+    ordinal: int  # how many calls of the same module came before it in the step
+    parent: int
+    name: str
+    first_pack: int  # pack sequence numbers saved while the call was open: [first_pack, end_pack)
+    end_pack: int = -1
+    last_desc: int = -1  # calls index..last_desc are this call and the calls it made
+    seconds: float = 0.0
+    input_keys: list[ProfileKey] = field(default_factory=list)
+    input_activation: list[bool] = field(default_factory=list)
+    input_nbytes: list[int] = field(default_factory=list)
+    input_producers: list[int] = field(default_factory=list)  # call whose output it is, or -1
+    mutates_input: bool = False
+    out_key: ProfileKey | None = None  # a single tensor output's storage
+    out_nbytes: int = 0
+    out_version: int = -1
+    out_is_input: bool = False
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (id(self.module()), self.ordinal)
+
+
+@dataclass
+class PackInfo:
+    """One tensor autograd saved in the profiled step."""
+
+    key: ProfileKey
+    nbytes: int
+    activation: bool
+    inner: int  # innermost module call open when it was saved, or -1
+    producer: int  # the module call whose output it is (a view of), or -1
+    version: int
+    signature: tuple[tuple[int, ...], torch.dtype]
+
+
+class Profile:
+    """Records one step: module calls (through global module hooks) and saves (fed by the
+    session's pack hook). See Note [Planned recompute]."""
+
+    def __init__(self) -> None:
+        self.calls: list[CallInfo] = []
+        self.packs: list[PackInfo] = []
+        self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []
+        self._ordinals: dict[int, int] = {}
+        self._outputs: dict[ProfileKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
+        self._seen: dict[StorageKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
+        self._handles: list[Any] = []
+        self.paused = False  # while the session replays (DTR): not part of the step
+
+    def start(self) -> None:
+        """Installs the global module hooks for one step."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [register_module_forward_pre_hook(self._pre),
+                         register_module_forward_hook(self._post, always_call=True)]
+
+    def stop(self) -> None:
+        """Removes the hooks; closes calls left open by an exception."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        while self._open:
+            self._close(self._open[-1][0], None)
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        ordinal = self._ordinals.get(id(module), 0)
+        self._ordinals[id(module)] = ordinal + 1
+        parent = self._open[-1][0].index if self._open else -1
+        call = CallInfo(len(self.calls), weakref.ref(module), ordinal, parent, type(module).__name__,
+                        first_pack=len(self.packs))
+        inputs = tensor_leaves(args)
+        for t in inputs:
+            key = self._key(t)
+            call.input_keys.append(key)
+            call.input_activation.append(is_activation(t))
+            call.input_nbytes.append(t.untyped_storage().nbytes())
+            call.input_producers.append(self._producer(t, key))
+        self.calls.append(call)
+        self._open.append((call, time.perf_counter(), inputs, [t._version for t in inputs]))
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.paused or not self._open or self._open[-1][0].module() is not module:
+            return
+        self._close(self._open[-1][0], output)
+
+    def _close(self, call: CallInfo, output: Any) -> None:
+        _, t0, inputs, versions = self._open.pop()
+        call.seconds = time.perf_counter() - t0
+        call.end_pack = len(self.packs)
+        call.last_desc = len(self.calls) - 1
+        call.mutates_input = any(t._version != v for t, v in zip(inputs, versions))
+        outs = tensor_leaves(output) if output is not None else []
+        if len(outs) == 1 and isinstance(output, torch.Tensor):
+            out = outs[0]
+            key = self._key(out)
+            call.out_key = key
+            call.out_nbytes = out.untyped_storage().nbytes()
+            call.out_version = out._version
+            call.out_is_input = key in call.input_keys
+            if not call.out_is_input:
+                self._outputs[key] = (call.index, weakref.ref(out))
+
+    def _key(self, t: torch.Tensor) -> ProfileKey:
+        """``t``'s storage, told apart from an earlier storage at the same address.
+
+        The address alone is not enough: a tensor evicted in the profiled step (DTR runs it) or a
+        temporary frees its memory, and a later tensor may get the same address. A storage is
+        taken as the same while the first tensor seen on it lives; after that, a new one (a view
+        that outlives it is then counted twice: an overestimate, never an underestimate)."""
+        base = storage_key(t)
+        seen = self._seen.get(base)
+        if seen is not None:
+            first = seen[1]()
+            if first is not None:
+                return (*base, seen[0])
+        gen = seen[0] + 1 if seen is not None else 0
+        self._seen[base] = (gen, weakref.ref(t))
+        return (*base, gen)
+
+    def _producer(self, t: torch.Tensor, key: ProfileKey) -> int:
+        entry = self._outputs.get(key)
+        if entry is None or entry[1]() is None:
+            return -1
+        return entry[0]
+
+    def note_pack(self, t: torch.Tensor) -> None:
+        """Called by the session for every save of the step (not for replays)."""
+        if self.paused:
+            return
+        key = self._key(t)
+        inner = self._open[-1][0].index if self._open else -1
+        self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), is_activation(t), inner,
+                                   self._producer(t, key), t._version, (tuple(t.shape), t.dtype)))
+
+
+@dataclass
+class Plan:
+    """What to do with each save of a step like the profiled one."""
+
+    actions: list[int]  # per pack sequence number: KEEP, REGION or OUTPUT
+    owners: list[tuple[int, int] | None]  # per pack: the planned call's key (module id, ordinal)
+    signatures: list[tuple[tuple[int, ...], torch.dtype]]
+    regions: dict[tuple[int, int], CallInfo]  # key -> region call
+    outputs: dict[tuple[int, int], CallInfo]  # key -> output call (chain members included)
+    modules: list["weakref.ref[torch.nn.Module]"]  # every module that needs hooks
+    baseline_bytes: int  # saved activation bytes of the profiled step, each storage once
+    estimate_bytes: int  # the plan's estimated peak
+    floor_bytes: int  # the estimate with every candidate taken
+    recompute_seconds: float  # forward time the plan re-runs per step (measured in the profile)
+
+    @property
+    def empty(self) -> bool:
+        return not self.regions and not self.outputs
+
+
+@dataclass(eq=False)
+class _Candidate:
+    call: CallInfo
+    kind: int
+    drops: set[ProfileKey]
+    pins: dict[ProfileKey, int]  # storages the re-run needs kept -> bytes
+    chain: list[int]  # calls re-run (an output's: the ones regenerating its inputs first)
+    seconds: float
+    transient: int
+
+    def contains(self, other: "_Candidate") -> bool:
+        return self.call.index <= other.call.index <= self.call.last_desc
+
+    def overlaps(self, other: "_Candidate") -> bool:
+        return self.contains(other) or other.contains(self)
+
+
+class _Planner:
+    """The greedy choice of Note [Planned recompute], over one profile.
+
+    Candidates are fixed up front; the state is counts per storage (how many chosen candidates
+    drop it, how many pin it), so trying a candidate costs its own storages. A region may take
+    the place of chosen candidates inside it: the greedy can go from fine pieces to whole blocks
+    as the budget tightens.
+    """
+
+    def __init__(self, profile: Profile) -> None:
+        self.calls = profile.calls
+        self.packs = profile.packs
+        self.nbytes: dict[ProfileKey, int] = {}
+        self.saves: dict[ProfileKey, list[int]] = {}
+        for seq, p in enumerate(self.packs):
+            if p.activation:
+                self.nbytes[p.key] = p.nbytes
+                self.saves.setdefault(p.key, []).append(seq)
+        self.total = sum(self.nbytes.values())  # bytes held: saved and not dropped, or pinned
+        self.order = sorted(self.nbytes, key=lambda k: self.saves[k][0])  # by first save
+        self.first = [self.saves[k][0] for k in self.order]
+        self.dropped: dict[ProfileKey, int] = {}
+        self.pinned: dict[ProfileKey, int] = {}
+        self.chosen: list[_Candidate] = []
+        self.candidates = [c for call in self.calls for c in (self._region(call), self._output(call))
+                           if c is not None and c.drops and not (c.drops & set(c.pins))]
+
+    # -- candidates ------------------------------------------------------------------------
+
+    def _region(self, call: CallInfo) -> _Candidate | None:
+        if call.mutates_input or call.end_pack <= call.first_pack:
+            return None
+        inputs = set(call.input_keys)
+        drops: set[ProfileKey] = set()
+        rebuild: dict[ProfileKey, int] = {}
+        for seq in range(call.first_pack, call.end_pack):
+            p = self.packs[seq]
+            if not p.activation:
+                continue
+            rebuild[p.key] = p.nbytes
+            if p.key not in inputs and all(call.first_pack <= s < call.end_pack for s in self.saves[p.key]):
+                drops.add(p.key)
+        pins = self._pins(call)
+        return _Candidate(call, REGION, drops, pins, [call.index], call.seconds, sum(rebuild.values()))
+
+    def _pins(self, call: CallInfo) -> dict[ProfileKey, int]:
+        return {k: n for k, n, act in zip(call.input_keys, call.input_nbytes, call.input_activation) if act}
+
+    def _chain(self, call: CallInfo, depth: int, chain: list[int], pins: dict[ProfileKey, int]) -> bool:
+        """Whether ``call``'s inputs are saved (then pinned) or can be regenerated through the
+        calls that made them; fills ``chain`` (inputs' producers first) and ``pins``."""
+        if depth > MAX_CHAIN or call.mutates_input or call.out_key is None or call.out_is_input:
+            return False
+        for key, n, act, prod in zip(call.input_keys, call.input_nbytes, call.input_activation,
+                                     call.input_producers):
+            if not act:
+                continue
+            if key in self.nbytes or prod < 0:
+                pins[key] = n
+            elif not self._chain(self.calls[prod], depth + 1, chain, pins):
+                return False
+        chain.append(call.index)
+        return True
+
+    def _output(self, call: CallInfo) -> _Candidate | None:
+        key = call.out_key
+        if key is None or call.out_is_input or key not in self.nbytes:
+            return None
+        if any(self.packs[s].producer != call.index or self.packs[s].version != call.out_version
+               for s in self.saves[key]):
+            return None
+        chain: list[int] = []
+        pins: dict[ProfileKey, int] = {}
+        if not self._chain(call, 0, chain, pins):
+            return None
+        seconds = sum(self.calls[i].seconds for i in chain)
+        return _Candidate(call, OUTPUT, {key}, pins, chain, seconds, call.out_nbytes)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _held(self, key: ProfileKey) -> bool:
+        return self.pinned.get(key, 0) > 0 or (key in self.nbytes and self.dropped.get(key, 0) == 0)
+
+    def _apply(self, c: _Candidate, sign: int) -> None:
+        for k in c.drops:
+            before = self._held(k)
+            self.dropped[k] = self.dropped.get(k, 0) + sign
+            self.total += (self._held(k) - before) * self.nbytes[k]
+        for k, n in c.pins.items():
+            before = self._held(k)
+            self.pinned[k] = self.pinned.get(k, 0) + sign
+            self.total += (self._held(k) - before) * self.nbytes.get(k, n)
+
+    def estimate(self) -> int:
+        """The planned peak: the bytes held at the end of forward, or while a chosen call is re-run
+        in backward: what was saved before it (backward frees later saves first) plus what the
+        re-run saves, whichever is more."""
+        peak = self.total
+        if not self.chosen:
+            return peak
+        prefix = [0]
+        for k in self.order:
+            prefix.append(prefix[-1] + (self.nbytes[k] if self._held(k) else 0))
+        extra = self.total - prefix[-1]  # pins of storages no save holds
+        for c in self.chosen:
+            before = prefix[bisect.bisect_left(self.first, c.call.first_pack)]
+            peak = max(peak, before + extra + c.transient)
+        return peak
+
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.chosen)
+
+    def _swap(self, add: _Candidate, remove: list[_Candidate]) -> None:
+        for c in remove:
+            self._apply(c, -1)
+            self.chosen.remove(c)
+        self._apply(add, +1)
+        self.chosen.append(add)
+
+    def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate]] | None:
+        """The estimate and recompute time with ``c`` taken (and what it replaces), or None."""
+        inner = [d for d in self.chosen if d.overlaps(c)]
+        if any(not c.contains(d) or d is c for d in inner) or (inner and c.kind != REGION):
+            return None
+        self._swap(c, inner)
+        result = (self.estimate(), self.seconds(), inner)
+        self._apply(c, -1)
+        self.chosen.remove(c)
+        for d in inner:
+            self._apply(d, +1)
+            self.chosen.append(d)
+        return result
+
+    def run(self, budget: int) -> None:
+        while self.estimate() > budget:
+            now, spent = self.estimate(), self.seconds()
+            best: tuple[float, _Candidate, list[_Candidate]] | None = None
+            closing: tuple[float, _Candidate, list[_Candidate]] | None = None
+            for c in self.candidates:
+                tried = self._try(c)
+                if tried is None or tried[0] >= now:
+                    continue
+                est, secs, inner = tried
+                if est <= budget and (closing is None or secs < closing[0]):
+                    closing = (secs, c, inner)
+                ratio = (now - est) / max(secs - spent, 1e-9)
+                if best is None or ratio > best[0]:
+                    best = (ratio, c, inner)
+            pick = closing or best
+            if pick is None:
+                return
+            self._swap(pick[1], pick[2])
+
+
+def make_plan(profile: Profile, budget: int) -> Plan:
+    """Plans a step like ``profile`` to hold at most ``budget`` saved-activation bytes, or as few
+    as it can when that is below the floor. See Note [Planned recompute]."""
+    floor = _Planner(profile)
+    floor.run(0)
+    planner = _Planner(profile)
+    planner.run(budget)
+    n = len(profile.packs)
+    actions = [KEEP] * n
+    owners: list[tuple[int, int] | None] = [None] * n
+    regions: dict[tuple[int, int], CallInfo] = {}
+    outputs: dict[tuple[int, int], CallInfo] = {}
+    modules: dict[int, weakref.ref[torch.nn.Module]] = {}
+    for c in planner.chosen:
+        if c.kind == REGION:
+            regions[c.call.key] = c.call
+            for seq in range(c.call.first_pack, c.call.end_pack):
+                if profile.packs[seq].key in c.drops:
+                    actions[seq], owners[seq] = REGION, c.call.key
+        else:
+            for i in c.chain:
+                outputs[profile.calls[i].key] = profile.calls[i]
+            for seq, p in enumerate(profile.packs):
+                if p.activation and p.key in c.drops and p.producer == c.call.index:
+                    actions[seq], owners[seq] = OUTPUT, c.call.key
+        for i in c.chain:
+            m = profile.calls[i].module
+            modules[id(m())] = m
+    baseline = _Planner(profile).total
+    return Plan(actions, owners, [p.signature for p in profile.packs], regions, outputs,
+                list(modules.values()), baseline, planner.estimate(), floor.estimate(),
+                sum(c.seconds for c in planner.chosen))
+
