@@ -133,8 +133,11 @@ class _Rerun:
             torch.set_rng_state(self.cpu_rng)
             for d, state in self.cuda_rng:
                 torch.cuda.set_rng_state(state, d)
-            # The step's own hook must not see the re-run's saves (they are not the step's).
-            with torch.autograd.graph.saved_tensors_hooks(capture or _identity, _identity), torch.enable_grad():
+            # The step's own hook must not see the re-run's saves (they are not the step's), and the
+            # re-run's graph must hold none of them: a node that saves its own output would keep
+            # itself alive through it (a cycle through C++ that no collector breaks), and the
+            # graph is never run backward. Hence the pack hook stores nothing.
+            with torch.autograd.graph.saved_tensors_hooks(capture or _discard, _discard), torch.enable_grad():
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
@@ -150,8 +153,8 @@ class _Rerun:
         return out
 
 
-def _identity(x: Any) -> Any:
-    return x
+def _discard(x: Any) -> None:
+    return None
 
 
 class Region(_Rerun):
@@ -168,9 +171,8 @@ class Region(_Rerun):
     def materialize(self) -> None:
         captured: list[torch.Tensor] = []
 
-        def capture(t: torch.Tensor) -> torch.Tensor:
-            captured.append(t)
-            return t
+        def capture(t: torch.Tensor) -> None:
+            captured.append(t.detach())
 
         self.run(self.args, self.kwargs, capture)
         self.done = True
@@ -183,7 +185,7 @@ class Region(_Rerun):
 
                 raise OffloadError(f"re-running {type(self.module).__name__} saved fewer tensors than the "
                                    "first run: its forward is not deterministic in what it saves")
-            slot.fill(captured[index].detach())
+            slot.fill(captured[index])
             self.step.session._stats["recomputed_tensors_total"] += 1
         self.wanted = {}
         self.release()  # the inputs are no longer needed: let them go with their last use
@@ -343,6 +345,14 @@ class PlannedStep:
         self._regions: list[Region] = []
         self._outputs: dict[tuple[int, int], Output] = {}
         self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
+
+    def close(self) -> None:
+        """At the step's end: forgets the records, so that no reference cycle (record -> step ->
+        record) leaves them, and the tensors they hold, to the cyclic garbage collector."""
+        self._open.clear()
+        self._regions.clear()
+        self._outputs.clear()
+        self._made.clear()
 
     def install(self, stack: contextlib.ExitStack) -> None:
         """Puts the hooks in place for the step; ``stack`` takes them off."""

@@ -243,6 +243,7 @@ class ActivationOffload:
         run, self._planned = self._planned, None
         if run is None or self._plan is None:
             return
+        run.close()
         st["planned_steps_total"] += 1
         st["saved_tensors_total"] += run.seq
         st["drops_total"] += run.dropped
