@@ -151,9 +151,15 @@ class CallTracker(TorchFunctionMode):
         if _is_compiling():  # first: dynamo must not trace the session's state
             return func(*args, **kwargs)
         s = self.session
-        if s._replaying or s._inert or not s.recompute or func in s._passthrough:
+        if not s._recording or s._replaying or s._inert or not s.recompute or func in s._passthrough:
             return func(*args, **kwargs)
-        return s._calls.record(func, args, kwargs, s._pack_seq, s._by_tensor.get)
+        calls = s._calls
+        t0 = time.thread_time()
+        timed = calls.func_seconds
+        result = calls.record(func, args, kwargs, s._pack_seq, s._by_tensor.get)
+        if calls.func_seconds != timed:  # recorded: the rest of the time was the recording's
+            s._overhead_s += time.thread_time() - t0 - (calls.func_seconds - timed)
+        return result
 
 
 class CallRecorder:
@@ -165,6 +171,7 @@ class CallRecorder:
 
     def __init__(self, cuda: bool) -> None:
         self._cuda = cuda
+        self.func_seconds = 0.0  # time in recorded calls themselves, for the session's overhead
         self.new_step()
 
     def new_step(self) -> None:
@@ -222,11 +229,13 @@ class CallRecorder:
         call.pack_start = pack_seq
         self.current.append((call, tensors))
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         try:
             result = func(*args, **kwargs)
         finally:
             self.current.pop()
         call.cost_s = time.perf_counter() - t0
+        self.func_seconds += time.thread_time() - c0
         if kind == _NO_REPLAY or any(t._version != v for t, v in zip(tensors, versions)):
             call.replayable = False  # it mutated state: replaying would mutate it again
         out_leaves, _ = flatten(result)

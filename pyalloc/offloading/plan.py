@@ -33,7 +33,7 @@ import bisect
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -124,10 +124,11 @@ class Profile:
     """Records one step: module calls (through global module hooks) and saves (fed by the
     session's pack hook). See Note [Planned recompute]."""
 
-    def __init__(self) -> None:
+    def __init__(self, overhead: Callable[[], float] = lambda: 0.0) -> None:
+        self._overhead = overhead  # seconds the session spent on itself so far (DTR's recording)
         self.calls: list[CallInfo] = []
         self.packs: list[PackInfo] = []
-        self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []
+        self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []  # call, start, inputs, versions
         self._ordinals: dict[int, int] = {}
         self._outputs: dict[ProfileKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
         self._seen: dict[StorageKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
@@ -150,7 +151,9 @@ class Profile:
             self._close(self._open[-1][0], None)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self.paused or not torch.is_grad_enabled():
+        # Not inside torch.compile's tracing: what a compiled region saves is kept (its modules
+        # are not seen, so nothing there is planned).
+        if self.paused or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
@@ -165,16 +168,16 @@ class Profile:
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
         self.calls.append(call)
-        self._open.append((call, time.perf_counter(), inputs, [t._version for t in inputs]))
+        self._open.append((call, time.thread_time() - self._overhead(), inputs, [t._version for t in inputs]))
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.paused or not self._open or self._open[-1][0].module() is not module:
+        if self.paused or not self._open or torch.compiler.is_compiling() or self._open[-1][0].module() is not module:
             return
         self._close(self._open[-1][0], output)
 
     def _close(self, call: CallInfo, output: Any) -> None:
         _, t0, inputs, versions = self._open.pop()
-        call.seconds = time.perf_counter() - t0
+        call.seconds = max(0.0, time.thread_time() - self._overhead() - t0)
         call.end_pack = len(self.packs)
         call.last_desc = len(self.calls) - 1
         call.mutates_input = any(t._version != v for t, v in zip(inputs, versions))
@@ -283,8 +286,12 @@ class _Planner:
         self.dropped: dict[ProfileKey, int] = {}
         self.pinned: dict[ProfileKey, int] = {}
         self.chosen: list[_Candidate] = []
-        self.candidates = [c for call in self.calls for c in (self._region(call), self._output(call))
+        self.candidates = [c for call in self.calls for c in (self._region(call), *self._outputs(call))
                            if c is not None and c.drops and not (c.drops & set(c.pins))]
+        self.variants: dict[int, list[_Candidate]] = {}  # call index -> its output candidates
+        for c in self.candidates:
+            if c.kind == OUTPUT:
+                self.variants.setdefault(c.call.index, []).append(c)
 
     # -- candidates ------------------------------------------------------------------------
 
@@ -307,35 +314,46 @@ class _Planner:
     def _pins(self, call: CallInfo) -> dict[ProfileKey, int]:
         return {k: n for k, n, act in zip(call.input_keys, call.input_nbytes, call.input_activation) if act}
 
-    def _chain(self, call: CallInfo, depth: int, chain: list[int], pins: dict[ProfileKey, int]) -> bool:
-        """Whether ``call``'s inputs are saved (then pinned) or can be regenerated through the
-        calls that made them; fills ``chain`` (inputs' producers first) and ``pins``."""
+    def _chain(self, call: CallInfo, depth: int, reach: int, chain: list[int], pins: dict[ProfileKey, int]) -> bool:
+        """Whether ``call``'s inputs can be had: pinned (kept) when saved anyway and ``depth``
+        is ``reach`` or more, else regenerated through the calls that made them (up to
+        ``MAX_CHAIN`` deep). Fills ``chain`` (inputs' producers first) and ``pins``."""
         if depth > MAX_CHAIN or call.mutates_input or call.out_key is None or call.out_is_input:
             return False
         for key, n, act, prod in zip(call.input_keys, call.input_nbytes, call.input_activation,
                                      call.input_producers):
             if not act:
                 continue
-            if key in self.nbytes or prod < 0:
+            if prod < 0 or (key in self.nbytes and depth >= reach):
                 pins[key] = n
-            elif not self._chain(self.calls[prod], depth + 1, chain, pins):
-                return False
-        chain.append(call.index)
+            elif not self._chain(self.calls[prod], depth + 1, reach, chain, pins):
+                if key not in self.nbytes:
+                    return False
+                pins[key] = n
+        if call.index not in chain:
+            chain.append(call.index)
         return True
 
-    def _output(self, call: CallInfo) -> _Candidate | None:
+    def _outputs(self, call: CallInfo) -> list[_Candidate]:
+        """Dropping ``call``'s output, its inputs kept, or regenerated through their producers
+        (one candidate per reach: a chain lets the inputs be dropped by other candidates)."""
         key = call.out_key
         if key is None or call.out_is_input or key not in self.nbytes:
-            return None
+            return []
         if any(self.packs[s].producer != call.index or self.packs[s].version != call.out_version
                for s in self.saves[key]):
-            return None
-        chain: list[int] = []
-        pins: dict[ProfileKey, int] = {}
-        if not self._chain(call, 0, chain, pins):
-            return None
-        seconds = sum(self.calls[i].seconds for i in chain)
-        return _Candidate(call, OUTPUT, {key}, pins, chain, seconds, call.out_nbytes)
+            return []
+        out: list[_Candidate] = []
+        seen: set[tuple[int, ...]] = set()
+        for reach in range(MAX_CHAIN + 1):
+            chain: list[int] = []
+            pins: dict[ProfileKey, int] = {}
+            if not self._chain(call, 0, reach, chain, pins) or tuple(chain) in seen:
+                continue
+            seen.add(tuple(chain))
+            seconds = sum(self.calls[i].seconds for i in chain)
+            out.append(_Candidate(call, OUTPUT, {key}, pins, chain, seconds, call.out_nbytes))
+        return out
 
     # -- state -----------------------------------------------------------------------------
 
@@ -369,25 +387,42 @@ class _Planner:
         return peak
 
     def seconds(self) -> float:
-        return sum(c.seconds for c in self.chosen)
+        """Re-run time per step: a call re-run for several chosen candidates counts once (a
+        regenerated output is cached while dropped saves still need it)."""
+        calls = {i for c in self.chosen for i in c.chain}
+        return sum(self.calls[i].seconds for i in calls)
 
-    def _swap(self, add: _Candidate, remove: list[_Candidate]) -> None:
-        for c in remove:
-            self._apply(c, -1)
-            self.chosen.remove(c)
-        self._apply(add, +1)
-        self.chosen.append(add)
-
-    def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate]] | None:
-        """The estimate and recompute time with ``c`` taken (and what it replaces), or None."""
-        inner = [d for d in self.chosen if d.overlaps(c)]
-        if any(not c.contains(d) or d is c for d in inner) or (inner and c.kind != REGION):
-            return None
-        self._swap(c, inner)
-        result = (self.estimate(), self.seconds(), inner)
-        self._apply(c, -1)
-        self.chosen.remove(c)
-        for d in inner:
+    def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
+        """The estimate and recompute time with ``c`` taken, what it replaces and what comes
+        with it, or None. ``c`` replaces chosen candidates inside it (a region) or another way
+        to drop the same output; a chosen output that keeps (pins) what ``c`` drops switches to
+        its variant that regenerates it through ``c``'s call instead."""
+        replaced = [d for d in self.chosen if d.overlaps(c)]
+        for d in replaced:
+            if d is c or (d.call is c.call and d.kind != c.kind):
+                return None
+            if d.call is not c.call and (c.kind != REGION or not c.contains(d)):
+                return None
+        added = [c]
+        for d in self.chosen:
+            if d.kind == OUTPUT and d not in replaced and c.drops & set(d.pins):
+                options = [v for v in self.variants.get(d.call.index, ())
+                           if c.call.index in v.chain and not (c.drops & set(v.pins))]
+                if not options:
+                    return None
+                replaced.append(d)
+                added.append(min(options, key=lambda v: v.seconds))
+        for d in replaced:
+            self._apply(d, -1)
+            self.chosen.remove(d)
+        for a in added:
+            self._apply(a, +1)
+            self.chosen.append(a)
+        result = (self.estimate(), self.seconds(), replaced, added)
+        for a in added:
+            self._apply(a, -1)
+            self.chosen.remove(a)
+        for d in replaced:
             self._apply(d, +1)
             self.chosen.append(d)
         return result
@@ -395,22 +430,30 @@ class _Planner:
     def run(self, budget: int) -> None:
         while self.estimate() > budget:
             now, spent = self.estimate(), self.seconds()
-            best: tuple[float, _Candidate, list[_Candidate]] | None = None
-            closing: tuple[float, _Candidate, list[_Candidate]] | None = None
+            Move = tuple[float, list[_Candidate], list[_Candidate]]
+            best: Move | None = None
+            closing: Move | None = None
             for c in self.candidates:
+                if c in self.chosen:
+                    continue
                 tried = self._try(c)
                 if tried is None or tried[0] >= now:
                     continue
-                est, secs, inner = tried
+                est, secs, replaced, added = tried
                 if est <= budget and (closing is None or secs < closing[0]):
-                    closing = (secs, c, inner)
+                    closing = (secs, replaced, added)
                 ratio = (now - est) / max(secs - spent, 1e-9)
                 if best is None or ratio > best[0]:
-                    best = (ratio, c, inner)
+                    best = (ratio, replaced, added)
             pick = closing or best
             if pick is None:
                 return
-            self._swap(pick[1], pick[2])
+            for d in pick[1]:
+                self._apply(d, -1)
+                self.chosen.remove(d)
+            for a in pick[2]:
+                self._apply(a, +1)
+                self.chosen.append(a)
 
 
 def make_plan(profile: Profile, budget: int) -> Plan:
@@ -446,3 +489,71 @@ def make_plan(profile: Profile, budget: int) -> Plan:
                 list(modules.values()), baseline, planner.estimate(), floor.estimate(),
                 sum(c.seconds for c in planner.chosen))
 
+
+
+BUDGET_SLACK = 0.05
+"""A planned step may hold this fraction over the budget (the promise of ``pyalloc.offload``)."""
+
+MAX_TRIALS = 4
+"""Planned steps measured, one plan each, before the search settles on the best of them."""
+
+
+class PlanSearch:
+    """The plans for one profile, tuned on measured steps.
+
+    The plan's peak is an estimate (Note [Planned recompute]); the step's is measured. After each
+    planned step the search scales the planner's target by how far the measurement was from the
+    estimate, so that the next plan lands just under the budget: tighter after an overshoot,
+    looser (less recompute) when there was room. After ``MAX_TRIALS`` steps, or when a plan
+    repeats, it settles on the cheapest plan that kept the budget (+5%), or failing that the one
+    that held the least: then the budget is below the floor, and ``floor_bytes`` is that least.
+    """
+
+    def __init__(self, profile: Profile, budget: int) -> None:
+        self.profile = profile
+        self.budget = budget
+        self.target = budget
+        self.plan = make_plan(profile, budget)
+        self.trials: list[tuple[Plan, int]] = []
+        self.settled = False
+
+    @property
+    def limit(self) -> int:
+        return int(self.budget * (1 + BUDGET_SLACK))
+
+    def measured(self, peak: int) -> bool:
+        """Takes a planned step's measured peak; returns whether the plan changed."""
+        if self.settled:
+            return False
+        plan = self.plan
+        self.trials.append((plan, peak))
+        kept = plan.empty or self.budget * (1 - 2 * BUDGET_SLACK) <= peak <= self.limit
+        if kept and peak <= self.limit:
+            return self._settle()
+        if len(self.trials) >= MAX_TRIALS or peak <= 0 or plan.estimate_bytes <= 0:
+            return self._settle()
+        target = int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
+        candidate = make_plan(self.profile, target)
+        if any(p.actions == candidate.actions for p, _ in self.trials):
+            return self._settle()
+        self.target, self.plan = target, candidate
+        return True
+
+    def _settle(self) -> bool:
+        self.settled = True
+        fitting = [(p.recompute_seconds, i) for i, (p, peak) in enumerate(self.trials) if peak <= self.limit]
+        best = min(fitting)[1] if fitting else min(range(len(self.trials)), key=lambda i: self.trials[i][1])
+        changed = self.trials[best][0] is not self.plan
+        self.plan = self.trials[best][0]
+        return changed
+
+    @property
+    def below_floor(self) -> bool:
+        """Settled, and no plan kept the budget."""
+        return self.settled and all(peak > self.limit for _, peak in self.trials)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The least peak measured (while searching: the plan's estimate of its floor)."""
+        measured = [peak for _, peak in self.trials]
+        return min(measured) if self.below_floor else self.plan.floor_bytes

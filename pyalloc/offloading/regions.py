@@ -137,7 +137,8 @@ class _Rerun:
             # re-run's graph must hold none of them: a node that saves its own output would keep
             # itself alive through it (a cycle through C++ that no collector breaks), and the
             # graph is never run backward. Hence the pack hook stores nothing.
-            with torch.autograd.graph.saved_tensors_hooks(capture or _discard, _discard), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked), \
+                    torch.enable_grad():
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
@@ -155,6 +156,10 @@ class _Rerun:
 
 def _discard(x: Any) -> None:
     return None
+
+
+def _never_unpacked(x: Any) -> torch.Tensor:
+    raise RuntimeError("pyalloc.offload: backward through a re-run's graph (it is discarded)")
 
 
 class Region(_Rerun):
@@ -253,23 +258,23 @@ class Output(_Rerun):
         def link(x: Any) -> Any:
             return links.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
+        self.pending = 0  # dropped saves of the output not yet used
+        self.linkers = 0  # later output calls that regenerate their input through this one
+        self.cache: torch.Tensor | None = None
+        self.key = key
+        self.out_key: StorageKey | None = None
+        self.out_ref: weakref.ref[torch.Tensor] | None = None
         super().__init__(step, module, _substitute(args, link), _substitute(kwargs, link))
         self.links = list(links.values())
         for lk in self.links:
             lk.record.linkers += 1
-        self.key = key
-        self.out_key: StorageKey | None = None
-        self.out_ref: weakref.ref[torch.Tensor] | None = None
-        self.pending = 0  # dropped saves of the output not yet used
-        self.linkers = 0  # later output calls that regenerate their input through this one
-        self.cache: torch.Tensor | None = None
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
         def resolve(x: Any) -> Any:
             if isinstance(x, _Link):
-                t = x.record.regenerate()
-                return t.requires_grad_(True) if x.requires_grad else t
+                t = x.record.output()
+                return t.detach().requires_grad_(True) if x.requires_grad else t
             return x
 
         args, kwargs = self.args, self.kwargs
@@ -281,6 +286,16 @@ class Output(_Rerun):
 
             raise OffloadError(f"re-running {type(self.module).__name__} did not return a tensor")
         return out.detach()
+
+    def output(self) -> torch.Tensor:
+        """The output for a later call's re-run: cached while dropped saves of it are pending
+        (they will want it too), else regenerated for this use only."""
+        if self.pending <= 0:
+            return self.regenerate()
+        if self.cache is None:
+            self.cache = self.regenerate()
+            self.step.session._stats["recomputed_tensors_total"] += 1
+        return self.cache
 
     def finish(self) -> None:
         """No dropped save needs the output any more: let go of the inputs (and the linked
@@ -312,10 +327,7 @@ class OutputSlot(_Counted):
         record = self.record
         if self.tensor is None and record is not None:
             self.record = None
-            if record.cache is None:
-                record.cache = record.regenerate()
-                record.step.session._stats["recomputed_tensors_total"] += 1
-            base = record.cache
+            base = record.output()
             shape, stride, offset = self.geometry
             self.tensor = base if (tuple(base.shape), tuple(base.stride()), base.storage_offset()) == self.geometry \
                 else base.as_strided(shape, stride, offset)
@@ -367,7 +379,7 @@ class PlannedStep:
     # -- module hooks ----------------------------------------------------------------------
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.recomputing or not torch.is_grad_enabled():
+        if self.recomputing or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
@@ -393,7 +405,7 @@ class PlannedStep:
         return links
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.recomputing or not self._open or self._open[-1][0] is not module:
+        if self.recomputing or not self._open or torch.compiler.is_compiling() or self._open[-1][0] is not module:
             return
         _, record = self._open.pop()
         if isinstance(record, Region):

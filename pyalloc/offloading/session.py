@@ -28,7 +28,7 @@ from ..core import add_stats_source
 from . import cost
 from .args import TensorMap
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
-from .plan import OUTPUT, Plan, Profile, make_plan
+from .plan import OUTPUT, Plan, PlanSearch, Profile
 from .regions import PlannedStep
 from .saved import DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
@@ -45,13 +45,6 @@ the ones further back later, and a longer scan would cost each unpack time linea
 MAX_REPLAY_CHAIN = 400
 """Hard stop for a replay chain (cost.MAX_REPLAY_DEPTH, the estimate's limit, may be exceeded when
 ancestors are evicted later)."""
-
-BUDGET_SLACK = 0.05
-"""A planned step may hold this fraction over the budget before the session re-plans tighter
-(the plan's peak is an estimate from the profiled step)."""
-
-MAX_REPLANS = 3
-"""Re-plans after a planned step overshot the budget, before the session settles for the plan."""
 
 POLICIES = ("plan", "dtr")
 """``plan``: profile the first step, then drop and recompute by module along a plan (Note
@@ -116,7 +109,11 @@ class ActivationOffload:
         self.pool = self._host.pool
         self._lock = threading.RLock()
         self._busy = threading.local()
-        self._stack: contextlib.ExitStack | None = None
+        self._stack: contextlib.ExitStack | None = None  # this step's hooks
+        # pyalloc run --offload: the call-recording mode, entered once for the program, since a
+        # step ends inside backward, where the mode is off the stack (it dispatches the call)
+        self._mode_stack: contextlib.ExitStack | None = None
+        self._recording = False  # whether the recording mode records (DTR steps)
         self._replaying = False
         self._callback_handle: int | None = None
         self._calls = CallRecorder(self._cuda)
@@ -130,12 +127,10 @@ class ActivationOffload:
         self.swapped_bytes = 0
         self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
         self._profile: Profile | None = None  # the step being profiled (policy "plan")
-        self._profiled: Profile | None = None  # the last profile, for re-plans
-        self._plan: Plan | None = None
+        self._search: PlanSearch | None = None  # the plans for the last profile
         self._planned: PlannedStep | None = None  # the step running under the plan
-        self._target = budget  # what the plan aims at (lowered after an overshoot)
-        self._replans = 0
         self._floor_warned = False
+        self._overhead_s = 0.0  # time in the session's own bookkeeping (DTR), not the model's
         self._new_step()
         self._stats: dict[str, float] = {k: 0 for k in (
             "saved_tensors_total", "swap_outs_total", "swap_ins_total", "drops_total", "recomputed_tensors_total",
@@ -196,7 +191,14 @@ class ActivationOffload:
                                "sessions are not supported (use one session around the whole step)")
         with self._lock:
             self._new_step()
-        self._stack = self._install()
+        if self._process_wide and self.recompute:
+            self._mode_stack = contextlib.ExitStack()
+            self._mode_stack.enter_context(CallTracker(self))
+        try:
+            self._stack = self._install()
+        except BaseException:
+            self._leave_thread()
+            raise
         _active.session = self
         _latest = weakref.ref(self)
         return self
@@ -206,16 +208,18 @@ class ActivationOffload:
         DTR's with the call-recording mode (and, for policy ``plan``, the step's profile)."""
         stack = contextlib.ExitStack()
         try:
+            self._recording = False
             if self.policy == "plan" and self._plan is not None:
                 self._planned = PlannedStep(self, self._plan, self._cuda)
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
-                    self._profile = Profile()
+                    self._profile = Profile(lambda: self._overhead_s)
                     self._profile.start()
                     stack.callback(self._profile.stop)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-                if self.recompute:
+                self._recording = self.recompute
+                if self.recompute and self._mode_stack is None:
                     stack.enter_context(CallTracker(self))
             if self.pressure_callback:
                 self._register_pressure_callback(stack)
@@ -225,23 +229,21 @@ class ActivationOffload:
         return stack
 
     def _finish_plan_step(self) -> None:
-        """After a step under policy ``plan``: plan from a profiled step, or check a planned
-        step against the budget (re-plan tighter after an overshoot, re-profile a step that
-        did not match the profile)."""
-        assert self.budget is not None and self._target is not None
+        """After a step under policy ``plan``: plan from a profiled step, or measure a planned
+        step for the plan search (:class:`~.plan.PlanSearch`); a step that did not match the
+        profile has the next one profiled again."""
+        assert self.budget is not None
         st = self._stats
         profile, self._profile = self._profile, None
         if profile is not None:
             profile.stop()
             st["profile_steps_total"] += 1
             if profile.packs:
-                self._profiled = profile
-                self._replans = 0
-                self._target = self.budget
-                self._set_plan(make_plan(profile, self.budget))
+                self._search = PlanSearch(profile, self.budget)
             return
         run, self._planned = self._planned, None
-        if run is None or self._plan is None:
+        search = self._search
+        if run is None or search is None:
             return
         run.close()
         st["planned_steps_total"] += 1
@@ -253,22 +255,20 @@ class ActivationOffload:
         st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
         st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
         if run.diverged:
-            self._plan = None  # profile the next step again
-        elif (peak > self.budget * (1 + BUDGET_SLACK) and self.budget >= self._plan.floor_bytes
-              and self._replans < MAX_REPLANS and self._profiled is not None):
-            self._replans += 1
+            self._search = None  # profile the next step again
+            return
+        if search.measured(peak):
             st["replans_total"] += 1
-            self._target = max(0, int(self._target * self.budget / peak))
-            self._set_plan(make_plan(self._profiled, self._target))
-
-    def _set_plan(self, plan: Plan) -> None:
-        self._plan = plan
-        if plan.floor_bytes > self.budget and not self._floor_warned:  # type: ignore[operator]
+        if search.below_floor and not self._floor_warned:
             self._floor_warned = True
             warnings.warn(f"pyalloc.offload: the budget of {self.budget} bytes is below the floor of "
-                          f"{plan.floor_bytes} bytes (saved activations no module re-run can free: the "
-                          f"inputs kept for recompute and what is saved outside recomputable modules); "
-                          f"steps run at the floor", OffloadFloorWarning, stacklevel=2)
+                          f"{search.floor_bytes} bytes of saved activations (what no module re-run can "
+                          f"free: inputs kept for recompute, saves outside recomputable modules, one "
+                          f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
+
+    @property
+    def _plan(self) -> Plan | None:
+        return self._search.plan if self._search is not None else None
 
     def __exit__(self, *exc: Any) -> None:
         self._leave_thread()
@@ -277,9 +277,13 @@ class ActivationOffload:
     def _leave_thread(self) -> None:
         """Takes the hooks and the mode off this thread's stacks; touches no device."""
         _active.session = None
+        self._recording = False
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+        modes, self._mode_stack = self._mode_stack, None
+        if modes is not None:
+            modes.close()
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -322,10 +326,12 @@ class ActivationOffload:
         st = self._stats
         out = dict(st)
         plan = self._plan
+        search = self._search
         out.update(policy_plan=1 if self.policy == "plan" else 0,
                    baseline_saved_bytes=plan.baseline_bytes if plan else -1,
                    plan_estimate_bytes=plan.estimate_bytes if plan else -1,
-                   plan_floor_bytes=plan.floor_bytes if plan else -1,
+                   plan_floor_bytes=search.floor_bytes if search else -1,
+                   plan_settled=1 if search is not None and search.settled else 0,
                    plan_regions=len(plan.regions) if plan else 0,
                    plan_outputs=len({o for o, a in zip(plan.owners, plan.actions) if a == OUTPUT}) if plan else 0,
                    plan_recompute_seconds=plan.recompute_seconds if plan else 0.0)
@@ -349,8 +355,16 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._replaying or self._inert:
             return t
-        if self._profile is not None:
-            self._profile.note_pack(t)
+        if self._profile is None:
+            return self._pack_tracked(t)
+        t0 = time.thread_time()
+        self._profile.note_pack(t)
+        try:
+            return self._pack_tracked(t)
+        finally:  # evictions included: the profile's module times must not count them
+            self._overhead_s += time.thread_time() - t0
+
+    def _pack_tracked(self, t: torch.Tensor) -> Any:
         with self._lock:
             if self._host:
                 self._host.reap(wait=False)

@@ -279,14 +279,11 @@ class _Config:
 
 
 def _settle(config: _Config) -> None:
-    """Runs a session's profiled step and any re-plans: the timed steps are steady-state steps."""
+    """Runs a session's profiled step and its plan search: the timed steps are steady-state steps."""
     assert config.session is not None
-    for _ in range(8):
-        before = config.session.stats()
+    for _ in range(12):
         config.step()
-        after = config.session.stats()
-        if after["planned_steps_total"] > before["planned_steps_total"] and after["replans_total"] == before["replans_total"] \
-                and after["profile_steps_total"] == before["profile_steps_total"]:
+        if config.session.stats()["plan_settled"]:
             return
 
 
