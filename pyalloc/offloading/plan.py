@@ -494,7 +494,7 @@ def make_plan(profile: Profile, budget: int) -> Plan:
 BUDGET_SLACK = 0.05
 """A planned step may hold this fraction over the budget (the promise of ``pyalloc.offload``)."""
 
-MAX_TRIALS = 4
+MAX_TRIALS = 6
 """Planned steps measured, one plan each, before the search settles on the best of them."""
 
 
@@ -502,11 +502,12 @@ class PlanSearch:
     """The plans for one profile, tuned on measured steps.
 
     The plan's peak is an estimate (Note [Planned recompute]); the step's is measured. After each
-    planned step the search scales the planner's target by how far the measurement was from the
-    estimate, so that the next plan lands just under the budget: tighter after an overshoot,
-    looser (less recompute) when there was room. After ``MAX_TRIALS`` steps, or when a plan
-    repeats, it settles on the cheapest plan that kept the budget (+5%), or failing that the one
-    that held the least: then the budget is below the floor, and ``floor_bytes`` is that least.
+    planned step the search moves the planner's target: scaled by how far the measurement was
+    from the budget until one plan fitted and one overshot, then halfway between the largest
+    target that fitted and the smallest that overshot, so that the plan lands just under the
+    budget (a looser plan re-runs less). After ``MAX_TRIALS`` steps, or when a plan repeats, it
+    settles on the cheapest plan that kept the budget (+5%), or failing that the one that held
+    the least: then the budget is below the floor, and ``floor_bytes`` is that least.
     """
 
     def __init__(self, profile: Profile, budget: int) -> None:
@@ -515,6 +516,8 @@ class PlanSearch:
         self.target = budget
         self.plan = make_plan(profile, budget)
         self.trials: list[tuple[Plan, int]] = []
+        self.fitted: int | None = None  # the largest target whose plan kept the budget
+        self.overshot: int | None = None  # the smallest target whose plan did not
         self.settled = False
 
     @property
@@ -527,12 +530,18 @@ class PlanSearch:
             return False
         plan = self.plan
         self.trials.append((plan, peak))
-        kept = plan.empty or self.budget * (1 - 2 * BUDGET_SLACK) <= peak <= self.limit
-        if kept and peak <= self.limit:
+        if peak <= self.limit:
+            self.fitted = max(self.fitted or 0, self.target)
+            if plan.empty or peak >= self.budget * (1 - 2 * BUDGET_SLACK):
+                return self._settle()  # close enough under the budget
+        else:
+            self.overshot = min(self.overshot or self.target, self.target)
+        if len(self.trials) >= MAX_TRIALS or peak <= 0:
             return self._settle()
-        if len(self.trials) >= MAX_TRIALS or peak <= 0 or plan.estimate_bytes <= 0:
-            return self._settle()
-        target = int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
+        if self.fitted is not None and self.overshot is not None:
+            target = (self.fitted + self.overshot) // 2
+        else:
+            target = int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
         candidate = make_plan(self.profile, target)
         if any(p.actions == candidate.actions for p, _ in self.trials):
             return self._settle()
