@@ -244,8 +244,8 @@ def test_retained_graph_backward_twice_is_exact(baselines) -> None:
 
 def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
     """At 50% the greedy takes GELU and LayerNorm outputs (cheap to re-run per byte) before it
-    re-runs whole blocks; at 0 it takes whole blocks, as hand-written checkpointing would.
-    Forward times are set, not measured, so that the choice does not depend on the machine."""
+    re-runs whole blocks; at 0 it re-runs more, for fewer bytes. Forward times are set, not
+    measured, so that the choice does not depend on the machine."""
     make_model, make_input = MODELS["gpt"]
     model, x = make_model(), make_input()
     profile = Profile()
@@ -263,7 +263,6 @@ def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
     assert not any(c.name == "_Block" for c in half.regions.values())
     floor = make_plan(profile, 0)
     assert floor.estimate_bytes == floor.floor_bytes < half.estimate_bytes
-    assert any(c.name == "_Block" for c in floor.regions.values())
     assert floor.recompute_seconds > half.recompute_seconds
 
 

@@ -271,11 +271,25 @@ class _Planner:
     as the budget tightens.
     """
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, like: "_Planner | None" = None) -> None:
         self.calls = profile.calls
         self.packs = profile.packs
-        self.nbytes: dict[ProfileKey, int] = {}
-        self.saves: dict[ProfileKey, list[int]] = {}
+        self.dropped: dict[ProfileKey, int] = {}
+        self.pinned: dict[ProfileKey, int] = {}
+        self.chosen: list[_Candidate] = []
+        self.nbytes: dict[ProfileKey, int]
+        self.saves: dict[ProfileKey, list[int]]
+        self.order: list[ProfileKey]
+        self.first: list[int]
+        self.candidates: list[_Candidate]
+        self.variants: dict[int, list[_Candidate]]  # call index -> its output candidates
+        if like is not None:  # the same profile: share the tables and candidates, fresh state
+            self.nbytes, self.saves, self.order, self.first = like.nbytes, like.saves, like.order, like.first
+            self.candidates, self.variants = like.candidates, like.variants
+            self.total = sum(self.nbytes.values())
+            return
+        self.nbytes = {}
+        self.saves = {}
         for seq, p in enumerate(self.packs):
             if p.activation:
                 self.nbytes[p.key] = p.nbytes
@@ -283,12 +297,9 @@ class _Planner:
         self.total = sum(self.nbytes.values())  # bytes held: saved and not dropped, or pinned
         self.order = sorted(self.nbytes, key=lambda k: self.saves[k][0])  # by first save
         self.first = [self.saves[k][0] for k in self.order]
-        self.dropped: dict[ProfileKey, int] = {}
-        self.pinned: dict[ProfileKey, int] = {}
-        self.chosen: list[_Candidate] = []
         self.candidates = [c for call in self.calls for c in (self._region(call), *self._outputs(call))
                            if c is not None and c.drops and not (c.drops & set(c.pins))]
-        self.variants: dict[int, list[_Candidate]] = {}  # call index -> its output candidates
+        self.variants = {}
         for c in self.candidates:
             if c.kind == OUTPUT:
                 self.variants.setdefault(c.call.index, []).append(c)
@@ -427,6 +438,29 @@ class _Planner:
             self.chosen.append(d)
         return result
 
+    def seed(self, regions: list[_Candidate]) -> None:
+        """Starts from these regions (those that fit with each other)."""
+        for c in regions:
+            if not any(d.overlaps(c) for d in self.chosen):
+                self._apply(c, +1)
+                self.chosen.append(c)
+
+    def seeds(self) -> list[list[_Candidate]]:
+        """Starting points besides nothing: every call of one module type as a region, for the
+        types called several times whose regions would drop a tenth of the bytes or more (the
+        blocks a user would checkpoint by hand). The greedy alone, adding the best piece at a
+        time, can end up re-running more than such a uniform choice at tight budgets."""
+        by_type: dict[str, list[_Candidate]] = {}
+        for c in self.candidates:
+            if c.kind == REGION and c.call.module() is not None:
+                by_type.setdefault(f"{type(c.call.module()).__qualname__}", []).append(c)
+        out = []
+        for group in by_type.values():
+            freed = sum(self.nbytes[k] for c in group for k in c.drops)
+            if len(group) >= 2 and freed * 10 >= self.total:
+                out.append(group)
+        return out
+
     def run(self, budget: int) -> None:
         while self.estimate() > budget:
             now, spent = self.estimate(), self.seconds()
@@ -459,10 +493,13 @@ class _Planner:
 def make_plan(profile: Profile, budget: int) -> Plan:
     """Plans a step like ``profile`` to hold at most ``budget`` saved-activation bytes, or as few
     as it can when that is below the floor. See Note [Planned recompute]."""
-    floor = _Planner(profile)
-    floor.run(0)
-    planner = _Planner(profile)
-    planner.run(budget)
+    base = _Planner(profile)
+    starts: list[list[_Candidate]] = [[], *base.seeds()]
+    floor = min((_planned(profile, base, seed, 0) for seed in starts), key=lambda p: (p.estimate(), p.seconds()))
+    tried = [_planned(profile, base, seed, budget) for seed in starts]
+    fitting = [p for p in tried if p.estimate() <= budget]
+    planner = min(fitting, key=lambda p: p.seconds()) if fitting \
+        else min(tried, key=lambda p: (p.estimate(), p.seconds()))
     n = len(profile.packs)
     actions = [KEEP] * n
     owners: list[tuple[int, int] | None] = [None] * n
@@ -484,10 +521,16 @@ def make_plan(profile: Profile, budget: int) -> Plan:
         for i in c.chain:
             m = profile.calls[i].module
             modules[id(m())] = m
-    baseline = _Planner(profile).total
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, outputs,
-                list(modules.values()), baseline, planner.estimate(), floor.estimate(),
-                sum(c.seconds for c in planner.chosen))
+                list(modules.values()), base.total, planner.estimate(), min(floor.estimate(), planner.estimate()),
+                planner.seconds())
+
+
+def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int) -> _Planner:
+    planner = _Planner(profile, like=base)
+    planner.seed(seed)
+    planner.run(budget)
+    return planner
 
 
 
