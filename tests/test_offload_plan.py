@@ -276,3 +276,31 @@ def test_policy_falls_back_to_dtr_without_a_budget_or_without_recompute() -> Non
     assert offload(budget=None).policy == "dtr"  # evicts on allocator pressure only
     assert offload(budget=1 << 20, recompute=False).policy == "dtr"  # swap only
     assert offload(budget=1 << 20, policy="dtr").policy == "dtr"
+
+
+def test_re_runs_keep_the_autocast_of_the_original_call(baselines) -> None:
+    """Backward runs outside autocast: a re-run must enter the autocast the call ran under, or it
+    would recompute in another dtype."""
+    make_model, make_input = MODELS["gpt"]
+    _, _, peak = baselines["gpt"]
+
+    def step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        torch.manual_seed(2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    x = make_input()
+    expected = step(make_model(), x)
+    model = make_model()
+    session = offload(budget=peak // 4, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for _ in range(3):
+            with session:
+                got = step(model, x)
+    assert session.stats()["recomputed_tensors_total"] > 0
+    _assert_bitwise_equal(expected, got)

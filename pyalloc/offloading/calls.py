@@ -118,6 +118,7 @@ class ProducerCall:
     grad_enabled: bool
     cost_s: float = 0.0
     replayable: bool = True
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()  # autocast on when it ran: device, dtype
     outputs: list[weakref.ref | None] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
     pack_start: int = 0
@@ -137,6 +138,11 @@ class ProducerCall:
         if t is not None and t._version == version:
             return t
         return None
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast in effect: (device type, dtype) for each device type it is on for."""
+    return tuple((dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev))
 
 
 class CallTracker(TorchFunctionMode):
@@ -224,7 +230,7 @@ class CallRecorder:
             dev = next(t.device.index for t in tensors if t.is_cuda) or 0
             cuda_rng = (dev, torch.cuda.get_rng_state(dev))
         call = ProducerCall(func, spec, refs, self._capture_rng(), cuda_rng,
-                            torch.is_grad_enabled(), replayable=replayable)
+                            torch.is_grad_enabled(), replayable=replayable, autocast=autocast_state())
         versions = [t._version for t in tensors]
         call.pack_start = pack_seq
         self.current.append((call, tensors))
@@ -275,8 +281,11 @@ def replay_call(call: ProducerCall, leaves: list[Any]) -> tuple[list[Any], list[
             torch.set_rng_state(call.rng_state)
         if call.cuda_rng is not None:
             torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
-        with torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x), \
-                torch.set_grad_enabled(call.grad_enabled):
+        with contextlib.ExitStack() as modes:
+            for device, dtype in call.autocast:  # backward, where replays run, has none
+                modes.enter_context(torch.autocast(device, dtype=dtype))
+            modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x))
+            modes.enter_context(torch.set_grad_enabled(call.grad_enabled))
             result = call.func(*args, **kwargs)
     finally:
         torch.set_rng_state(cpu_rng)

@@ -548,9 +548,13 @@ class PlanSearch:
     planned step the search moves the planner's target: scaled by how far the measurement was
     from the budget until one plan fitted and one overshot, then halfway between the largest
     target that fitted and the smallest that overshot, so that the plan lands just under the
-    budget (a looser plan re-runs less). After ``MAX_TRIALS`` steps, or when a plan repeats, it
-    settles on the cheapest plan that kept the budget (+5%), or failing that the one that held
-    the least: then the budget is below the floor, and ``floor_bytes`` is that least.
+    budget (a looser plan re-runs less). Each step also measures its re-runs, and the profile's
+    forward times of the calls re-run are replaced by those (a re-run in backward can cost more
+    than the forward did, and the profiled step's times are noisy), so the next plan weighs
+    costs as measured. After ``MAX_TRIALS`` steps, or when a plan repeats, it settles on the
+    plan whose step re-ran least among those that kept the budget (+5%), or failing that the
+    one that held the least: then the budget is below the floor, and ``floor_bytes`` is that
+    least.
     """
 
     def __init__(self, profile: Profile, budget: int) -> None:
@@ -559,6 +563,7 @@ class PlanSearch:
         self.target = budget
         self.plan = make_plan(profile, budget)
         self.trials: list[tuple[Plan, int]] = []
+        self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured
         self.fitted: int | None = None  # the largest target whose plan kept the budget
         self.overshot: int | None = None  # the smallest target whose plan did not
         self.settled = False
@@ -567,12 +572,19 @@ class PlanSearch:
     def limit(self) -> int:
         return int(self.budget * (1 + BUDGET_SLACK))
 
-    def measured(self, peak: int) -> bool:
-        """Takes a planned step's measured peak; returns whether the plan changed."""
+    def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None) -> bool:
+        """Takes a planned step's measured peak and re-run seconds per call (by key); returns
+        whether the plan changed."""
         if self.settled:
             return False
         plan = self.plan
         self.trials.append((plan, peak))
+        reruns = reruns or {}
+        self.rerun_seconds.append(sum(reruns.values()))
+        for call in self.profile.calls:
+            measured = reruns.get(call.key)
+            if measured is not None:
+                call.seconds = measured
         if peak <= self.limit:
             self.fitted = max(self.fitted or 0, self.target)
             if plan.empty or peak >= self.budget * (1 - 2 * BUDGET_SLACK):
@@ -593,7 +605,7 @@ class PlanSearch:
 
     def _settle(self) -> bool:
         self.settled = True
-        fitting = [(p.recompute_seconds, i) for i, (p, peak) in enumerate(self.trials) if peak <= self.limit]
+        fitting = [(self.rerun_seconds[i], i) for i, (p, peak) in enumerate(self.trials) if peak <= self.limit]
         best = min(fitting)[1] if fitting else min(range(len(self.trials)), key=lambda i: self.trials[i][1])
         changed = self.trials[best][0] is not self.plan
         self.plan = self.trials[best][0]

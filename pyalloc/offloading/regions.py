@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .calls import autocast_state
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class Kept(_Counted):
 class _Rerun:
     """What re-running one module call needs: the module, its arguments, RNG states, grad mode."""
 
+    key: tuple[int, int]  # the planned call: (id of the module, how many calls of it came before)
+
     def __init__(self, step: "PlannedStep", module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self.step = step
         self.module = module
@@ -103,6 +106,8 @@ class _Rerun:
                 step.bytes.add(key, t.untyped_storage().nbytes())
                 self.pins.append(key)
         self.versions = [(t, t._version) for t in tensor_leaves((args, kwargs))]
+        # autocast as the call ran (backward, where the re-run happens, usually runs without it)
+        self.autocast = autocast_state()
 
     def release(self) -> None:
         pins, self.pins = self.pins, []
@@ -137,8 +142,11 @@ class _Rerun:
             # re-run's graph must hold none of them: a node that saves its own output would keep
             # itself alive through it (a cycle through C++ that no collector breaks), and the
             # graph is never run backward. Hence the pack hook stores nothing.
-            with torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked), \
-                    torch.enable_grad():
+            with contextlib.ExitStack() as modes:
+                for dev, dtype in self.autocast:
+                    modes.enter_context(torch.autocast(dev, dtype=dtype))
+                modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
+                modes.enter_context(torch.enable_grad())
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
@@ -149,8 +157,11 @@ class _Rerun:
                 for b, saved in buffers:
                     b.copy_(saved)
         st = step.session._stats
+        seconds = time.thread_time() - t0
         st["replays_total"] += 1
-        st["recompute_seconds_total"] += time.thread_time() - t0
+        st["recompute_seconds_total"] += seconds
+        key = self.key
+        step.rerun_seconds[key] = step.rerun_seconds.get(key, 0.0) + seconds
         return out
 
 
@@ -352,6 +363,7 @@ class PlannedStep:
         self.diverged = False
         self.dropped = 0
         self.dropped_bytes = 0
+        self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []

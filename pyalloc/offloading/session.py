@@ -1,11 +1,18 @@
-"""An offload session: swap and recompute of saved activations under memory pressure (issue 6).
+"""An offload session: swap and recompute of saved activations under memory pressure (issues 6, 20).
 
-``pyalloc.offload(budget=...)`` wraps a training step. Every tensor autograd saves for backward
-becomes a :class:`SavedActivation` the session tracks. When the resident saved bytes go over the
-budget, or the allocator's pressure ladder (step 3) asks for memory, the session evicts the
-activation with the lowest DTR score (:mod:`.cost`) and either copies it to a reusable host buffer
-(swap, :mod:`.swap`) or drops it and regenerates it on use by replaying the call that produced it
-(recompute, :mod:`.calls`).
+``pyalloc.offload(budget=...)`` wraps a training step. Two policies:
+
+- ``plan`` (the default with a budget and recompute on): the first step is profiled (run under
+  DTR, below, so that it keeps the budget too); later steps drop what a plan names and
+  recompute it by re-running modules, with nothing recorded per operator (Note [Planned
+  recompute] in :mod:`.plan`; :mod:`.regions` runs it). Recompute only: on CPU a swap to host
+  memory frees nothing, and on CUDA ``policy="dtr"`` swaps.
+- ``dtr`` (without a budget, swap-only sessions, or asked for): every tensor autograd saves for
+  backward becomes a :class:`SavedActivation` the session tracks. When the resident saved bytes
+  go over the budget, or the allocator's pressure ladder (step 3) asks for memory, the session
+  evicts the activation with the lowest DTR score (:mod:`.cost`) and either copies it to a
+  reusable host buffer (swap, :mod:`.swap`) or drops it and regenerates it on use by replaying
+  the call that produced it (recompute, :mod:`.calls`).
 
 Limits: tensors smaller than ``min_evict_bytes``, parameters, leaves and non-strided tensors are
 never evicted. Evicting a tensor that something else still references frees no real memory; the
@@ -257,7 +264,7 @@ class ActivationOffload:
         if run.diverged:
             self._search = None  # profile the next step again
             return
-        if search.measured(peak):
+        if search.measured(peak, run.rerun_seconds):
             st["replans_total"] += 1
         if search.below_floor and not self._floor_warned:
             self._floor_warned = True
@@ -661,6 +668,9 @@ def offload(budget: int | str | None = None, swap: bool = True, recompute: bool 
     """Swaps and recomputes saved activations to keep them within ``budget`` bytes.
 
     A context manager around a training step (forward and backward), or a decorator. With
-    ``budget=None`` only the allocator's pressure callback triggers evictions.
+    ``budget=None`` only the allocator's pressure callback triggers evictions. ``policy="plan"``
+    (the default) profiles the first step and re-runs modules along a plan after it;
+    ``policy="dtr"`` runs per-operator DTR with swap every step. Other options:
+    ``min_evict_bytes``, ``prefetch``, ``pressure_callback`` (DTR).
     """
     return ActivationOffload(budget, swap, recompute, **options)
