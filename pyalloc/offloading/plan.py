@@ -189,7 +189,9 @@ class Profile:
             call.out_nbytes = out.untyped_storage().nbytes()
             call.out_version = out._version
             call.out_is_input = key in call.input_keys
-            if not call.out_is_input:
+            inner = self._outputs.get(key)
+            made_inside = inner is not None and inner[0] > call.index and inner[1]() is out
+            if not call.out_is_input and not made_inside:  # the innermost call that made it
                 self._outputs[key] = (call.index, weakref.ref(out))
 
     def _key(self, t: torch.Tensor) -> ProfileKey:
