@@ -30,6 +30,7 @@ Note [Planned recompute]
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -42,6 +43,14 @@ __all__ = ["KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "Profile"
 
 MAX_CHAIN = 3
 """How many module calls back an output's recompute may go to regenerate its inputs."""
+
+PRUNE = 0.5
+"""The greedy does not try a candidate that looks less than this fraction as good (bytes per
+second) as the best move found in the same round."""
+
+TRIES_PER_ROUND = 12
+"""Candidates the greedy tries per round and search (closing, densest) once it has one that
+works: a try costs O(storages), and deep models have hundreds of candidates that look alike."""
 
 KEEP, REGION, OUTPUT = 0, 1, 2
 
@@ -134,11 +143,13 @@ class Profile:
         self._seen: dict[StorageKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
         self._handles: list[Any] = []
         self.paused = False  # while the session replays (DTR): not part of the step
+        self._thread = threading.get_ident()
 
     def start(self) -> None:
         """Installs the global module hooks for one step."""
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+        self._thread = threading.get_ident()  # global hooks fire on every thread: only this one's
         self._handles = [register_module_forward_pre_hook(self._pre),
                          register_module_forward_hook(self._post, always_call=True)]
 
@@ -153,7 +164,8 @@ class Profile:
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         # Not inside torch.compile's tracing: what a compiled region saves is kept (its modules
         # are not seen, so nothing there is planned).
-        if self.paused or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if self.paused or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread:
             return
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
@@ -171,7 +183,8 @@ class Profile:
         self._open.append((call, time.thread_time() - self._overhead(), inputs, [t._version for t in inputs]))
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.paused or not self._open or torch.compiler.is_compiling() or self._open[-1][0].module() is not module:
+        if self.paused or not self._open or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread or self._open[-1][0].module() is not module:
             return
         self._close(self._open[-1][0], output)
 
@@ -464,40 +477,75 @@ class _Planner:
         return out
 
     def run(self, budget: int) -> None:
+        """Takes moves until the estimate fits ``budget`` or nothing helps.
+
+        Each round takes the cheapest move that closes the gap, else the move with the most
+        bytes per second. Trying a candidate costs O(storages), so both searches try few: the
+        best-looking candidates first (bytes dropped per second of their own re-runs), stopping
+        at those that look less than ``PRUNE`` as good as the best move found so far or after
+        ``TRIES_PER_ROUND``; closers in order of their own re-run time, stopping at the first
+        that closes or after ``TRIES_PER_ROUND``.
+        """
+        dropped = {id(c): sum(self.nbytes[k] for k in c.drops) for c in self.candidates}
+        density = {id(c): dropped[id(c)] / max(c.seconds, 1e-9) for c in self.candidates}
+        by_density = sorted(self.candidates, key=lambda c: -density[id(c)])
+        by_seconds = sorted(self.candidates, key=lambda c: c.seconds)
         while self.estimate() > budget:
-            now, spent = self.estimate(), self.seconds()
-            Move = tuple[float, list[_Candidate], list[_Candidate]]
-            best: Move | None = None
-            closing: Move | None = None
-            for c in self.candidates:
-                if c in self.chosen:
-                    continue
-                tried = self._try(c)
-                if tried is None or tried[0] >= now:
-                    continue
-                est, secs, replaced, added = tried
-                if est <= budget and (closing is None or secs < closing[0]):
-                    closing = (secs, replaced, added)
-                ratio = (now - est) / max(secs - spent, 1e-9)
-                if best is None or ratio > best[0]:
-                    best = (ratio, replaced, added)
-            pick = closing or best
-            if pick is None:
+            move = self._closing(budget, by_seconds, dropped) or self._densest(by_density, density)
+            if move is None:
                 return
-            for d in pick[1]:
+            for d in move[0]:
                 self._apply(d, -1)
                 self.chosen.remove(d)
-            for a in pick[2]:
+            for a in move[1]:
                 self._apply(a, +1)
                 self.chosen.append(a)
 
+    Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
 
-def make_plan(profile: Profile, budget: int) -> Plan:
+    def _closing(self, budget: int, by_seconds: list[_Candidate], dropped: dict[int, int]) -> "Move | None":
+        now = self.estimate()
+        chosen = {id(c) for c in self.chosen}
+        tries = 0
+        for c in by_seconds:
+            if id(c) in chosen or dropped[id(c)] < now - budget:
+                continue
+            tried = self._try(c)
+            if tried is not None and tried[0] <= budget:
+                return tried[2], tried[3]
+            tries += 1
+            if tries >= TRIES_PER_ROUND:
+                break
+        return None
+
+    def _densest(self, by_density: list[_Candidate], density: dict[int, float]) -> "Move | None":
+        now, spent = self.estimate(), self.seconds()
+        chosen = {id(c) for c in self.chosen}
+        best: tuple[float, list[_Candidate], list[_Candidate]] | None = None
+        tries = 0
+        for c in by_density:
+            if id(c) in chosen:
+                continue
+            if best is not None and (density[id(c)] < best[0] * PRUNE or tries >= TRIES_PER_ROUND):
+                break
+            tries += 1
+            tried = self._try(c)
+            if tried is None or tried[0] >= now:
+                continue
+            ratio = (now - tried[0]) / max(tried[1] - spent, 1e-9)
+            if best is None or ratio > best[0]:
+                best = (ratio, tried[2], tried[3])
+        return (best[1], best[2]) if best is not None else None
+
+
+def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None) -> Plan:
     """Plans a step like ``profile`` to hold at most ``budget`` saved-activation bytes, or as few
-    as it can when that is below the floor. See Note [Planned recompute]."""
+    as it can when that is below the floor. See Note [Planned recompute]. ``floor_bytes``: the
+    floor estimated before for this profile (planning to 0 from every start is the slow part)."""
     base = _Planner(profile)
     starts: list[list[_Candidate]] = [[], *base.seeds()]
-    floor = min((_planned(profile, base, seed, 0) for seed in starts), key=lambda p: (p.estimate(), p.seconds()))
+    if floor_bytes is None:
+        floor_bytes = min(_planned(profile, base, seed, 0).estimate() for seed in starts)
     tried = [_planned(profile, base, seed, budget) for seed in starts]
     fitting = [p for p in tried if p.estimate() <= budget]
     planner = min(fitting, key=lambda p: p.seconds()) if fitting \
@@ -524,7 +572,7 @@ def make_plan(profile: Profile, budget: int) -> Plan:
             m = profile.calls[i].module
             modules[id(m())] = m
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, outputs,
-                list(modules.values()), base.total, planner.estimate(), min(floor.estimate(), planner.estimate()),
+                list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
                 planner.seconds())
 
 
@@ -599,7 +647,7 @@ class PlanSearch:
             target = (self.fitted + self.overshot) // 2
         else:
             target = int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
-        candidate = make_plan(self.profile, target)
+        candidate = make_plan(self.profile, target, self.trials[0][0].floor_bytes)
         if any(p.actions == candidate.actions for p, _ in self.trials):
             return self._settle()
         self.target, self.plan = target, candidate

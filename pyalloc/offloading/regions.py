@@ -11,6 +11,7 @@ statistics once per step, as without the session).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
@@ -369,6 +370,7 @@ class PlannedStep:
         self._regions: list[Region] = []
         self._outputs: dict[tuple[int, int], Output] = {}
         self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
+        self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
 
     def close(self) -> None:
         """At the step's end: forgets the records, so that no reference cycle (record -> step ->
@@ -391,7 +393,8 @@ class PlannedStep:
     # -- module hooks ----------------------------------------------------------------------
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.recomputing or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if self.recomputing or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread:
             return
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
@@ -417,7 +420,8 @@ class PlannedStep:
         return links
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.recomputing or not self._open or torch.compiler.is_compiling() or self._open[-1][0] is not module:
+        if self.recomputing or not self._open or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread or self._open[-1][0] is not module:
             return
         _, record = self._open.pop()
         if isinstance(record, Region):
