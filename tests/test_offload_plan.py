@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pyalloc.offloading.plan import BUDGET_SLACK, Profile, make_plan
-from pyalloc.offloading.regions import Kept, SavedBytes
+from pyalloc.offloading.regions import KeptSave, SavedBytes
 from pyalloc.offloading.plan import is_activation
 from pyalloc.offloading.session import ActivationOffload, OffloadFloorWarning, offload
 
@@ -82,8 +82,8 @@ def _saved_bytes_peak(model: nn.Module, x: torch.Tensor) -> int:
     """The baseline's peak of saved-activation bytes, counted as the session counts them."""
     counter = SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: Kept(counter, t) if is_activation(t) else t,
-            lambda h: h.tensor if isinstance(h, Kept) else h):
+            lambda t: KeptSave(counter, t) if is_activation(t) else t,
+            lambda h: h.tensor if isinstance(h, KeptSave) else h):
         _step(model, x, seed=0)
     return counter.peak
 

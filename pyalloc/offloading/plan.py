@@ -19,12 +19,22 @@ Note [Planned recompute]
       saves them, or regenerated the same way through the module that made them, up to
       ``MAX_CHAIN`` deep) and re-runs the module when the output is needed.
 
-    Candidates are taken greedily by bytes freed per second of recompute (forward time measured
-    in the profile), the cheapest one that closes the remaining gap last, until the estimated
-    peak fits the budget. The estimate is the bytes still held plus the largest transient of a
-    recompute; the floor is the estimate with every candidate taken. Saves are identified across
-    steps by their order in the step and checked by shape and dtype: a step that differs from
-    the profile keeps what it saves from there on and has the next step profiled again.
+    Candidates are taken greedily: each round the cheapest move that brings the estimated peak
+    under the target, else the move with the most bytes freed per second of re-runs (a region
+    may replace chosen candidates inside it; an output whose kept input another candidate drops
+    switches to regenerating that input). The greedy also starts from "every call of one
+    repeated module type as a region" (what a user checkpoints by hand) and the cheapest plan
+    that fits wins. The estimated peak is the larger of what is held at the end of forward and,
+    for each re-run in backward, what was saved before the call (backward has freed the later
+    saves by then) plus what the re-run saves. The floor is the estimate with every candidate
+    the greedy can take. A call re-run for several candidates counts once (its output is cached
+    while dropped saves still need it).
+
+    The estimate is only an estimate: :class:`PlanSearch` measures planned steps and moves the
+    target until the measured peak lands just under the budget, with measured re-run times
+    replacing the profiled ones, then settles. Saves are identified across steps by their order
+    in the step and checked by shape and dtype: a step that differs from the profile keeps what
+    it saves from there on and has the next step profiled again.
 """
 
 from __future__ import annotations
@@ -38,8 +48,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "Profile", "make_plan",
-           "storage_key", "is_activation"]
+__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
+           "is_activation", "make_plan", "storage_key", "tensor_leaves"]
 
 MAX_CHAIN = 3
 """How many module calls back an output's recompute may go to regenerate its inputs."""

@@ -24,7 +24,7 @@ from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage
 if TYPE_CHECKING:
     from .plan import CallInfo
 
-__all__ = ["PlannedStep", "SavedBytes"]
+__all__ = ["KeptSave", "PlannedStep", "SavedBytes"]
 
 
 class SavedBytes:
@@ -74,7 +74,7 @@ class _Counted:
             self._bytes.release(self._key)
 
 
-class Kept(_Counted):
+class KeptSave(_Counted):
     """A save the plan keeps."""
 
     __slots__ = ("tensor",)
@@ -459,11 +459,11 @@ class PlannedStep:
                 return OutputSlot(record, t)
             self._diverge()
         if is_activation(t):
-            return Kept(self.bytes, t)
+            return KeptSave(self.bytes, t)
         return t
 
     def unpack(self, h: Any) -> torch.Tensor:
-        if isinstance(h, Kept):
+        if isinstance(h, KeptSave):
             return h.tensor
         if isinstance(h, (RegionSlot, OutputSlot)):
             return h.get()

@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pyalloc.offloading.plan import is_activation, storage_key, tensor_leaves
-from pyalloc.offloading.regions import Kept, SavedBytes
+from pyalloc.offloading.regions import KeptSave, SavedBytes
 from pyalloc.offloading.session import ActivationOffload, OffloadFloorWarning, offload
 
 
@@ -54,7 +54,7 @@ class _Probe:
     """The saved-bytes count of the step running now (None outside a measured step)."""
 
     counter: SavedBytes | None = None
-    pins: list[Kept] = []
+    pins: list[KeptSave] = []
 
 
 def _run_block(model: nn.Module, block: nn.Module, *args: Any) -> Any:
@@ -62,7 +62,7 @@ def _run_block(model: nn.Module, block: nn.Module, *args: Any) -> Any:
         return block(*args)
     counter = _Probe.counter
     if counter is not None:  # checkpoint keeps the block's inputs until its backward
-        _Probe.pins += [Kept(counter, t) for t in tensor_leaves(args) if is_activation(t)]
+        _Probe.pins += [KeptSave(counter, t) for t in tensor_leaves(args) if is_activation(t)]
     return checkpoint(block, *args, use_reentrant=False)
 
 
@@ -213,10 +213,10 @@ def _probed(model: nn.Module, x: torch.Tensor) -> tuple[int, list[int], list[int
             return t
         for i in open_blocks:
             saved[i][storage_key(t)] = t.untyped_storage().nbytes()
-        return Kept(counter, t)
+        return KeptSave(counter, t)
 
     def unpack(h: Any) -> torch.Tensor:
-        return h.tensor if isinstance(h, Kept) else h
+        return h.tensor if isinstance(h, KeptSave) else h
 
     def pre(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
