@@ -58,7 +58,7 @@ PRUNE = 0.5
 """The greedy does not try a candidate that looks less than this fraction as good (bytes per
 second) as the best move found in the same round."""
 
-TRIES_PER_ROUND = 12
+TRIES_PER_ROUND = 40
 """Candidates the greedy tries per round and search (closing, densest) once it has one that
 works: a try costs O(storages), and deep models have hundreds of candidates that look alike."""
 
