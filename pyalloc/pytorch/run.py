@@ -35,10 +35,10 @@ offload (--offload[=BUDGET]):
     BUDGET below the floor (what no module re-run can free) gets one warning
     naming the floor, and steps run at the floor;
   - a budget never reached: about 4% over the plain step here (the recording
-    mode stays on the main thread; 0-3% with pyalloc.offload in the program);
+    mode stays on the main thread; 0-4% with pyalloc.offload in the program);
     at half the saved bytes 1.2-1.3x the plain step; at the bytes that
     torch.utils.checkpoint on every block reaches, less time than the
-    checkpointing (1.12-1.52x against 1.31-1.56x on four models).
+    checkpointing (1.20-1.52x against 1.35-1.63x on four models).
   Limits:
   - main thread only: activations saved by other threads are not managed;
   - a step ends when the outermost backward() or torch.autograd.grad() returns;
