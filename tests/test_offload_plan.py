@@ -304,3 +304,27 @@ def test_re_runs_keep_the_autocast_of_the_original_call(baselines) -> None:
                 got = step(model, x)
     assert session.stats()["recomputed_tensors_total"] > 0
     _assert_bitwise_equal(expected, got)
+
+
+def test_a_step_cut_short_by_an_exception_is_neither_profile_nor_measurement(baselines) -> None:
+    grads, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)  # the baseline's input
+    x = make_input()
+    session = offload(budget=peak // 2, pressure_callback=False)
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            with session:
+                model(x).square().mean()  # forward only, then the step fails
+                raise ValueError("data error")
+    st = session.stats()
+    assert st["profile_steps_total"] == 0 and st["planned_steps_total"] == 0
+    model.zero_grad(set_to_none=True)
+    got = []
+    for seed in range(STEPS):
+        with session:
+            got.append(_step(model, x, seed))
+    for e, g in zip(grads, got):
+        _assert_bitwise_equal(e, g)
+    assert session.stats()["profile_steps_total"] == 1

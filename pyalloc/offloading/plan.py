@@ -170,6 +170,8 @@ class Profile:
         self._handles = []
         while self._open:
             self._close(self._open[-1][0], None)
+        self._seen.clear()  # the plan keeps the calls and saves, not these lookups
+        self._outputs.clear()
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         # Not inside torch.compile's tracing: what a compiled region saves is kept (its modules

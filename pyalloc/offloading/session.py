@@ -279,7 +279,17 @@ class ActivationOffload:
 
     def __exit__(self, *exc: Any) -> None:
         self._leave_thread()
+        if exc[0] is not None:  # a step cut short: neither a profile nor a measurement
+            self._discard_plan_step()
         self.end_step()
+
+    def _discard_plan_step(self) -> None:
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            profile.stop()
+        run, self._planned = self._planned, None
+        if run is not None:
+            run.close()
 
     def _leave_thread(self) -> None:
         """Takes the hooks and the mode off this thread's stacks; touches no device."""
