@@ -88,15 +88,16 @@ def _saved_bytes_peak(model: nn.Module, x: torch.Tensor) -> int:
     return counter.peak
 
 
-def _train(name: str, session: ActivationOffload | None) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], list[int]]:
-    """STEPS steps; the gradients of each, the final state (batch-norm statistics) and, with a
-    session, each planned step's measured peak."""
+def _train(name: str, session: ActivationOffload | None,
+           steps: int = STEPS) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], list[int]]:
+    """``steps`` steps; the gradients of each, the final state (batch-norm statistics) and,
+    with a session, each planned step's measured peak."""
     make_model, make_input = MODELS[name]
     model = make_model()
     torch.manual_seed(123)
     x = make_input()
     grads, peaks = [], []
-    for seed in range(STEPS):
+    for seed in range(steps):
         if session is None:
             grads.append(_step(model, x, seed))
             continue
@@ -148,7 +149,7 @@ def test_budget_above_the_floor_is_kept_within_five_percent(name, baselines) -> 
     session = offload(budget=budget, pressure_callback=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, _, peaks = _train(name, session)
+        _, _, peaks = _train(name, session, steps=8)  # profiled, searched (up to 6), settled
     st = session.stats()
     floor = st["plan_floor_bytes"]
     if floor > budget * (1 + BUDGET_SLACK):  # a model whose floor is above half: then it must say so
@@ -165,7 +166,7 @@ def test_below_the_floor_warns_once_naming_the_floor_and_runs(baselines) -> None
     session = offload(budget=0, pressure_callback=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, _, peaks = _train("gpt", session)
+        got, _, peaks = _train("gpt", session, steps=8)
     floor_warnings = [w for w in caught if issubclass(w.category, OffloadFloorWarning)]
     assert len(floor_warnings) == 1
     floor = int(session.stats()["plan_floor_bytes"])
@@ -328,3 +329,35 @@ def test_a_step_cut_short_by_an_exception_is_neither_profile_nor_measurement(bas
     for e, g in zip(grads, got):
         _assert_bitwise_equal(e, g)
     assert session.stats()["profile_steps_total"] == 1
+
+
+def test_a_module_called_several_times_a_step_is_planned_per_call() -> None:
+    """One block applied three times (weights shared, as ALBERT does): each call is its own
+    region or output, told apart by how many calls of the module came before it."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = _Block()
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(3):
+                x = self.block(x)
+            return self.head(x)
+
+    torch.manual_seed(123)
+    x = torch.randn(16, 32, 64)
+    steps = 8  # one profiled, up to MAX_TRIALS searched, then settled
+    expected = [_step(Shared(), x, seed) for seed in range(steps)]
+    model = Shared()
+    budget = _saved_bytes_peak(Shared(), x) // 2
+    session = offload(budget=budget, pressure_callback=False)
+    for seed in range(steps):
+        with session:
+            got = _step(model, x, seed)
+        _assert_bitwise_equal(expected[seed], got)
+    st = session.stats()
+    assert st["drops_total"] > 0 and st["planned_steps_total"] == steps - 1
+    assert st["plan_settled"] == 1 and st["step_saved_bytes_peak"] <= budget * (1 + BUDGET_SLACK), st
