@@ -70,7 +70,7 @@ if __name__ == "__main__":
 '''
 
 STEPS = 4
-BUDGET = 256 << 10  # one activation of the script (128 x 512 float32)
+BUDGET = 640 << 10  # half the script's saved activations (5 of 128 x 512 float32)
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -115,7 +115,9 @@ def test_run_offload_trains_an_unmodified_script_bit_for_bit_and_evicts(tmp_path
     assert stats["steps_total"] == STEPS  # one step per backward, however it was called
     assert stats["evictions_total"] > 0
     assert stats["swap_out_bytes_total"] + stats["dropped_bytes_total"] > 0
-    assert stats["evictable_resident_bytes_peak"] <= BUDGET
+    assert stats["evictable_resident_bytes_peak"] <= BUDGET * 1.05  # the promise: budget + 5%
+    assert stats["planned_steps_total"] == STEPS - 1  # the first step is profiled
+    assert "below the floor" not in run.stderr
     assert stats["resident_bytes"] == 0 and stats["swapped_out_bytes"] == 0  # all released
 
 

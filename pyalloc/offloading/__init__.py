@@ -1,10 +1,12 @@
 """The activation offload manager: swap and recompute of saved activations under pressure.
 
 What lives here: the session behind ``pyalloc.offload`` (``session``: ActivationOffload), the
-torch calls it records and replays (``calls``, Note [Producers and replay]; ``args``: taking
-call arguments apart), the DTR cost model (``cost``, Note [Free neighbours]), host swap
-(``swap``: host buffers and side-stream copies, Note [Copies on CUDA]), the saved-activation
-handle (``saved``), and the process-wide session of ``pyalloc run --offload`` (``process``).
+planned policy (``plan``: the profiled step, the greedy planner and the plan search, Note
+[Planned recompute]; ``regions``: a step run under a plan, module re-runs), the torch calls DTR
+records and replays (``calls``, Note [Producers and replay]; ``args``: taking call arguments
+apart), the DTR cost model (``cost``, Note [Free neighbours]), host swap (``swap``: host buffers
+and side-stream copies, Note [Copies on CUDA]), DTR's saved-activation handle (``saved``), and
+the process-wide session of ``pyalloc run --offload`` (``process``).
 
 Named ``offloading``, not ``offload``: ``pyalloc.offload`` is the public function, and a
 subpackage of that name would replace it as an attribute of ``pyalloc`` once imported.

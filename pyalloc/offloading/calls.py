@@ -118,6 +118,7 @@ class ProducerCall:
     grad_enabled: bool
     cost_s: float = 0.0
     replayable: bool = True
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()  # autocast on when it ran: device, dtype
     outputs: list[weakref.ref | None] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
     pack_start: int = 0
@@ -139,6 +140,11 @@ class ProducerCall:
         return None
 
 
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast in effect: (device type, dtype) for each device type it is on for."""
+    return tuple((dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev))
+
+
 class CallTracker(TorchFunctionMode):
     """Records every top-level torch call as a ProducerCall; see Note [Producers and replay]."""
 
@@ -151,9 +157,15 @@ class CallTracker(TorchFunctionMode):
         if _is_compiling():  # first: dynamo must not trace the session's state
             return func(*args, **kwargs)
         s = self.session
-        if s._replaying or s._inert or not s.recompute or func in s._passthrough:
+        if not s._recording or s._replaying or s._inert or not s.recompute or func in s._passthrough:
             return func(*args, **kwargs)
-        return s._calls.record(func, args, kwargs, s._pack_seq, s._by_tensor.get)
+        calls = s._calls
+        t0 = time.thread_time()
+        timed = calls.func_seconds
+        result = calls.record(func, args, kwargs, s._pack_seq, s._by_tensor.get)
+        if calls.func_seconds != timed:  # recorded: the rest of the time was the recording's
+            s._overhead_s += time.thread_time() - t0 - (calls.func_seconds - timed)
+        return result
 
 
 class CallRecorder:
@@ -165,6 +177,7 @@ class CallRecorder:
 
     def __init__(self, cuda: bool) -> None:
         self._cuda = cuda
+        self.func_seconds = 0.0  # time in recorded calls themselves, for the session's overhead
         self.new_step()
 
     def new_step(self) -> None:
@@ -217,16 +230,18 @@ class CallRecorder:
             dev = next(t.device.index for t in tensors if t.is_cuda) or 0
             cuda_rng = (dev, torch.cuda.get_rng_state(dev))
         call = ProducerCall(func, spec, refs, self._capture_rng(), cuda_rng,
-                            torch.is_grad_enabled(), replayable=replayable)
+                            torch.is_grad_enabled(), replayable=replayable, autocast=autocast_state())
         versions = [t._version for t in tensors]
         call.pack_start = pack_seq
         self.current.append((call, tensors))
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         try:
             result = func(*args, **kwargs)
         finally:
             self.current.pop()
         call.cost_s = time.perf_counter() - t0
+        self.func_seconds += time.thread_time() - c0
         if kind == _NO_REPLAY or any(t._version != v for t, v in zip(tensors, versions)):
             call.replayable = False  # it mutated state: replaying would mutate it again
         out_leaves, _ = flatten(result)
@@ -253,9 +268,11 @@ def replay_call(call: ProducerCall, leaves: list[Any]) -> tuple[list[Any], list[
     args, kwargs = unflatten(leaves, call.spec)
     packs: list[torch.Tensor] = []
 
-    def capture(t: torch.Tensor) -> torch.Tensor:
-        packs.append(t)
-        return t
+    def capture(t: torch.Tensor) -> None:
+        # Store nothing in the replay's graph: it is never run backward, and a node that saves its
+        # own output would otherwise keep itself (and its saves) alive through a reference cycle
+        # in C++ that no collector breaks (about a step's activations leaked per step).
+        packs.append(t.detach())
 
     cpu_rng = torch.get_rng_state()
     cuda_saved = torch.cuda.get_rng_state(call.cuda_rng[0]) if call.cuda_rng else None
@@ -264,8 +281,11 @@ def replay_call(call: ProducerCall, leaves: list[Any]) -> tuple[list[Any], list[
             torch.set_rng_state(call.rng_state)
         if call.cuda_rng is not None:
             torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
-        with torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x), \
-                torch.set_grad_enabled(call.grad_enabled):
+        with contextlib.ExitStack() as modes:
+            for device, dtype in call.autocast:  # backward, where replays run, has none
+                modes.enter_context(torch.autocast(device, dtype=dtype))
+            modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x))
+            modes.enter_context(torch.set_grad_enabled(call.grad_enabled))
             result = call.func(*args, **kwargs)
     finally:
         torch.set_rng_state(cpu_rng)

@@ -61,8 +61,8 @@ def start(budget: int | str | None, *, stats_path: str | None = None, **options:
     if session() is not None:
         raise RuntimeError("the process-wide offload session is already running")
     s = ActivationOffload(budget, **options)
-    s.__enter__()
     s._process_wide = True
+    s.__enter__()
     _session, _owner, _pid, _stats_path = s, threading.get_ident(), os.getpid(), stats_path
     _wrap(torch.autograd, "backward", _step_boundary)
     _wrap(torch.autograd, "grad", _step_boundary)

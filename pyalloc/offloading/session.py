@@ -1,11 +1,18 @@
-"""An offload session: swap and recompute of saved activations under memory pressure (issue 6).
+"""An offload session: swap and recompute of saved activations under memory pressure (issues 6, 20).
 
-``pyalloc.offload(budget=...)`` wraps a training step. Every tensor autograd saves for backward
-becomes a :class:`SavedActivation` the session tracks. When the resident saved bytes go over the
-budget, or the allocator's pressure ladder (step 3) asks for memory, the session evicts the
-activation with the lowest DTR score (:mod:`.cost`) and either copies it to a reusable host buffer
-(swap, :mod:`.swap`) or drops it and regenerates it on use by replaying the call that produced it
-(recompute, :mod:`.calls`).
+``pyalloc.offload(budget=...)`` wraps a training step. Two policies:
+
+- ``plan`` (the default with a budget and recompute on): the first step is profiled (run under
+  DTR, below, so that it keeps the budget too); later steps drop what a plan names and
+  recompute it by re-running modules, with nothing recorded per operator (Note [Planned
+  recompute] in :mod:`.plan`; :mod:`.regions` runs it). Recompute only: on CPU a swap to host
+  memory frees nothing, and on CUDA ``policy="dtr"`` swaps.
+- ``dtr`` (without a budget, swap-only sessions, or asked for): every tensor autograd saves for
+  backward becomes a :class:`SavedActivation` the session tracks. When the resident saved bytes
+  go over the budget, or the allocator's pressure ladder (step 3) asks for memory, the session
+  evicts the activation with the lowest DTR score (:mod:`.cost`) and either copies it to a
+  reusable host buffer (swap, :mod:`.swap`) or drops it and regenerates it on use by replaying
+  the call that produced it (recompute, :mod:`.calls`).
 
 Limits: tensors smaller than ``min_evict_bytes``, parameters, leaves and non-strided tensors are
 never evicted. Evicting a tensor that something else still references frees no real memory; the
@@ -18,6 +25,7 @@ import contextlib
 import functools
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, TypeVar
 
@@ -27,10 +35,12 @@ from ..core import add_stats_source
 from . import cost
 from .args import TensorMap
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
+from .plan import OUTPUT, Plan, PlanSearch, Profile
+from .regions import PlannedStep
 from .saved import DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
 
-__all__ = ["ActivationOffload", "OffloadError", "latest_session_stats", "offload"]
+__all__ = ["ActivationOffload", "OffloadError", "OffloadFloorWarning", "POLICIES", "latest_session_stats", "offload"]
 
 MIN_EVICT_BYTES = 64 << 10
 """Tensors under 64 KiB are never evicted: bookkeeping would cost more than they free."""
@@ -43,7 +53,15 @@ MAX_REPLAY_CHAIN = 400
 """Hard stop for a replay chain (cost.MAX_REPLAY_DEPTH, the estimate's limit, may be exceeded when
 ancestors are evicted later)."""
 
+POLICIES = ("plan", "dtr")
+"""``plan``: profile the first step, then drop and recompute by module along a plan (Note
+[Planned recompute] in plan.py); ``dtr``: per-operator DTR with swap, every step."""
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class OffloadFloorWarning(UserWarning):
+    """The budget is below the bytes the plan cannot drop: the step runs at that floor."""
 
 
 class OffloadError(RuntimeError):
@@ -73,13 +91,18 @@ class ActivationOffload:
 
     def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
                  *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
-                 pressure_callback: bool = True) -> None:
+                 pressure_callback: bool = True, policy: str = "plan") -> None:
         if isinstance(budget, str):
             from ..core import parse_size
 
             budget = parse_size(budget)
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be a non-negative number of bytes, got {budget}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        # The plan needs a budget to plan for and recompute to plan with; otherwise DTR does it
+        # all (pressure-driven eviction, swap-only sessions).
+        self.policy = "plan" if policy == "plan" and budget is not None and recompute else "dtr"
         self.budget = budget
         self.swap = swap
         self.recompute = recompute
@@ -93,7 +116,11 @@ class ActivationOffload:
         self.pool = self._host.pool
         self._lock = threading.RLock()
         self._busy = threading.local()
-        self._stack: contextlib.ExitStack | None = None
+        self._stack: contextlib.ExitStack | None = None  # this step's hooks
+        # pyalloc run --offload: the call-recording mode, entered once for the program, since a
+        # step ends inside backward, where the mode is off the stack (it dispatches the call)
+        self._mode_stack: contextlib.ExitStack | None = None
+        self._recording = False  # whether the recording mode records (DTR steps)
         self._replaying = False
         self._callback_handle: int | None = None
         self._calls = CallRecorder(self._cuda)
@@ -106,13 +133,19 @@ class ActivationOffload:
         self.unevictable_bytes = 0
         self.swapped_bytes = 0
         self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
+        self._profile: Profile | None = None  # the step being profiled (policy "plan")
+        self._search: PlanSearch | None = None  # the plans for the last profile
+        self._planned: PlannedStep | None = None  # the step running under the plan
+        self._floor_warned = False
+        self._overhead_s = 0.0  # time in the session's own bookkeeping (DTR), not the model's
         self._new_step()
         self._stats: dict[str, float] = {k: 0 for k in (
             "saved_tensors_total", "swap_outs_total", "swap_ins_total", "drops_total", "recomputed_tensors_total",
             "replays_total", "prefetches_total", "swap_out_bytes_total", "swap_in_bytes_total", "dropped_bytes_total",
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
-            "swap_outs_reverted_total")}
+            "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
+            "step_saved_bytes_peak")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -142,8 +175,15 @@ class ActivationOffload:
         """
         with self._lock:
             self._host.reap(wait=False)
+            reinstall = self._process_wide and self._stack is not None
+            if reinstall:
+                self._stack.close()  # type: ignore[union-attr]
+            if self.policy == "plan":
+                self._finish_plan_step()
             self._new_step()
             self._stats["steps_total"] += 1
+            if reinstall:
+                self._stack = self._install()
 
     # -- context manager / decorator -------------------------------------------------------
 
@@ -158,31 +198,109 @@ class ActivationOffload:
                                "sessions are not supported (use one session around the whole step)")
         with self._lock:
             self._new_step()
+        if self._process_wide and self.recompute:
+            self._mode_stack = contextlib.ExitStack()
+            self._mode_stack.enter_context(CallTracker(self))
+        try:
+            self._stack = self._install()
+        except BaseException:
+            self._leave_thread()
+            raise
+        _active.session = self
+        _latest = weakref.ref(self)
+        return self
+
+    def _install(self) -> contextlib.ExitStack:
+        """The hooks for the coming step: the plan's (Note [Planned recompute] in plan.py), or
+        DTR's with the call-recording mode (and, for policy ``plan``, the step's profile)."""
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-            if self.recompute:
-                stack.enter_context(CallTracker(self))
+            self._recording = False
+            if self.policy == "plan" and self._plan is not None:
+                self._planned = PlannedStep(self, self._plan, self._cuda)
+                self._planned.install(stack)
+            else:
+                if self.policy == "plan":
+                    self._profile = Profile(lambda: self._overhead_s)
+                    self._profile.start()
+                    stack.callback(self._profile.stop)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+                self._recording = self.recompute
+                if self.recompute and self._mode_stack is None:
+                    stack.enter_context(CallTracker(self))
             if self.pressure_callback:
                 self._register_pressure_callback(stack)
         except BaseException:
             stack.close()
             raise
-        self._stack = stack
-        _active.session = self
-        _latest = weakref.ref(self)
-        return self
+        return stack
+
+    def _finish_plan_step(self) -> None:
+        """After a step under policy ``plan``: plan from a profiled step, or measure a planned
+        step for the plan search (:class:`~.plan.PlanSearch`); a step that did not match the
+        profile has the next one profiled again."""
+        assert self.budget is not None
+        st = self._stats
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            profile.stop()
+            st["profile_steps_total"] += 1
+            if profile.packs:
+                self._search = PlanSearch(profile, self.budget)
+            return
+        run, self._planned = self._planned, None
+        search = self._search
+        if run is None or search is None:
+            return
+        run.close()
+        st["planned_steps_total"] += 1
+        st["saved_tensors_total"] += run.seq
+        st["drops_total"] += run.dropped
+        st["dropped_bytes_total"] += run.dropped_bytes
+        peak = run.bytes.peak
+        st["step_saved_bytes_peak"] = peak
+        st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
+        st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
+        if run.diverged:
+            self._search = None  # profile the next step again
+            return
+        if search.measured(peak, run.rerun_seconds):
+            st["replans_total"] += 1
+        if search.below_floor and not self._floor_warned:
+            self._floor_warned = True
+            warnings.warn(f"pyalloc.offload: the budget of {self.budget} bytes is below the floor of "
+                          f"{search.floor_bytes} bytes of saved activations (what no module re-run can "
+                          f"free: inputs kept for recompute, saves outside recomputable modules, one "
+                          f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
+
+    @property
+    def _plan(self) -> Plan | None:
+        return self._search.plan if self._search is not None else None
 
     def __exit__(self, *exc: Any) -> None:
         self._leave_thread()
+        if exc[0] is not None:  # a step cut short: neither a profile nor a measurement
+            self._discard_plan_step()
         self.end_step()
+
+    def _discard_plan_step(self) -> None:
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            profile.stop()
+        run, self._planned = self._planned, None
+        if run is not None:
+            run.close()
 
     def _leave_thread(self) -> None:
         """Takes the hooks and the mode off this thread's stacks; touches no device."""
         _active.session = None
+        self._recording = False
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+        modes, self._mode_stack = self._mode_stack, None
+        if modes is not None:
+            modes.close()
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -224,6 +342,16 @@ class ActivationOffload:
         """
         st = self._stats
         out = dict(st)
+        plan = self._plan
+        search = self._search
+        out.update(policy_plan=1 if self.policy == "plan" else 0,
+                   baseline_saved_bytes=plan.baseline_bytes if plan else -1,
+                   plan_estimate_bytes=plan.estimate_bytes if plan else -1,
+                   plan_floor_bytes=search.floor_bytes if search else -1,
+                   plan_settled=1 if search is not None and search.settled else 0,
+                   plan_regions=len(plan.regions) if plan else 0,
+                   plan_outputs=len({o for o, a in zip(plan.owners, plan.actions) if a == OUTPUT}) if plan else 0,
+                   plan_recompute_seconds=plan.recompute_seconds if plan else 0.0)
         out.update(budget_bytes=self.budget if self.budget is not None else -1,
                    resident_bytes=self.resident_bytes, swapped_out_bytes=self.swapped_bytes,
                    unevictable_bytes=self.unevictable_bytes,
@@ -244,6 +372,16 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._replaying or self._inert:
             return t
+        if self._profile is None:
+            return self._pack_tracked(t)
+        t0 = time.thread_time()
+        self._profile.note_pack(t)
+        try:
+            return self._pack_tracked(t)
+        finally:  # evictions included: the profile's module times must not count them
+            self._overhead_s += time.thread_time() - t0
+
+    def _pack_tracked(self, t: torch.Tensor) -> Any:
         with self._lock:
             if self._host:
                 self._host.reap(wait=False)
@@ -540,6 +678,9 @@ def offload(budget: int | str | None = None, swap: bool = True, recompute: bool 
     """Swaps and recomputes saved activations to keep them within ``budget`` bytes.
 
     A context manager around a training step (forward and backward), or a decorator. With
-    ``budget=None`` only the allocator's pressure callback triggers evictions.
+    ``budget=None`` only the allocator's pressure callback triggers evictions. ``policy="plan"``
+    (the default) profiles the first step and re-runs modules along a plan after it;
+    ``policy="dtr"`` runs per-operator DTR with swap every step. Other options:
+    ``min_evict_bytes``, ``prefetch``, ``pressure_callback`` (DTR).
     """
     return ActivationOffload(budget, swap, recompute, **options)

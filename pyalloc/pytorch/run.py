@@ -21,23 +21,38 @@ BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 _RUN_OFFLOAD_NOTES = """\
 offload (--offload[=BUDGET]):
   Runs pyalloc's offload manager (pyalloc.offload) in the program with no code
-  change: saved activations beyond BUDGET are swapped to host memory or dropped
-  and recomputed in backward, with gradients bit for bit those of a run without.
+  change: saved activations beyond BUDGET are dropped and recomputed in
+  backward, with gradients bit for bit those of a run without.
   BUDGET: bytes, or a size such as 512MiB or 2GB, or auto (the default: no
   budget; evict only when pyalloc's allocator runs short, which needs CUDA).
   Write --offload=BUDGET, or put -- before the command. It works on CPU too,
   with a budget. Every Python process of CMD that imports torch gets a session.
+  What to expect with a budget (tools/bench/offload_bench.py, CPU):
+  - the first step is profiled under per-operator DTR (2-3x a step), the next
+    few try plans and measure them; after that only the planned modules are
+    re-run, and nothing is recorded per operator;
+  - saved activations stay within BUDGET + 5% once the plan has settled; a
+    BUDGET below the floor (what no module re-run can free) gets one warning
+    naming the floor, and steps run at the floor;
+  - a budget never reached: about 4% over the plain step here (the recording
+    mode stays on the main thread; 0-4% with pyalloc.offload in the program);
+    at half the saved bytes 1.2-1.3x the plain step; at the bytes that
+    torch.utils.checkpoint on every block reaches, less time than the
+    checkpointing (1.20-1.52x against 1.35-1.63x on four models).
   Limits:
   - main thread only: activations saved by other threads are not managed;
   - a step ends when the outermost backward() or torch.autograd.grad() returns;
-    several per iteration (gradient accumulation, GANs) are fine, but a call
-    using a tensor with autograd history from before the last one is not
-    replayable: what it makes is swapped, never recomputed;
-  - what regions compiled with torch.compile save is swapped, never recomputed;
+    several per iteration (gradient accumulation, GANs) are fine; a step that
+    differs from the profiled one (another shape) keeps its saves from there on
+    and has the next step profiled again;
+  - only what is saved inside modules is recomputed, and only by re-running a
+    module (not a function called in forward, such as the loss);
+  - what regions compiled with torch.compile save is kept (first step: swapped);
     what is saved under torch.utils.checkpoint is left to the checkpoint;
   - the program must not use pyalloc.offload() itself (it is an error);
-  - every torch call on the main thread goes through the session's recording
-    mode, which adds per-call overhead, also outside training.
+  - the session's recording mode stays on the main thread and records only in
+    profiled steps; otherwise each torch call passes through it (one Python
+    call).
   --offload-stats PATH (or $PYALLOC_OFFLOAD_STATS) writes the session's stats
   as JSON at exit; {pid} in PATH becomes the process id.
 """

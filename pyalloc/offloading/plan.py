@@ -1,0 +1,685 @@
+"""A plan learned from one profiled step: which saved activations to keep, and which to drop and
+recompute by re-running a module (issue 20).
+
+Note [Planned recompute]
+    Per-operator DTR records every torch call of every step in Python, which costs more than the
+    recompute it enables. A training step repeats itself, so the session profiles one step
+    (:class:`Profile`: every module call, its forward time, the tensors it takes and returns,
+    and every tensor autograd saves, with the module calls open when it was saved), plans once
+    (:func:`make_plan`), and afterwards only module hooks on the planned modules and one
+    saved-tensor hook run. Two ways to free a saved tensor, both exact (RNG state replayed,
+    module buffers such as batch-norm statistics put back after the re-run):
+
+    - a *region*: a module call whose saves are all dropped but for its inputs, which the
+      session keeps; the first use of a dropped save in backward re-runs the module on those
+      inputs and captures what autograd saves, in order (what ``torch.utils.checkpoint`` does,
+      chosen per call instead of by hand);
+    - an *output*: a module call whose output is saved by later calls (a GELU's output saved by
+      the next linear layer); the session keeps the module's inputs (held anyway when something
+      saves them, or regenerated the same way through the module that made them, up to
+      ``MAX_CHAIN`` deep) and re-runs the module when the output is needed.
+
+    Candidates are taken greedily: each round the cheapest move that brings the estimated peak
+    under the target, else the move with the most bytes freed per second of re-runs (a region
+    may replace chosen candidates inside it; an output whose kept input another candidate drops
+    switches to regenerating that input). The greedy also starts from "every call of one
+    repeated module type as a region" (what a user checkpoints by hand) and the cheapest plan
+    that fits wins. The estimated peak is the larger of what is held at the end of forward and,
+    for each re-run in backward, what was saved before the call (backward has freed the later
+    saves by then) plus what the re-run saves. The floor is the estimate with every candidate
+    the greedy can take. A call re-run for several candidates counts once (its output is cached
+    while dropped saves still need it).
+
+    The estimate is only an estimate: :class:`PlanSearch` measures planned steps and moves the
+    target until the measured peak lands just under the budget, with measured re-run times
+    replacing the profiled ones, then settles. Saves are identified across steps by their order
+    in the step and checked by shape and dtype: a step that differs from the profile keeps what
+    it saves from there on and has the next step profiled again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
+           "is_activation", "make_plan", "storage_key", "tensor_leaves"]
+
+MAX_CHAIN = 3
+"""How many module calls back an output's recompute may go to regenerate its inputs."""
+
+PRUNE = 0.5
+"""The greedy does not try a candidate that looks less than this fraction as good (bytes per
+second) as the best move found in the same round."""
+
+TRIES_PER_ROUND = 40
+"""Candidates the greedy tries per round and search (closing, densest) once it has one that
+works: a try costs O(storages), and deep models have hundreds of candidates that look alike."""
+
+KEEP, REGION, OUTPUT = 0, 1, 2
+
+StorageKey = tuple[int, str]
+ProfileKey = tuple[int, str, int]  # storage_key and a generation: the address used again
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """A tensor's storage, for counting each saved storage once however many views save it."""
+    return (t.untyped_storage().data_ptr(), str(t.device))
+
+
+def is_activation(t: torch.Tensor) -> bool:
+    """A tensor the step made with history: not a parameter, a leaf (input batch, a mask made
+    without grad) or a view of one. Only these count against the budget: the rest exists anyway."""
+    if isinstance(t, torch.nn.Parameter) or t.is_leaf:
+        return False
+    base = t._base
+    return not (base is not None and base.is_leaf)
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a module call's arguments or result (tuples, lists and dicts, one level deep
+    is what modules pass; deeper ones are walked too)."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+    return out
+
+
+@dataclass
+class CallInfo:
+    """One module call of the profiled step."""
+
+    index: int
+    module: "weakref.ref[torch.nn.Module]"
+    ordinal: int  # how many calls of the same module came before it in the step
+    parent: int
+    name: str
+    first_pack: int  # pack sequence numbers saved while the call was open: [first_pack, end_pack)
+    end_pack: int = -1
+    last_desc: int = -1  # calls index..last_desc are this call and the calls it made
+    seconds: float = 0.0
+    input_keys: list[ProfileKey] = field(default_factory=list)
+    input_activation: list[bool] = field(default_factory=list)
+    input_nbytes: list[int] = field(default_factory=list)
+    input_producers: list[int] = field(default_factory=list)  # call whose output it is, or -1
+    mutates_input: bool = False
+    out_key: ProfileKey | None = None  # a single tensor output's storage
+    out_nbytes: int = 0
+    out_version: int = -1
+    out_is_input: bool = False
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (id(self.module()), self.ordinal)
+
+
+@dataclass
+class PackInfo:
+    """One tensor autograd saved in the profiled step."""
+
+    key: ProfileKey
+    nbytes: int
+    activation: bool
+    inner: int  # innermost module call open when it was saved, or -1
+    producer: int  # the module call whose output it is (a view of), or -1
+    version: int
+    signature: tuple[tuple[int, ...], torch.dtype]
+
+
+class Profile:
+    """Records one step: module calls (through global module hooks) and saves (fed by the
+    session's pack hook). See Note [Planned recompute]."""
+
+    def __init__(self, overhead: Callable[[], float] = lambda: 0.0) -> None:
+        self._overhead = overhead  # seconds the session spent on itself so far (DTR's recording)
+        self.calls: list[CallInfo] = []
+        self.packs: list[PackInfo] = []
+        self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []  # call, start, inputs, versions
+        self._ordinals: dict[int, int] = {}
+        self._outputs: dict[ProfileKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
+        self._seen: dict[StorageKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
+        self._handles: list[Any] = []
+        self.paused = False  # while the session replays (DTR): not part of the step
+        self._thread = threading.get_ident()
+
+    def start(self) -> None:
+        """Installs the global module hooks for one step."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._thread = threading.get_ident()  # global hooks fire on every thread: only this one's
+        self._handles = [register_module_forward_pre_hook(self._pre),
+                         register_module_forward_hook(self._post, always_call=True)]
+
+    def stop(self) -> None:
+        """Removes the hooks; closes calls left open by an exception."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        while self._open:
+            self._close(self._open[-1][0], None)
+        self._seen.clear()  # the plan keeps the calls and saves, not these lookups
+        self._outputs.clear()
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        # Not inside torch.compile's tracing: what a compiled region saves is kept (its modules
+        # are not seen, so nothing there is planned).
+        if self.paused or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread:
+            return
+        ordinal = self._ordinals.get(id(module), 0)
+        self._ordinals[id(module)] = ordinal + 1
+        parent = self._open[-1][0].index if self._open else -1
+        call = CallInfo(len(self.calls), weakref.ref(module), ordinal, parent, type(module).__name__,
+                        first_pack=len(self.packs))
+        inputs = tensor_leaves(args)
+        for t in inputs:
+            key = self._key(t)
+            call.input_keys.append(key)
+            call.input_activation.append(is_activation(t))
+            call.input_nbytes.append(t.untyped_storage().nbytes())
+            call.input_producers.append(self._producer(t, key))
+        self.calls.append(call)
+        self._open.append((call, time.thread_time() - self._overhead(), inputs, [t._version for t in inputs]))
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.paused or not self._open or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread or self._open[-1][0].module() is not module:
+            return
+        self._close(self._open[-1][0], output)
+
+    def _close(self, call: CallInfo, output: Any) -> None:
+        _, t0, inputs, versions = self._open.pop()
+        call.seconds = max(0.0, time.thread_time() - self._overhead() - t0)
+        call.end_pack = len(self.packs)
+        call.last_desc = len(self.calls) - 1
+        call.mutates_input = any(t._version != v for t, v in zip(inputs, versions))
+        outs = tensor_leaves(output) if output is not None else []
+        if len(outs) == 1 and isinstance(output, torch.Tensor):
+            out = outs[0]
+            key = self._key(out)
+            call.out_key = key
+            call.out_nbytes = out.untyped_storage().nbytes()
+            call.out_version = out._version
+            call.out_is_input = key in call.input_keys
+            inner = self._outputs.get(key)
+            made_inside = inner is not None and inner[0] > call.index and inner[1]() is out
+            if not call.out_is_input and not made_inside:  # the innermost call that made it
+                self._outputs[key] = (call.index, weakref.ref(out))
+
+    def _key(self, t: torch.Tensor) -> ProfileKey:
+        """``t``'s storage, told apart from an earlier storage at the same address.
+
+        The address alone is not enough: a tensor evicted in the profiled step (DTR runs it) or a
+        temporary frees its memory, and a later tensor may get the same address. A storage is
+        taken as the same while the first tensor seen on it lives; after that, a new one (a view
+        that outlives it is then counted twice: an overestimate, never an underestimate)."""
+        base = storage_key(t)
+        seen = self._seen.get(base)
+        if seen is not None:
+            first = seen[1]()
+            if first is not None:
+                return (*base, seen[0])
+        gen = seen[0] + 1 if seen is not None else 0
+        self._seen[base] = (gen, weakref.ref(t))
+        return (*base, gen)
+
+    def _producer(self, t: torch.Tensor, key: ProfileKey) -> int:
+        entry = self._outputs.get(key)
+        if entry is None or entry[1]() is None:
+            return -1
+        return entry[0]
+
+    def note_pack(self, t: torch.Tensor) -> None:
+        """Called by the session for every save of the step (not for replays)."""
+        if self.paused:
+            return
+        key = self._key(t)
+        inner = self._open[-1][0].index if self._open else -1
+        self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), is_activation(t), inner,
+                                   self._producer(t, key), t._version, (tuple(t.shape), t.dtype)))
+
+
+@dataclass
+class Plan:
+    """What to do with each save of a step like the profiled one."""
+
+    actions: list[int]  # per pack sequence number: KEEP, REGION or OUTPUT
+    owners: list[tuple[int, int] | None]  # per pack: the planned call's key (module id, ordinal)
+    signatures: list[tuple[tuple[int, ...], torch.dtype]]
+    regions: dict[tuple[int, int], CallInfo]  # key -> region call
+    outputs: dict[tuple[int, int], CallInfo]  # key -> output call (chain members included)
+    modules: list["weakref.ref[torch.nn.Module]"]  # every module that needs hooks
+    baseline_bytes: int  # saved activation bytes of the profiled step, each storage once
+    estimate_bytes: int  # the plan's estimated peak
+    floor_bytes: int  # the estimate with every candidate taken
+    recompute_seconds: float  # forward time the plan re-runs per step (measured in the profile)
+
+    @property
+    def empty(self) -> bool:
+        return not self.regions and not self.outputs
+
+
+@dataclass(eq=False)
+class _Candidate:
+    call: CallInfo
+    kind: int
+    drops: set[ProfileKey]
+    pins: dict[ProfileKey, int]  # storages the re-run needs kept -> bytes
+    chain: list[int]  # calls re-run (an output's: the ones regenerating its inputs first)
+    seconds: float
+    transient: int
+
+    def contains(self, other: "_Candidate") -> bool:
+        return self.call.index <= other.call.index <= self.call.last_desc
+
+    def overlaps(self, other: "_Candidate") -> bool:
+        return self.contains(other) or other.contains(self)
+
+
+class _Planner:
+    """The greedy choice of Note [Planned recompute], over one profile.
+
+    Candidates are fixed up front; the state is counts per storage (how many chosen candidates
+    drop it, how many pin it), so trying a candidate costs its own storages. A region may take
+    the place of chosen candidates inside it: the greedy can go from fine pieces to whole blocks
+    as the budget tightens.
+    """
+
+    def __init__(self, profile: Profile, like: "_Planner | None" = None) -> None:
+        self.calls = profile.calls
+        self.packs = profile.packs
+        self.dropped: dict[ProfileKey, int] = {}
+        self.pinned: dict[ProfileKey, int] = {}
+        self.chosen: list[_Candidate] = []
+        self.nbytes: dict[ProfileKey, int]
+        self.saves: dict[ProfileKey, list[int]]
+        self.order: list[ProfileKey]
+        self.first: list[int]
+        self.candidates: list[_Candidate]
+        self.variants: dict[int, list[_Candidate]]  # call index -> its output candidates
+        if like is not None:  # the same profile: share the tables and candidates, fresh state
+            self.nbytes, self.saves, self.order, self.first = like.nbytes, like.saves, like.order, like.first
+            self.candidates, self.variants = like.candidates, like.variants
+            self.total = sum(self.nbytes.values())
+            return
+        self.nbytes = {}
+        self.saves = {}
+        for seq, p in enumerate(self.packs):
+            if p.activation:
+                self.nbytes[p.key] = p.nbytes
+                self.saves.setdefault(p.key, []).append(seq)
+        self.total = sum(self.nbytes.values())  # bytes held: saved and not dropped, or pinned
+        self.order = sorted(self.nbytes, key=lambda k: self.saves[k][0])  # by first save
+        self.first = [self.saves[k][0] for k in self.order]
+        self.candidates = [c for call in self.calls for c in (self._region(call), *self._outputs(call))
+                           if c is not None and c.drops and not (c.drops & set(c.pins))]
+        self.variants = {}
+        for c in self.candidates:
+            if c.kind == OUTPUT:
+                self.variants.setdefault(c.call.index, []).append(c)
+
+    # -- candidates ------------------------------------------------------------------------
+
+    def _region(self, call: CallInfo) -> _Candidate | None:
+        if call.mutates_input or call.end_pack <= call.first_pack:
+            return None
+        inputs = set(call.input_keys)
+        drops: set[ProfileKey] = set()
+        rebuild: dict[ProfileKey, int] = {}
+        for seq in range(call.first_pack, call.end_pack):
+            p = self.packs[seq]
+            if not p.activation:
+                continue
+            rebuild[p.key] = p.nbytes
+            if p.key not in inputs and all(call.first_pack <= s < call.end_pack for s in self.saves[p.key]):
+                drops.add(p.key)
+        pins = self._pins(call)
+        return _Candidate(call, REGION, drops, pins, [call.index], call.seconds, sum(rebuild.values()))
+
+    def _pins(self, call: CallInfo) -> dict[ProfileKey, int]:
+        return {k: n for k, n, act in zip(call.input_keys, call.input_nbytes, call.input_activation) if act}
+
+    def _chain(self, call: CallInfo, depth: int, reach: int, chain: list[int], pins: dict[ProfileKey, int]) -> bool:
+        """Whether ``call``'s inputs can be had: pinned (kept) when saved anyway and ``depth``
+        is ``reach`` or more, else regenerated through the calls that made them (up to
+        ``MAX_CHAIN`` deep). Fills ``chain`` (inputs' producers first) and ``pins``."""
+        if depth > MAX_CHAIN or call.mutates_input or call.out_key is None or call.out_is_input:
+            return False
+        for key, n, act, prod in zip(call.input_keys, call.input_nbytes, call.input_activation,
+                                     call.input_producers):
+            if not act:
+                continue
+            if prod < 0 or (key in self.nbytes and depth >= reach):
+                pins[key] = n
+            elif not self._chain(self.calls[prod], depth + 1, reach, chain, pins):
+                if key not in self.nbytes:
+                    return False
+                pins[key] = n
+        if call.index not in chain:
+            chain.append(call.index)
+        return True
+
+    def _outputs(self, call: CallInfo) -> list[_Candidate]:
+        """Dropping ``call``'s output, its inputs kept, or regenerated through their producers
+        (one candidate per reach: a chain lets the inputs be dropped by other candidates)."""
+        key = call.out_key
+        if key is None or call.out_is_input or key not in self.nbytes:
+            return []
+        if any(self.packs[s].producer != call.index or self.packs[s].version != call.out_version
+               for s in self.saves[key]):
+            return []
+        out: list[_Candidate] = []
+        seen: set[tuple[int, ...]] = set()
+        for reach in range(MAX_CHAIN + 1):
+            chain: list[int] = []
+            pins: dict[ProfileKey, int] = {}
+            if not self._chain(call, 0, reach, chain, pins) or tuple(chain) in seen:
+                continue
+            seen.add(tuple(chain))
+            seconds = sum(self.calls[i].seconds for i in chain)
+            out.append(_Candidate(call, OUTPUT, {key}, pins, chain, seconds, call.out_nbytes))
+        return out
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _held(self, key: ProfileKey) -> bool:
+        return self.pinned.get(key, 0) > 0 or (key in self.nbytes and self.dropped.get(key, 0) == 0)
+
+    def _apply(self, c: _Candidate, sign: int) -> None:
+        for k in c.drops:
+            before = self._held(k)
+            self.dropped[k] = self.dropped.get(k, 0) + sign
+            self.total += (self._held(k) - before) * self.nbytes[k]
+        for k, n in c.pins.items():
+            before = self._held(k)
+            self.pinned[k] = self.pinned.get(k, 0) + sign
+            self.total += (self._held(k) - before) * self.nbytes.get(k, n)
+
+    def estimate(self) -> int:
+        """The planned peak: the bytes held at the end of forward, or while a chosen call is re-run
+        in backward: what was saved before it (backward frees later saves first) plus what the
+        re-run saves, whichever is more."""
+        peak = self.total
+        if not self.chosen:
+            return peak
+        prefix = [0]
+        for k in self.order:
+            prefix.append(prefix[-1] + (self.nbytes[k] if self._held(k) else 0))
+        extra = self.total - prefix[-1]  # pins of storages no save holds
+        for c in self.chosen:
+            before = prefix[bisect.bisect_left(self.first, c.call.first_pack)]
+            peak = max(peak, before + extra + c.transient)
+        return peak
+
+    def seconds(self) -> float:
+        """Re-run time per step: a call re-run for several chosen candidates counts once (a
+        regenerated output is cached while dropped saves still need it)."""
+        calls = {i for c in self.chosen for i in c.chain}
+        return sum(self.calls[i].seconds for i in calls)
+
+    def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
+        """The estimate and recompute time with ``c`` taken, what it replaces and what comes
+        with it, or None. ``c`` replaces chosen candidates inside it (a region) or another way
+        to drop the same output; a chosen output that keeps (pins) what ``c`` drops switches to
+        its variant that regenerates it through ``c``'s call instead."""
+        replaced = [d for d in self.chosen if d.overlaps(c)]
+        for d in replaced:
+            if d is c or (d.call is c.call and d.kind != c.kind):
+                return None
+            if d.call is not c.call and (c.kind != REGION or not c.contains(d)):
+                return None
+        added = [c]
+        for d in self.chosen:
+            if d.kind == OUTPUT and d not in replaced and c.drops & set(d.pins):
+                options = [v for v in self.variants.get(d.call.index, ())
+                           if c.call.index in v.chain and not (c.drops & set(v.pins))]
+                if not options:
+                    return None
+                replaced.append(d)
+                added.append(min(options, key=lambda v: v.seconds))
+        for d in replaced:
+            self._apply(d, -1)
+            self.chosen.remove(d)
+        for a in added:
+            self._apply(a, +1)
+            self.chosen.append(a)
+        result = (self.estimate(), self.seconds(), replaced, added)
+        for a in added:
+            self._apply(a, -1)
+            self.chosen.remove(a)
+        for d in replaced:
+            self._apply(d, +1)
+            self.chosen.append(d)
+        return result
+
+    def seed(self, regions: list[_Candidate]) -> None:
+        """Starts from these regions (those that fit with each other)."""
+        for c in regions:
+            if not any(d.overlaps(c) for d in self.chosen):
+                self._apply(c, +1)
+                self.chosen.append(c)
+
+    def seeds(self) -> list[list[_Candidate]]:
+        """Starting points besides nothing: every call of one module type as a region, for the
+        types called several times whose regions would drop a tenth of the bytes or more (the
+        blocks a user would checkpoint by hand). The greedy alone, adding the best piece at a
+        time, can end up re-running more than such a uniform choice at tight budgets."""
+        by_type: dict[str, list[_Candidate]] = {}
+        for c in self.candidates:
+            if c.kind == REGION and c.call.module() is not None:
+                by_type.setdefault(f"{type(c.call.module()).__qualname__}", []).append(c)
+        out = []
+        for group in by_type.values():
+            freed = sum(self.nbytes[k] for c in group for k in c.drops)
+            if len(group) >= 2 and freed * 10 >= self.total:
+                out.append(group)
+        return out
+
+    def run(self, budget: int) -> None:
+        """Takes moves until the estimate fits ``budget`` or nothing helps.
+
+        Each round takes the cheapest move that closes the gap, else the move with the most
+        bytes per second. Trying a candidate costs O(storages), so both searches try few: the
+        best-looking candidates first (bytes dropped per second of their own re-runs), stopping
+        at those that look less than ``PRUNE`` as good as the best move found so far or after
+        ``TRIES_PER_ROUND``; closers in order of their own re-run time, stopping at the first
+        that closes or after ``TRIES_PER_ROUND``.
+        """
+        dropped = {id(c): sum(self.nbytes[k] for k in c.drops) for c in self.candidates}
+        density = {id(c): dropped[id(c)] / max(c.seconds, 1e-9) for c in self.candidates}
+        by_density = sorted(self.candidates, key=lambda c: -density[id(c)])
+        by_seconds = sorted(self.candidates, key=lambda c: c.seconds)
+        while self.estimate() > budget:
+            move = self._closing(budget, by_seconds, dropped) or self._densest(by_density, density)
+            if move is None:
+                return
+            for d in move[0]:
+                self._apply(d, -1)
+                self.chosen.remove(d)
+            for a in move[1]:
+                self._apply(a, +1)
+                self.chosen.append(a)
+
+    Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
+
+    def _closing(self, budget: int, by_seconds: list[_Candidate], dropped: dict[int, int]) -> "Move | None":
+        now = self.estimate()
+        chosen = {id(c) for c in self.chosen}
+        tries = 0
+        for c in by_seconds:
+            if id(c) in chosen or dropped[id(c)] < now - budget:
+                continue
+            tried = self._try(c)
+            if tried is not None and tried[0] <= budget:
+                return tried[2], tried[3]
+            tries += 1
+            if tries >= TRIES_PER_ROUND:
+                break
+        return None
+
+    def _densest(self, by_density: list[_Candidate], density: dict[int, float]) -> "Move | None":
+        now, spent = self.estimate(), self.seconds()
+        chosen = {id(c) for c in self.chosen}
+        best: tuple[float, list[_Candidate], list[_Candidate]] | None = None
+        tries = 0
+        for c in by_density:
+            if id(c) in chosen:
+                continue
+            if best is not None and (density[id(c)] < best[0] * PRUNE or tries >= TRIES_PER_ROUND):
+                break
+            tries += 1
+            tried = self._try(c)
+            if tried is None or tried[0] >= now:
+                continue
+            ratio = (now - tried[0]) / max(tried[1] - spent, 1e-9)
+            if best is None or ratio > best[0]:
+                best = (ratio, tried[2], tried[3])
+        return (best[1], best[2]) if best is not None else None
+
+
+def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None) -> Plan:
+    """Plans a step like ``profile`` to hold at most ``budget`` saved-activation bytes, or as few
+    as it can when that is below the floor. See Note [Planned recompute]. ``floor_bytes``: the
+    floor estimated before for this profile (planning to 0 from every start is the slow part)."""
+    base = _Planner(profile)
+    starts: list[list[_Candidate]] = [[], *base.seeds()]
+    if floor_bytes is None:
+        floor_bytes = min(_planned(profile, base, seed, 0).estimate() for seed in starts)
+    tried = [_planned(profile, base, seed, budget) for seed in starts]
+    fitting = [p for p in tried if p.estimate() <= budget]
+    planner = min(fitting, key=lambda p: p.seconds()) if fitting \
+        else min(tried, key=lambda p: (p.estimate(), p.seconds()))
+    n = len(profile.packs)
+    actions = [KEEP] * n
+    owners: list[tuple[int, int] | None] = [None] * n
+    regions: dict[tuple[int, int], CallInfo] = {}
+    outputs: dict[tuple[int, int], CallInfo] = {}
+    modules: dict[int, weakref.ref[torch.nn.Module]] = {}
+    for c in planner.chosen:
+        if c.kind == REGION:
+            regions[c.call.key] = c.call
+            for seq in range(c.call.first_pack, c.call.end_pack):
+                if profile.packs[seq].key in c.drops:
+                    actions[seq], owners[seq] = REGION, c.call.key
+        else:
+            for i in c.chain:
+                outputs[profile.calls[i].key] = profile.calls[i]
+            for seq, p in enumerate(profile.packs):
+                if p.activation and p.key in c.drops and p.producer == c.call.index:
+                    actions[seq], owners[seq] = OUTPUT, c.call.key
+        for i in c.chain:
+            m = profile.calls[i].module
+            modules[id(m())] = m
+    return Plan(actions, owners, [p.signature for p in profile.packs], regions, outputs,
+                list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
+                planner.seconds())
+
+
+def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int) -> _Planner:
+    planner = _Planner(profile, like=base)
+    planner.seed(seed)
+    planner.run(budget)
+    return planner
+
+
+
+BUDGET_SLACK = 0.05
+"""A planned step may hold this fraction over the budget (the promise of ``pyalloc.offload``)."""
+
+MAX_TRIALS = 6
+"""Planned steps measured, one plan each, before the search settles on the best of them."""
+
+
+class PlanSearch:
+    """The plans for one profile, tuned on measured steps.
+
+    The plan's peak is an estimate (Note [Planned recompute]); the step's is measured. After each
+    planned step the search moves the planner's target: scaled by how far the measurement was
+    from the budget until one plan fitted and one overshot, then halfway between the largest
+    target that fitted and the smallest that overshot, so that the plan lands just under the
+    budget (a looser plan re-runs less). Each step also measures its re-runs, and the profile's
+    forward times of the calls re-run are replaced by those (a re-run in backward can cost more
+    than the forward did, and the profiled step's times are noisy), so the next plan weighs
+    costs as measured. After ``MAX_TRIALS`` steps, or when a plan repeats, it settles on the
+    plan whose step re-ran least among those that kept the budget (+5%), or failing that the
+    one that held the least: then the budget is below the floor, and ``floor_bytes`` is that
+    least.
+    """
+
+    def __init__(self, profile: Profile, budget: int) -> None:
+        self.profile = profile
+        self.budget = budget
+        self.target = budget
+        self.plan = make_plan(profile, budget)
+        self.trials: list[tuple[Plan, int]] = []
+        self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured
+        self.fitted: int | None = None  # the largest target whose plan kept the budget
+        self.overshot: int | None = None  # the smallest target whose plan did not
+        self.settled = False
+
+    @property
+    def limit(self) -> int:
+        return int(self.budget * (1 + BUDGET_SLACK))
+
+    def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None) -> bool:
+        """Takes a planned step's measured peak and re-run seconds per call (by key); returns
+        whether the plan changed."""
+        if self.settled:
+            return False
+        plan = self.plan
+        self.trials.append((plan, peak))
+        reruns = reruns or {}
+        self.rerun_seconds.append(sum(reruns.values()))
+        for call in self.profile.calls:
+            measured = reruns.get(call.key)
+            if measured is not None:
+                call.seconds = measured
+        if peak <= self.limit:
+            self.fitted = max(self.fitted or 0, self.target)
+            if plan.empty or peak >= self.budget * (1 - 2 * BUDGET_SLACK):
+                return self._settle()  # close enough under the budget
+        else:
+            self.overshot = min(self.overshot or self.target, self.target)
+        if len(self.trials) >= MAX_TRIALS or peak <= 0:
+            return self._settle()
+        if self.fitted is not None and self.overshot is not None:
+            target = (self.fitted + self.overshot) // 2
+        else:
+            target = int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
+        candidate = make_plan(self.profile, target, self.trials[0][0].floor_bytes)
+        if any(p.actions == candidate.actions for p, _ in self.trials):
+            return self._settle()
+        self.target, self.plan = target, candidate
+        return True
+
+    def _settle(self) -> bool:
+        self.settled = True
+        fitting = [(self.rerun_seconds[i], i) for i, (p, peak) in enumerate(self.trials) if peak <= self.limit]
+        best = min(fitting)[1] if fitting else min(range(len(self.trials)), key=lambda i: self.trials[i][1])
+        changed = self.trials[best][0] is not self.plan
+        self.plan = self.trials[best][0]
+        return changed
+
+    @property
+    def below_floor(self) -> bool:
+        """Settled, and no plan kept the budget."""
+        return self.settled and all(peak > self.limit for _, peak in self.trials)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The least peak measured (while searching: the plan's estimate of its floor)."""
+        measured = [peak for _, peak in self.trials]
+        return min(measured) if self.below_floor else self.plan.floor_bytes

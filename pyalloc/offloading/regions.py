@@ -1,0 +1,478 @@
+"""A planned step: drops the saves a :class:`~.plan.Plan` names and recomputes them by re-running
+modules (Note [Planned recompute] in plan.py).
+
+Per step this costs one saved-tensor hook call per save and, on the planned modules only, a pre-
+and post-forward hook; nothing is recorded per operator. Every re-run restores the CPU (and CUDA)
+RNG state of the original call, runs with grad enabled as the original did, detaches what it
+captures, and puts the module's buffers back afterwards (a batch norm updates its running
+statistics once per step, as without the session).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .calls import autocast_state
+from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
+
+if TYPE_CHECKING:
+    from .plan import CallInfo
+
+__all__ = ["KeptSave", "PlannedStep", "SavedBytes"]
+
+
+class SavedBytes:
+    """Saved-activation bytes held now and at the peak, each storage counted once however many
+    saves (or views) hold it. The budget is checked against these figures."""
+
+    def __init__(self) -> None:
+        self._live: dict[StorageKey, list[int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def add(self, key: StorageKey, nbytes: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [1, nbytes]
+            self.current += nbytes
+            if self.current > self.peak:
+                self.peak = self.current
+        else:
+            entry[0] += 1
+
+    def release(self, key: StorageKey) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[key]
+            self.current -= entry[1]
+
+
+class _Counted:
+    """Base of every handle that holds bytes: releases its storage's count when autograd frees it."""
+
+    __slots__ = ("_bytes", "_key", "__weakref__")
+
+    def __init__(self, counter: SavedBytes) -> None:
+        self._bytes = counter
+        self._key: StorageKey | None = None
+
+    def count(self, t: torch.Tensor) -> None:
+        self._key = storage_key(t)
+        self._bytes.add(self._key, t.untyped_storage().nbytes())
+
+    def __del__(self) -> None:
+        if self._key is not None:
+            self._bytes.release(self._key)
+
+
+class KeptSave(_Counted):
+    """A save the plan keeps."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, counter: SavedBytes, t: torch.Tensor) -> None:
+        super().__init__(counter)
+        self.tensor = t
+        self.count(t)
+
+
+class _Rerun:
+    """What re-running one module call needs: the module, its arguments, RNG states, grad mode."""
+
+    key: tuple[int, int]  # the planned call: (id of the module, how many calls of it came before)
+
+    def __init__(self, step: "PlannedStep", module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.step = step
+        self.module = module
+        self.args = args
+        self.kwargs = kwargs
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng: list[tuple[int, torch.Tensor]] = []
+        if step.cuda:
+            devices = {t.device.index or 0 for t in tensor_leaves((args, kwargs)) if t.is_cuda}
+            self.cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in sorted(devices)]
+        self.pins: list[StorageKey] = []
+        for t in tensor_leaves((args, kwargs)):
+            if is_activation(t):
+                key = storage_key(t)
+                step.bytes.add(key, t.untyped_storage().nbytes())
+                self.pins.append(key)
+        self.versions = [(t, t._version) for t in tensor_leaves((args, kwargs))]
+        # autocast as the call ran (backward, where the re-run happens, usually runs without it)
+        self.autocast = autocast_state()
+
+    def release(self) -> None:
+        pins, self.pins = self.pins, []
+        for key in pins:
+            self.step.bytes.release(key)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None) -> Any:
+        """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves."""
+        for t, v in self.versions:
+            if t._version != v:
+                from .session import OffloadError
+
+                raise OffloadError(f"an input of {type(self.module).__name__} was modified in place after "
+                                   "the call: its dropped activations cannot be recomputed")
+        step = self.step
+        t0 = time.thread_time()
+        buffers = [(b, b.clone()) for b in self.module.buffers()]
+        cpu_now = torch.get_rng_state()
+        cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda_rng]
+        step.recomputing += 1
+        try:
+            torch.set_rng_state(self.cpu_rng)
+            for d, state in self.cuda_rng:
+                torch.cuda.set_rng_state(state, d)
+            # The step's own hook must not see the re-run's saves (they are not the step's), and the
+            # re-run's graph must hold none of them: a node that saves its own output would keep
+            # itself alive through it (a cycle through C++ that no collector breaks), and the
+            # graph is never run backward. Hence the pack hook stores nothing.
+            with contextlib.ExitStack() as modes:
+                for dev, dtype in self.autocast:
+                    modes.enter_context(torch.autocast(dev, dtype=dtype))
+                modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
+                modes.enter_context(torch.enable_grad())
+                out = self.module(*args, **kwargs)
+        finally:
+            step.recomputing -= 1
+            torch.set_rng_state(cpu_now)
+            for d, state in cuda_now:
+                torch.cuda.set_rng_state(state, d)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+        st = step.session._stats
+        seconds = time.thread_time() - t0
+        st["replays_total"] += 1
+        st["recompute_seconds_total"] += seconds
+        key = self.key
+        step.rerun_seconds[key] = step.rerun_seconds.get(key, 0.0) + seconds
+        return out
+
+
+def _discard(x: Any) -> None:
+    return None
+
+
+def _never_unpacked(x: Any) -> torch.Tensor:
+    raise RuntimeError("pyalloc.offload: backward through a re-run's graph (it is discarded)")
+
+
+class Region(_Rerun):
+    """A planned region call: its dropped saves, refilled by one re-run in backward."""
+
+    def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
+                 kwargs: dict) -> None:
+        super().__init__(step, module, args, kwargs)
+        self.key = key
+        self.first_seq = step.seq
+        self.wanted: dict[int, weakref.ref[RegionSlot]] = {}
+        self.done = False
+
+    def materialize(self) -> None:
+        captured: list[torch.Tensor] = []
+
+        def capture(t: torch.Tensor) -> None:
+            captured.append(t.detach())
+
+        self.run(self.args, self.kwargs, capture)
+        self.done = True
+        for index, ref in self.wanted.items():
+            slot = ref()
+            if slot is None:
+                continue
+            if index >= len(captured):
+                from .session import OffloadError
+
+                raise OffloadError(f"re-running {type(self.module).__name__} saved fewer tensors than the "
+                                   "first run: its forward is not deterministic in what it saves")
+            slot.fill(captured[index])
+            self.step.session._stats["recomputed_tensors_total"] += 1
+        self.wanted = {}
+        self.release()  # the inputs are no longer needed: let them go with their last use
+        self.args, self.kwargs, self.versions = (), {}, []
+
+
+class RegionSlot(_Counted):
+    """A save dropped inside a region."""
+
+    __slots__ = ("region", "tensor", "signature")
+
+    def __init__(self, region: Region, index: int, t: torch.Tensor) -> None:
+        super().__init__(region.step.bytes)
+        self.region: Region | None = region
+        self.tensor: torch.Tensor | None = None
+        self.signature = (tuple(t.shape), t.dtype)
+        region.wanted[index] = weakref.ref(self)
+
+    def fill(self, t: torch.Tensor) -> None:
+        if (tuple(t.shape), t.dtype) != self.signature:
+            from .session import OffloadError
+
+            raise OffloadError(f"re-running {type(self.region.module).__name__ if self.region else '?'} "
+                               f"gave a {tuple(t.shape)} tensor where {self.signature[0]} was saved")
+        self.tensor = t
+        self.count(t)
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None:
+            region, self.region = self.region, None
+            assert region is not None and not region.done
+            region.materialize()
+        self.region = None
+        assert self.tensor is not None
+        return self.tensor
+
+
+class _Link:
+    """An argument of an output call made by another planned output call: regenerated through it
+    instead of being held."""
+
+    __slots__ = ("record", "requires_grad")
+
+    def __init__(self, record: "Output", requires_grad: bool) -> None:
+        self.record = record
+        self.requires_grad = requires_grad
+
+
+def _substitute(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` (arguments: tuples, lists, dicts) with every leaf ``x`` replaced by ``fn(x)``."""
+    if isinstance(obj, tuple):
+        return tuple(_substitute(y, fn) for y in obj)
+    if isinstance(obj, list):
+        return [_substitute(y, fn) for y in obj]
+    if isinstance(obj, dict):
+        return {k: _substitute(v, fn) for k, v in obj.items()}
+    return fn(obj)
+
+
+class Output(_Rerun):
+    """A planned output call: its output's saves are dropped and regenerated on use."""
+
+    def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
+                 kwargs: dict, links: dict[int, _Link]) -> None:
+        def link(x: Any) -> Any:
+            return links.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+        self.pending = 0  # dropped saves of the output not yet used
+        self.linkers = 0  # later output calls that regenerate their input through this one
+        self.cache: torch.Tensor | None = None
+        self.key = key
+        self.out_key: StorageKey | None = None
+        self.out_ref: weakref.ref[torch.Tensor] | None = None
+        super().__init__(step, module, _substitute(args, link), _substitute(kwargs, link))
+        self.links = list(links.values())
+        for lk in self.links:
+            lk.record.linkers += 1
+
+    def regenerate(self) -> torch.Tensor:
+        """The output again, bit for bit (inputs made by linked calls regenerated first)."""
+        def resolve(x: Any) -> Any:
+            if isinstance(x, _Link):
+                t = x.record.output()
+                return t.detach().requires_grad_(True) if x.requires_grad else t
+            return x
+
+        args, kwargs = self.args, self.kwargs
+        if self.links:
+            args, kwargs = _substitute(args, resolve), _substitute(kwargs, resolve)
+        out = self.run(args, kwargs, None)
+        if not isinstance(out, torch.Tensor):
+            from .session import OffloadError
+
+            raise OffloadError(f"re-running {type(self.module).__name__} did not return a tensor")
+        return out.detach()
+
+    def output(self) -> torch.Tensor:
+        """The output for a later call's re-run: cached while dropped saves of it are pending
+        (they will want it too), else regenerated for this use only."""
+        if self.pending <= 0:
+            return self.regenerate()
+        if self.cache is None:
+            self.cache = self.regenerate()
+            self.step.session._stats["recomputed_tensors_total"] += 1
+        return self.cache
+
+    def finish(self) -> None:
+        """No dropped save needs the output any more: let go of the inputs (and the linked
+        calls', when no other output call needs them)."""
+        self.cache = None
+        if self.pending > 0 or self.linkers > 0:
+            return
+        self.release()
+        self.args, self.kwargs, self.versions = (), {}, []
+        links, self.links = self.links, []
+        for lk in links:
+            lk.record.linkers -= 1
+            lk.record.finish()
+
+
+class OutputSlot(_Counted):
+    """A save of a planned output call's output (or a view of it), dropped."""
+
+    __slots__ = ("record", "tensor", "geometry")
+
+    def __init__(self, record: Output, t: torch.Tensor) -> None:
+        super().__init__(record.step.bytes)
+        self.record: Output | None = record
+        self.tensor: torch.Tensor | None = None
+        self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        record.pending += 1
+
+    def get(self) -> torch.Tensor:
+        record = self.record
+        if self.tensor is None and record is not None:
+            self.record = None
+            base = record.output()
+            shape, stride, offset = self.geometry
+            self.tensor = base if (tuple(base.shape), tuple(base.stride()), base.storage_offset()) == self.geometry \
+                else base.as_strided(shape, stride, offset)
+            self.count(self.tensor)
+            record.pending -= 1
+            if record.pending <= 0:
+                record.finish()
+        assert self.tensor is not None
+        return self.tensor
+
+
+class PlannedStep:
+    """One step run under a plan: the saved-tensor hooks and the module hooks."""
+
+    def __init__(self, session: Any, plan: Plan, cuda: bool) -> None:
+        self.session = session
+        self.plan = plan
+        self.cuda = cuda
+        self.bytes = SavedBytes()
+        self.seq = 0
+        self.recomputing = 0
+        self.diverged = False
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
+        self._ordinals: dict[int, int] = {}
+        self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
+        self._regions: list[Region] = []
+        self._outputs: dict[tuple[int, int], Output] = {}
+        self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
+        self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
+
+    def close(self) -> None:
+        """At the step's end: forgets the records, so that no reference cycle (record -> step ->
+        record) leaves them, and the tensors they hold, to the cyclic garbage collector."""
+        self._open.clear()
+        self._regions.clear()
+        self._outputs.clear()
+        self._made.clear()
+
+    def install(self, stack: contextlib.ExitStack) -> None:
+        """Puts the hooks in place for the step; ``stack`` takes them off."""
+        for ref in self.plan.modules:
+            m = ref()
+            if m is None:
+                continue
+            stack.callback(m.register_forward_pre_hook(self._pre, with_kwargs=True).remove)
+            stack.callback(m.register_forward_hook(self._post, always_call=True).remove)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+
+    # -- module hooks ----------------------------------------------------------------------
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.recomputing or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread:
+            return
+        ordinal = self._ordinals.get(id(module), 0)
+        self._ordinals[id(module)] = ordinal + 1
+        key = (id(module), ordinal)
+        record: Region | Output | None = None
+        if not self.diverged:
+            if key in self.plan.regions:
+                record = Region(self, key, module, args, kwargs)
+                self._regions.append(record)
+            elif key in self.plan.outputs:
+                links = self._links(tensor_leaves((args, kwargs)))
+                record = Output(self, key, module, args, kwargs, links)
+                self._outputs[key] = record
+        self._open.append((module, record))
+
+    def _links(self, tensors: list[torch.Tensor]) -> dict[int, _Link]:
+        """Arguments made by planned output calls of this step: keyed by ``id``."""
+        links = {}
+        for t in tensors:
+            entry = self._made.get(storage_key(t))
+            if entry is not None and entry[0]() is t:
+                links[id(t)] = _Link(entry[1], t.requires_grad)
+        return links
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.recomputing or not self._open or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread or self._open[-1][0] is not module:
+            return
+        _, record = self._open.pop()
+        if isinstance(record, Region):
+            self._regions.pop()
+        elif isinstance(record, Output) and isinstance(output, torch.Tensor):
+            record.out_key = storage_key(output)
+            record.out_ref = weakref.ref(output)
+            self._made[record.out_key] = (weakref.ref(output), record)
+
+    # -- saved-tensor hooks ----------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.session._inert or self.recomputing:
+            return t
+        seq = self.seq
+        self.seq = seq + 1
+        plan = self.plan
+        action = KEEP
+        if not self.diverged:
+            if seq >= len(plan.actions) or plan.signatures[seq] != (tuple(t.shape), t.dtype):
+                self._diverge()
+            else:
+                action = plan.actions[seq]
+        if action == REGION:
+            region = self._regions[-1] if self._regions else None
+            if region is not None and region.key == plan.owners[seq]:
+                self._count_drop(t)
+                return RegionSlot(region, seq - region.first_seq, t)
+            self._diverge()
+        elif action == OUTPUT:
+            record = self._outputs.get(plan.owners[seq])  # type: ignore[arg-type]
+            if record is not None and record.out_ref is not None and record.out_ref() is not None \
+                    and storage_key(t) == record.out_key:
+                self._count_drop(t)
+                return OutputSlot(record, t)
+            self._diverge()
+        if is_activation(t):
+            return KeptSave(self.bytes, t)
+        return t
+
+    def unpack(self, h: Any) -> torch.Tensor:
+        if isinstance(h, KeptSave):
+            return h.tensor
+        if isinstance(h, (RegionSlot, OutputSlot)):
+            return h.get()
+        return h
+
+    def _count_drop(self, t: torch.Tensor) -> None:
+        self.dropped += 1
+        self.dropped_bytes += t.untyped_storage().nbytes()
+
+    def _diverge(self) -> None:
+        """The step no longer matches the profile: keep every save from here on."""
+        self.diverged = True

@@ -1,0 +1,363 @@
+"""pyalloc.offload's planned policy (issue 20): a profiled first step, then module re-runs along a
+plan; exact to the bit, within the budget, and free when the budget is never reached."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from pyalloc.offloading.plan import BUDGET_SLACK, Profile, make_plan
+from pyalloc.offloading.regions import KeptSave, SavedBytes
+from pyalloc.offloading.plan import is_activation
+from pyalloc.offloading.session import ActivationOffload, OffloadFloorWarning, offload
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # bit-for-bit comparisons (conftest.py)
+
+STEPS = 5  # one profiled step, then the plan search and settled steps
+
+
+class _Block(nn.Module):
+    """A pre-LN transformer block: attention with dropout, a GELU MLP."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Block() for _ in range(3)], nn.Flatten(), nn.Linear(64 * 32, 10))
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Dropout2d(0.2),
+        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Dropout(0.3), nn.Linear(32 * 8 * 8, 10))
+
+
+class _LSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.LSTM(32, 64, batch_first=True), nn.LSTM(64, 64, batch_first=True)])
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lstm in self.layers:
+            x = self.drop(lstm(x)[0])
+        return self.head(x)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
+    "gpt": (_gpt, lambda: torch.randn(16, 32, 64)),
+    "cnn": (_cnn, lambda: torch.randn(16, 3, 16, 16)),
+    "lstm": (_LSTM, lambda: torch.randn(16, 24, 32)),
+}
+
+
+def _step(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)  # each step its own dropout masks, the same in both runs
+    model(x).square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _saved_bytes_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """The baseline's peak of saved-activation bytes, counted as the session counts them."""
+    counter = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: KeptSave(counter, t) if is_activation(t) else t,
+            lambda h: h.tensor if isinstance(h, KeptSave) else h):
+        _step(model, x, seed=0)
+    return counter.peak
+
+
+def _train(name: str, session: ActivationOffload | None,
+           steps: int = STEPS) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], list[int]]:
+    """``steps`` steps; the gradients of each, the final state (batch-norm statistics) and,
+    with a session, each planned step's measured peak."""
+    make_model, make_input = MODELS[name]
+    model = make_model()
+    torch.manual_seed(123)
+    x = make_input()
+    grads, peaks = [], []
+    for seed in range(steps):
+        if session is None:
+            grads.append(_step(model, x, seed))
+            continue
+        with session:
+            grads.append(_step(model, x, seed))
+        peaks.append(int(session.stats()["step_saved_bytes_peak"]))
+    return grads, {k: v.clone() for k, v in model.state_dict().items()}, peaks
+
+
+@pytest.fixture(scope="module")
+def baselines() -> dict[str, tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int]]:
+    out = {}
+    for name, (make_model, make_input) in MODELS.items():
+        grads, state, _ = _train(name, None)
+        torch.manual_seed(123)
+        out[name] = (grads, state, _saved_bytes_peak(make_model(), make_input()))
+    return out
+
+
+def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs (max abs diff {(a[k] - b[k]).abs().max()})"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("fraction", [0.5, 0.25, 0.0])
+def test_planned_steps_are_bitwise_exact_and_leave_batch_norm_statistics_alone(name, fraction, baselines) -> None:
+    grads, state, peak = baselines[name]
+    session = offload(budget=int(peak * fraction), pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)  # 0 and 25% may be below the floor
+        got, got_state, _ = _train(name, session)
+    for step, (e, g) in enumerate(zip(grads, got)):
+        _assert_bitwise_equal(e, g)
+    _assert_bitwise_equal(state, got_state)  # running mean/var and num_batches_tracked: updated once a step
+    st = session.stats()
+    assert st["profile_steps_total"] == 1 and st["planned_steps_total"] == STEPS - 1
+    assert st["drops_total"] > 0 and st["recomputed_tensors_total"] > 0 and st["replays_total"] > 0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_budget_above_the_floor_is_kept_within_five_percent(name, baselines) -> None:
+    _, _, peak = baselines[name]
+    budget = peak // 2
+    session = offload(budget=budget, pressure_callback=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, peaks = _train(name, session, steps=8)  # profiled, searched (up to 6), settled
+    st = session.stats()
+    floor = st["plan_floor_bytes"]
+    if floor > budget * (1 + BUDGET_SLACK):  # a model whose floor is above half: then it must say so
+        assert any(issubclass(w.category, OffloadFloorWarning) for w in caught)
+        return
+    assert st["plan_settled"] == 1
+    assert peaks[-1] <= budget * (1 + BUDGET_SLACK), (peaks, budget)
+    assert not any(issubclass(w.category, OffloadFloorWarning) for w in caught)
+    assert peaks[-1] < peak
+
+
+def test_below_the_floor_warns_once_naming_the_floor_and_runs(baselines) -> None:
+    grads, _, _ = baselines["gpt"]
+    session = offload(budget=0, pressure_callback=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _, peaks = _train("gpt", session, steps=8)
+    floor_warnings = [w for w in caught if issubclass(w.category, OffloadFloorWarning)]
+    assert len(floor_warnings) == 1
+    floor = int(session.stats()["plan_floor_bytes"])
+    assert floor > 0 and f"floor of {floor} bytes" in str(floor_warnings[0].message)
+    assert "budget of 0 bytes" in str(floor_warnings[0].message)
+    assert peaks[-1] == floor  # it runs at the floor it names
+    for e, g in zip(grads, got):
+        _assert_bitwise_equal(e, g)
+
+
+def test_a_budget_never_reached_drops_nothing_and_records_no_operator(baselines) -> None:
+    from torch.overrides import _get_current_function_mode_stack
+
+    _, _, peak = baselines["gpt"]
+    session = offload(budget=peak * 10, pressure_callback=False)
+    make_model, make_input = MODELS["gpt"]
+    model, x = make_model(), make_input()
+    with session:
+        _step(model, x, 0)  # profiled
+    modes_seen = []
+    hooks = []
+    for m in model.modules():
+        hooks.append(m.register_forward_pre_hook(lambda *a: modes_seen.append(len(_get_current_function_mode_stack()))))
+    for seed in range(1, 3):
+        with session:
+            _step(model, x, seed)
+    for h in hooks:
+        h.remove()
+    st = session.stats()
+    assert st["plan_regions"] == 0 and st["plan_outputs"] == 0 and st["plan_settled"] == 1
+    assert st["drops_total"] == 0 and st["replays_total"] == 0
+    assert modes_seen and set(modes_seen) == {0}  # no call-recording mode in planned steps
+    assert st["step_saved_bytes_peak"] == peak  # still counted: the budget is checked
+
+
+def test_a_step_unlike_the_profile_keeps_its_saves_and_is_profiled_again(baselines) -> None:
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    reference = make_model()
+    _, _, peak = baselines["gpt"]
+    session = offload(budget=peak // 2, pressure_callback=False)
+    x = make_input()
+    shorter = x[:8].contiguous()  # half the batch: every save has another shape
+    for inputs in (x, x, shorter, shorter, x):
+        with session:
+            got = _step(model, inputs, 1)
+        _assert_bitwise_equal(_step(reference, inputs, 1), got)
+    assert session.stats()["profile_steps_total"] >= 2
+
+
+def test_retained_graph_backward_twice_is_exact(baselines) -> None:
+    make_model, make_input = MODELS["gpt"]
+    _, _, peak = baselines["gpt"]
+
+    def twice(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        torch.manual_seed(3)
+        loss = model(x).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    x = make_input()
+    expected = twice(make_model(), x)
+    model = make_model()
+    session = offload(budget=peak // 4, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for _ in range(3):
+            with session:
+                got = twice(model, x)
+    assert session.stats()["recomputed_tensors_total"] > 0
+    _assert_bitwise_equal(expected, got)
+
+
+def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
+    """At 50% the greedy takes GELU and LayerNorm outputs (cheap to re-run per byte) before it
+    re-runs whole blocks; at 0 it re-runs more, for fewer bytes. Forward times are set, not
+    measured, so that the choice does not depend on the machine."""
+    make_model, make_input = MODELS["gpt"]
+    model, x = make_model(), make_input()
+    profile = Profile()
+    profile.start()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (profile.note_pack(t), t)[1], lambda t: t):
+        _step(model, x, 0)
+    profile.stop()
+    cost = {"GELU": 0.1, "LayerNorm": 0.1, "Dropout": 0.1, "Linear": 1.0, "MultiheadAttention": 3.0}
+    for call in reversed(profile.calls):  # children before parents: a parent costs their sum
+        children = [c for c in profile.calls if c.parent == call.index]
+        call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
+    half = make_plan(profile, _saved_bytes_peak(model, x) // 2)
+    assert half.estimate_bytes <= _saved_bytes_peak(model, x) // 2
+    assert any(c.name == "GELU" for c in half.outputs.values())
+    assert not any(c.name == "_Block" for c in half.regions.values())
+    floor = make_plan(profile, 0)
+    assert floor.estimate_bytes == floor.floor_bytes < half.estimate_bytes
+    assert floor.recompute_seconds > half.recompute_seconds
+
+
+def test_bad_policy_is_a_one_line_error() -> None:
+    with pytest.raises(ValueError, match=r"^policy must be one of plan, dtr, got 'fast'$"):
+        offload(budget=1 << 20, policy="fast")
+
+
+def test_policy_falls_back_to_dtr_without_a_budget_or_without_recompute() -> None:
+    assert offload(budget=1 << 20).policy == "plan"
+    assert offload(budget=None).policy == "dtr"  # evicts on allocator pressure only
+    assert offload(budget=1 << 20, recompute=False).policy == "dtr"  # swap only
+    assert offload(budget=1 << 20, policy="dtr").policy == "dtr"
+
+
+def test_re_runs_keep_the_autocast_of_the_original_call(baselines) -> None:
+    """Backward runs outside autocast: a re-run must enter the autocast the call ran under, or it
+    would recompute in another dtype."""
+    make_model, make_input = MODELS["gpt"]
+    _, _, peak = baselines["gpt"]
+
+    def step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        torch.manual_seed(2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    x = make_input()
+    expected = step(make_model(), x)
+    model = make_model()
+    session = offload(budget=peak // 4, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for _ in range(3):
+            with session:
+                got = step(model, x)
+    assert session.stats()["recomputed_tensors_total"] > 0
+    _assert_bitwise_equal(expected, got)
+
+
+def test_a_step_cut_short_by_an_exception_is_neither_profile_nor_measurement(baselines) -> None:
+    grads, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)  # the baseline's input
+    x = make_input()
+    session = offload(budget=peak // 2, pressure_callback=False)
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            with session:
+                model(x).square().mean()  # forward only, then the step fails
+                raise ValueError("data error")
+    st = session.stats()
+    assert st["profile_steps_total"] == 0 and st["planned_steps_total"] == 0
+    model.zero_grad(set_to_none=True)
+    got = []
+    for seed in range(STEPS):
+        with session:
+            got.append(_step(model, x, seed))
+    for e, g in zip(grads, got):
+        _assert_bitwise_equal(e, g)
+    assert session.stats()["profile_steps_total"] == 1
+
+
+def test_a_module_called_several_times_a_step_is_planned_per_call() -> None:
+    """One block applied three times (weights shared, as ALBERT does): each call is its own
+    region or output, told apart by how many calls of the module came before it."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = _Block()
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(3):
+                x = self.block(x)
+            return self.head(x)
+
+    torch.manual_seed(123)
+    x = torch.randn(16, 32, 64)
+    steps = 8  # one profiled, up to MAX_TRIALS searched, then settled
+    expected = [_step(Shared(), x, seed) for seed in range(steps)]
+    model = Shared()
+    budget = _saved_bytes_peak(Shared(), x) // 2
+    session = offload(budget=budget, pressure_callback=False)
+    for seed in range(steps):
+        with session:
+            got = _step(model, x, seed)
+        _assert_bitwise_equal(expected[seed], got)
+    st = session.stats()
+    assert st["drops_total"] > 0 and st["planned_steps_total"] == steps - 1
+    assert st["plan_settled"] == 1 and st["step_saved_bytes_peak"] <= budget * (1 + BUDGET_SLACK), st
