@@ -142,9 +142,11 @@ def check(device: int = 0) -> None:
     check_status(lib().pyalloc_check(device), "pyalloc_check")
 
 
+_MEMORY_INFO = ("device_total", "device_free", "reserved", "allocated", "limit", "largest_cached", "largest_request")
+
+
 class _MemoryInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "device_total", "device_free", "reserved", "allocated", "limit", "largest_cached", "largest_request")]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MEMORY_INFO]  # pyalloc_memory_info_t
 
 
 def memory_info(device: int = 0) -> dict[str, int]:
@@ -153,7 +155,7 @@ def memory_info(device: int = 0) -> dict[str, int]:
     serve without releasing anything. Raises PyallocError when the allocator is not running."""
     info = _MemoryInfo()
     check_status(lib().pyalloc_memory_info(device, ctypes.addressof(info)), "pyalloc_memory_info")
-    return {name: int(getattr(info, name)) for name, _ in _MemoryInfo._fields_}
+    return {name: int(getattr(info, name)) for name in _MEMORY_INFO}
 
 
 def memory_stats(device: int = 0) -> "OrderedDict[str, Any]":

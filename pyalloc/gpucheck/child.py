@@ -232,7 +232,9 @@ def _gpt2(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any]]:
     nn, F = torch.nn, torch.nn.functional
     hidden, layers, heads, vocab = (64, 2, 4, 512) if tiny else (768, 12, 12, 50257)
 
-    class Block(nn.Module):
+    Module: Any = nn.Module  # a base class mypy can take (torch is imported at run time)
+
+    class Block(Module):
         def __init__(self) -> None:
             super().__init__()
             self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
@@ -246,7 +248,7 @@ def _gpt2(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any]]:
             x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
             return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
-    class GPT2(nn.Module):
+    class GPT2(Module):
         def __init__(self) -> None:
             super().__init__()
             self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(1024, hidden)
