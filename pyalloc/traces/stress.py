@@ -441,14 +441,16 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
     # pyalloc-plain places as PyTorch does, so its curve often lies exactly on native's: it is
     # drawn wide and light under the others, native thin and dashed over it, both visible.
-    styles: dict[str, dict[str, Any]] = {"pyalloc": {"color": "tab:blue", "linestyle": "-"},
-              "pyalloc-small-pool": {"color": "tab:cyan", "linestyle": "-"},
-              "pyalloc-plain": {"color": "tab:purple", "linestyle": "-", "linewidth": 4.0, "alpha": 0.35},
-              "pyalloc-plan": {"color": "tab:green", "linestyle": ":"},
-              "pyalloc-lifetime": {"color": "tab:red", "linestyle": ":"},
-              "pyalloc-plain-lifetime": {"color": "tab:brown", "linestyle": ":"},
-              "native": {"color": "tab:orange", "linestyle": "--"},
-              "native-expandable": {"color": "tab:olive", "linestyle": "--"}}
+    styles: dict[str, dict[str, Any]] = {
+        "pyalloc": {"color": "tab:blue", "linestyle": "-"},
+        "pyalloc-small-pool": {"color": "tab:cyan", "linestyle": "-"},
+        "pyalloc-plain": {"color": "tab:purple", "linestyle": "-", "linewidth": 4.0, "alpha": 0.35},
+        "pyalloc-plan": {"color": "tab:green", "linestyle": ":"},
+        "pyalloc-lifetime": {"color": "tab:red", "linestyle": ":"},
+        "pyalloc-plain-lifetime": {"color": "tab:brown", "linestyle": ":"},
+        "native": {"color": "tab:orange", "linestyle": "--"},
+        "native-expandable": {"color": "tab:olive", "linestyle": "--"},
+    }
     for ax, run in zip(axes.flat, runs):
         w = run.workload
         x = [k * w.events // curve_points for k in range(curve_points)]
