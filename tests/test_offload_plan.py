@@ -217,8 +217,25 @@ def test_a_step_unlike_the_profile_keeps_its_saves_and_is_profiled_again(baselin
     assert session.stats()["profile_steps_total"] >= 2
 
 
-def test_retained_graph_backward_twice_is_exact(baselines) -> None:
+def _assert_planned_steps_exact(step: Callable[[nn.Module, torch.Tensor], dict[str, torch.Tensor]],
+                                 budget: int) -> None:
+    """Three steps of the GPT-like model under a planned session at ``budget`` (profile, plan,
+    planned): the last step's gradients bit for bit those of ``step`` without offload."""
     make_model, make_input = MODELS["gpt"]
+    x = make_input()
+    expected = step(make_model(), x)
+    model = make_model()
+    session = offload(budget=budget, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for _ in range(3):
+            with session:
+                got = step(model, x)
+    assert session.stats()["recomputed_tensors_total"] > 0
+    _assert_bitwise_equal(expected, got)
+
+
+def test_retained_graph_backward_twice_is_exact(baselines) -> None:
     _, _, peak = baselines["gpt"]
 
     def twice(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -230,17 +247,7 @@ def test_retained_graph_backward_twice_is_exact(baselines) -> None:
         model.zero_grad(set_to_none=True)
         return grads
 
-    x = make_input()
-    expected = twice(make_model(), x)
-    model = make_model()
-    session = offload(budget=peak // 4, pressure_callback=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", OffloadFloorWarning)
-        for _ in range(3):
-            with session:
-                got = twice(model, x)
-    assert session.stats()["recomputed_tensors_total"] > 0
-    _assert_bitwise_equal(expected, got)
+    _assert_planned_steps_exact(twice, peak // 4)
 
 
 def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
@@ -282,7 +289,6 @@ def test_policy_falls_back_to_dtr_without_a_budget_or_without_recompute() -> Non
 def test_re_runs_keep_the_autocast_of_the_original_call(baselines) -> None:
     """Backward runs outside autocast: a re-run must enter the autocast the call ran under, or it
     would recompute in another dtype."""
-    make_model, make_input = MODELS["gpt"]
     _, _, peak = baselines["gpt"]
 
     def step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -294,17 +300,7 @@ def test_re_runs_keep_the_autocast_of_the_original_call(baselines) -> None:
         model.zero_grad(set_to_none=True)
         return grads
 
-    x = make_input()
-    expected = step(make_model(), x)
-    model = make_model()
-    session = offload(budget=peak // 4, pressure_callback=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", OffloadFloorWarning)
-        for _ in range(3):
-            with session:
-                got = step(model, x)
-    assert session.stats()["recomputed_tensors_total"] > 0
-    _assert_bitwise_equal(expected, got)
+    _assert_planned_steps_exact(step, peak // 4)
 
 
 def test_a_step_cut_short_by_an_exception_is_neither_profile_nor_measurement(baselines) -> None:
