@@ -626,7 +626,10 @@ class RecordWriter:
         self.rec.start_time_ticks = proc_start_ticks(pid) or 0
         self.rec.backend = backend.encode()
         cmd = command if command is not None else " ".join(_cmdline(pid))
-        self.rec.command = cmd.encode()[: COMMAND_LEN - 1]
+        # As the library writes it (node/registry.cpp): one printable line, an argument's
+        # newlines (python -c) as spaces, cut on a whole UTF-8 character.
+        cmd = "".join(" " if ord(c) < 0x20 or c == "\x7f" else c for c in cmd)
+        self.rec.command = cmd.encode()[: COMMAND_LEN - 1].decode(errors="ignore").encode()
         self.rec.flags = flags
         self.rec.heartbeat_unix_ns = time.time_ns()
         self._lock = threading.Lock()
