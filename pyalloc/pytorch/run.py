@@ -138,6 +138,8 @@ def _validate_conf(conf: str | None) -> None:
     """
     from ..core import configure, startup_error
 
+    if conf is None and "PYALLOC_CONF" not in os.environ:
+        return  # the defaults: nothing to check, and no reason to load the library in this process
     try:
         error = startup_error()  # loading the library read $PYALLOC_CONF
         if error is not None and error.startswith("PYALLOC_CONF"):

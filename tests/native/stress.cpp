@@ -493,11 +493,6 @@ void near_full_thread(const Options& opt, int round, int thread) {
   for (Block*& b : local) release(b, thread);
 }
 
-// Runs the near-full phase on device 0 with `opt.near_full_threads` threads and one
-// more that checks the invariants until they are done. Returns the shared
-// granules it made.
-uint64_t near_full_phase(const Options& opt, int round);
-
 // ---- stats --------------------------------------------------------------------
 
 std::string stats_json(int device) {
@@ -542,6 +537,9 @@ uint64_t sum_invalid_counters(const std::string& json, int* nkeys) {
   return sum;
 }
 
+// Runs the near-full phase on device 0 with `opt.near_full_threads` threads and one
+// more that checks the invariants until they are done. Returns the shared
+// granules it made.
 uint64_t near_full_phase(const Options& opt, int round) {
   const uint64_t before = stat_or_fail(stats_json(0), "num_shared_granules");
   std::atomic<bool> done{false};
