@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ._lib import PyallocError, library_path
 from .core import (
+    capturing,
     check,
     config,
     configure,
@@ -28,8 +29,10 @@ from .core import (
     device_count,
     dump_snapshot,
     empty_cache,
+    empty_pool,
     free,
     free_neighbours,
+    hold_pool,
     malloc,
     memory_stats,
     pool,
@@ -50,6 +53,7 @@ from .pytorch.memory_api import patch_torch_memory_api, unpatch_torch_memory_api
 
 __all__ = [
     "PyallocError",
+    "capturing",
     "check",
     "config",
     "configure",
@@ -59,8 +63,10 @@ __all__ = [
     "doctor",
     "dump_snapshot",
     "empty_cache",
+    "empty_pool",
     "free",
     "free_neighbours",
+    "hold_pool",
     "install",
     "install_cupy",
     "library_path",

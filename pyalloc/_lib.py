@@ -85,6 +85,13 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pyalloc_pool_create": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]),
     "pyalloc_set_current_pool": (ctypes.c_int, [ctypes.c_int]),
     "pyalloc_current_pool": (ctypes.c_int, []),
+    "pyalloc_pool_hold": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+    "pyalloc_pool_empty_cache": (
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "pyalloc_capture_begin": (ctypes.c_int, [ctypes.c_int]),
+    "pyalloc_capture_end": (ctypes.c_int, [ctypes.c_int]),
     "pyalloc_register_pressure_callback": (
         ctypes.c_int,
         [PressureCallback, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],

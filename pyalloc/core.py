@@ -235,6 +235,36 @@ def pool(name: str) -> Iterator[int]:
         check_status(lib().pyalloc_set_current_pool(previous), "pyalloc_set_current_pool")
 
 
+def hold_pool(pool_id: int, held: bool = True) -> None:
+    """Holds (or lets go) a user pool: its memory stays where it is, in plain segments, and only
+    :func:`empty_pool` releases its free memory (what a CUDA graph's private pool needs; Note
+    [Held pools]). Hold a pool before its first allocation."""
+    check_status(lib().pyalloc_pool_hold(pool_id, int(held)), "pyalloc_pool_hold")
+
+
+def empty_pool(pool_id: int) -> tuple[int, int]:
+    """Releases the wholly free memory of user pool ``pool_id`` on every device, held or not;
+    returns (bytes released, bytes the pool still reserves)."""
+    released = ctypes.c_size_t(0)
+    still = ctypes.c_size_t(0)
+    check_status(lib().pyalloc_pool_empty_cache(pool_id, ctypes.byref(released), ctypes.byref(still)),
+                 "pyalloc_pool_empty_cache")
+    return int(released.value), int(still.value)
+
+
+@contextlib.contextmanager
+def capturing(device: int = 0) -> Iterator[None]:
+    """Tells pyalloc that a CUDA stream capture is under way on ``device`` inside the block: it
+    then serves from its cache and by growing only, and defers frees that would need the driver
+    (Note [Capture]). For code that captures graphs itself (CuPy); under PyTorch the torch-facing
+    layer does this."""
+    check_status(lib().pyalloc_capture_begin(device), "pyalloc_capture_begin")
+    try:
+        yield
+    finally:
+        check_status(lib().pyalloc_capture_end(device), "pyalloc_capture_end")
+
+
 _callbacks: dict[int, Any] = {}  # keeps ctypes thunks alive while registered
 
 

@@ -170,6 +170,23 @@ PYALLOC_API int pyalloc_release_cached(int device, size_t bytes, size_t* release
 PYALLOC_API int pyalloc_pool_create(const char* name, int* pool_id);
 PYALLOC_API int pyalloc_set_current_pool(int pool_id);
 PYALLOC_API int pyalloc_current_pool(void);
+/* Holds (held != 0) or lets go user pool `pool_id` on every device. A held
+ * pool's memory stays where it is: it grows by plain segments, and its free
+ * memory is released by pyalloc_pool_empty_cache only, never by
+ * pyalloc_empty_cache, max_cached or the pressure ladder (a CUDA graph
+ * replays into the addresses its capture saw). Hold a pool before its first
+ * allocation: PYALLOC_EINVAL when it already has virtual-memory arenas. */
+PYALLOC_API int pyalloc_pool_hold(int pool_id, int held);
+/* Releases the wholly free segments of user pool `pool_id` on every device,
+ * held or not; writes the bytes released and the bytes the pool still
+ * reserves (segments with live blocks). Either pointer may be NULL. */
+PYALLOC_API int pyalloc_pool_empty_cache(int pool_id, size_t* released, size_t* still_reserved);
+/* A CUDA stream capture began / ended on `device` (captures nest). Between
+ * the two the device serves requests from its cache and by growing only: it
+ * queries no event, synchronizes nothing, releases and remaps no memory, and
+ * defers frees that would (see Note [Capture] in device/pools.cpp). */
+PYALLOC_API int pyalloc_capture_begin(int device);
+PYALLOC_API int pyalloc_capture_end(int device);
 
 /* Pressure callbacks: step 3 of the pressure ladder. Called, without any
  * allocator lock held, when an allocation of `bytes_needed` on `device` could

@@ -417,6 +417,69 @@ int pyalloc_set_current_pool(int pool_id) {
 
 int pyalloc_current_pool(void) { return t_current_pool; }
 
+int pyalloc_pool_hold(int pool_id, int held) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (pool_id < 1 || pool_id > pyalloc::pool_count()) {
+      set_error("pyalloc_pool_hold: no user pool has id " + std::to_string(pool_id));
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    Runtime* rt = pyalloc::current_runtime();
+    if (!rt->error.empty()) {
+      set_error("pyalloc_pool_hold: " + rt->error);
+      return static_cast<int>(PYALLOC_EBACKEND);
+    }
+    for (auto& d : rt->devices) {
+      std::string error;
+      if (!d->hold_pool(pool_id, held != 0, &error)) {
+        set_error("pyalloc_pool_hold: " + error);
+        return static_cast<int>(PYALLOC_EINVAL);
+      }
+    }
+    pyalloc::pool_set_held(pool_id, held != 0);
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_pool_empty_cache(int pool_id, size_t* released, size_t* still_reserved) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (pool_id < 1 || pool_id > pyalloc::pool_count()) {
+      set_error("pyalloc_pool_empty_cache: no user pool has id " + std::to_string(pool_id));
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    size_t freed = 0;
+    size_t kept = 0;
+    for (auto& d : pyalloc::current_runtime()->devices) {
+      size_t still = 0;
+      freed += d->release_pool(pool_id, &still);
+      kept += still;
+    }
+    if (released != nullptr) *released = freed;
+    if (still_reserved != nullptr) *still_reserved = kept;
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_capture_begin(int device) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_capture_begin");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    d->begin_capture();
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_capture_end(int device) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_capture_end");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    if (!d->end_capture()) {
+      set_error("pyalloc_capture_end: no capture was begun on device " + std::to_string(device));
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
 int pyalloc_register_pressure_callback(pyalloc_pressure_fn fn, void* user_data, int* handle) {
   return guarded<int>(PYALLOC_EINVAL, [&] {
     std::string error;

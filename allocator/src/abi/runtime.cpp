@@ -49,6 +49,7 @@ struct Process {
 
   std::mutex pools_mutex;
   std::vector<std::string> pool_names;  // index = id - 1
+  std::vector<char> pool_held;          // index = id - 1 (Note [Held pools] in device/pools.cpp)
 
   std::mutex callbacks_mutex;
   std::condition_variable callbacks_idle;
@@ -233,8 +234,21 @@ int pool_create(const std::string& name, int* id, std::string* error) {
     return PYALLOC_EINVAL;
   }
   p.pool_names.push_back(name);
+  p.pool_held.push_back(0);
   *id = static_cast<int>(p.pool_names.size());
   return PYALLOC_OK;
+}
+
+void pool_set_held(int id, bool held) {
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.pools_mutex);
+  if (id >= 1 && static_cast<size_t>(id) <= p.pool_held.size()) p.pool_held[static_cast<size_t>(id) - 1] = held;
+}
+
+bool pool_held(int id) {
+  Process& p = process();
+  std::lock_guard<std::mutex> lock(p.pools_mutex);
+  return id >= 1 && static_cast<size_t>(id) <= p.pool_held.size() && p.pool_held[static_cast<size_t>(id) - 1];
 }
 
 int pool_count() {
@@ -323,5 +337,7 @@ bool Runtime::ask_daemon(int device, size_t bytes_needed, size_t* freed_bytes) {
 void Runtime::reserved_changed() { registry_poke(); }
 
 std::string Runtime::pool_name(int pool_id) { return pyalloc::pool_name(pool_id); }
+
+bool Runtime::pool_held(int pool_id) { return pyalloc::pool_held(pool_id); }
 
 }  // namespace pyalloc

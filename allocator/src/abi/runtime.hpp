@@ -29,6 +29,7 @@ class Runtime final : public DeviceHooks {
   bool ask_daemon(int device, size_t bytes_needed, size_t* freed_bytes) override;
   void reserved_changed() override;
   std::string pool_name(int pool_id) override;
+  bool pool_held(int pool_id) override;
 
   const BackendKind backend_kind;    // fixed for the runtime's life: readable without a lock
   Config config;                     // guarded by the process's configure mutex
@@ -60,6 +61,10 @@ std::string config_json();
 int pool_create(const std::string& name, int* id, std::string* error);
 int pool_count();
 std::string pool_name(int id);  // "" for unknown ids
+// Whether pool `id` is held (Note [Held pools] in device/pools.cpp): read by a
+// device when it first uses the pool; pyalloc_pool_hold sets it.
+void pool_set_held(int id, bool held);
+bool pool_held(int id);
 
 int register_callback(pyalloc_pressure_fn fn, void* user_data, int* handle, std::string* error);
 int unregister_callback(int handle, std::string* error);

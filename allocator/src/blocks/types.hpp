@@ -198,6 +198,7 @@ struct Pool {
   const std::string name;
   FreeSet free_blocks;  // Note [Free sets]
   bool in_arenas = false;        // grows in arenas, not plain segments (Note [Arenas])
+  bool held = false;             // Note [Held pools] (device/pools.cpp)
   std::vector<Segment*> arenas;  // one per stream
 };
 

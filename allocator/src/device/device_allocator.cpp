@@ -98,7 +98,8 @@ Pool& DeviceAllocator::user_pool(int pool_id) {
   if (index >= user_pools_.size()) user_pools_.resize(index + 1);
   if (!user_pools_[index]) {
     user_pools_[index] = std::make_unique<Pool>(PoolKind::kUser, pool_id, hooks_.pool_name(pool_id));
-    user_pools_[index]->in_arenas = vmm_ != VmmMode::kOff;
+    user_pools_[index]->held = hooks_.pool_held(pool_id);  // Note [Held pools]
+    user_pools_[index]->in_arenas = vmm_ != VmmMode::kOff && !user_pools_[index]->held;
   }
   return *user_pools_[index];
 }

@@ -76,6 +76,8 @@ class DeviceHooks {
   virtual void reserved_changed() = 0;
   // The name of user pool `pool_id` (>= 1), for stats and snapshots.
   virtual std::string pool_name(int pool_id) = 0;
+  // Whether user pool `pool_id` is held (Note [Held pools] in device/pools.cpp).
+  virtual bool pool_held(int pool_id) = 0;
 };
 
 // Passed as `size` to free() when the caller does not know it (CuPy).
@@ -117,6 +119,18 @@ class DeviceAllocator {
   bool free_neighbours(uintptr_t addr, size_t* below, size_t* above);
   // Counts a request refused before reaching the allocator (absurd size).
   void count_invalid_size();
+
+  // Note [Held pools] and Note [Capture] (device/pools.cpp).
+  // Holds or lets go user pool `pool_id` on this device (creating it); false
+  // with *error when a pool to hold already has arena memory here.
+  bool hold_pool(int pool_id, bool held, std::string* error);
+  // Releases the wholly free segments of user pool `pool_id`, held or not;
+  // returns the bytes released and writes what the pool still reserves.
+  size_t release_pool(int pool_id, size_t* still_reserved);
+  void begin_capture();
+  // False when no capture was begun.
+  bool end_capture();
+  bool capturing() const;
 
   // Synchronizes pending frees and releases every wholly free segment.
   size_t empty_cache();
@@ -185,6 +199,7 @@ class DeviceAllocator {
     Block* block;
     std::vector<EventHandle> events;
     bool stuck;  // an event could not be recorded: never safe to reuse
+    bool deferred = false;  // freed during a capture: no event yet (Note [Capture])
   };
 
   // Settings, limits and pools (device_allocator.cpp).
@@ -252,6 +267,7 @@ class DeviceAllocator {
   void reserved_changed() { hooks_.reserved_changed(); }
   void drop_sliver_indexes(bool always);
   void make_pending(Block* block);
+  void record_pending_events(PendingFree* pending);
   size_t reclaim_pending(bool synchronize);
   void synchronize_pending();
   size_t release_free_segments(size_t bytes);  // plain segments only
@@ -298,6 +314,8 @@ class DeviceAllocator {
   // [Lifetime-aware placement] in policy/lifetime.cpp) and iteration plans
   // (Note [Iteration plans] in policy/plan.cpp).
   void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void* malloc_capturing(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void defer_free(Block* block);
   Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void watch_free(Block* block);
@@ -322,8 +340,15 @@ class DeviceAllocator {
   // reconfiguration retired this allocator), kDivertPlanner (the planner is
   // observing, or a plan is in force), kDivertLifetime (lifetime-aware
   // placement is on), kDivertSlivers (an arena's sliver index is on: Note
-  // [Sliver index]).
-  enum : uint8_t { kDivertRetired = 1, kDivertPlanner = 2, kDivertLifetime = 4, kDivertSlivers = 8 };
+  // [Sliver index]), kDivertCapture (a CUDA graph capture is under way:
+  // Note [Capture] in pools.cpp).
+  enum : uint8_t {
+    kDivertRetired = 1,
+    kDivertPlanner = 2,
+    kDivertLifetime = 4,
+    kDivertSlivers = 8,
+    kDivertCapture = 16
+  };
   uint8_t divert_ = 0;
 
   const int device_;
@@ -336,6 +361,8 @@ class DeviceAllocator {
   const bool planning_;  // iteration plans (Note [Iteration plans])
   const bool placing_lifetimes_;  // Note [Lifetime-aware placement]
   size_t granule_ = 0;   // the backend's mapping granularity, asked on first use
+
+  int capturing_ = 0;  // captures under way (Note [Capture]); kDivertCapture while > 0
 
   // Runtime-adjustable settings.
   double memory_fraction_;

@@ -10,8 +10,9 @@
 // call makes them give up before anything has changed, and the entry point
 // takes the general path, malloc() / free() under guarded(), which does the
 // same operation the same way:
-//   - both: a contended lock, a retired allocator, a planner at work or
-//     lifetime-aware placement (divert_), a trace being recorded;
+//   - both: a contended lock, a retired allocator, a planner at work,
+//     lifetime-aware placement or a CUDA graph capture (divert_), a trace
+//     being recorded;
 //   - malloc: a thread in a user pool (abi/capi.cpp), a pending free (active
 //     peaks), no fitting block (the slow path), a live map that must grow, a
 //     split with no spare Block object, a split in an arena that starts the
@@ -177,6 +178,7 @@ PYALLOC_INLINE void* DeviceAllocator::malloc(size_t size, StreamId stream, int p
   if (PYALLOC_UNLIKELY(divert_ & kDivertSlivers)) drop_sliver_indexes(false);
   const size_t rounded = round_size(size);  // reads round_power2_: under the lock
   Pool& pool = select_pool(rounded, pool_id);
+  if (PYALLOC_UNLIKELY(divert_ & kDivertCapture)) return malloc_capturing(pool, size, rounded, stream, status);
   // Default-pool requests meet the planner and lifetime placement (both
   // divert); a user pool is the caller's choice.
   if (PYALLOC_UNLIKELY(pool_id == 0 && divert_)) {
@@ -239,12 +241,16 @@ PYALLOC_INLINE FreeResult DeviceAllocator::free(uintptr_t addr, size_t size, Str
   live_.erase(entry);
   trace_.record(TraceAction::kFreeRequested, addr, block->size, block->stream);
 
+  if (PYALLOC_UNLIKELY(divert_ & kDivertCapture) && (!block->uses.empty() || block->segment->arena)) {
+    defer_free(block);  // Note [Capture]
+    return FreeResult::kOk;
+  }
   if (PYALLOC_UNLIKELY(!block->uses.empty())) {
     make_pending(block);
   } else {
     finish_free(block);
   }
-  if (PYALLOC_UNLIKELY(cached_free_bytes_ > max_cached_)) enforce_max_cached();
+  if (PYALLOC_UNLIKELY(cached_free_bytes_ > max_cached_) && !(divert_ & kDivertCapture)) enforce_max_cached();
   return FreeResult::kOk;
 }
 

@@ -107,9 +107,14 @@ std::string DeviceAllocator::oom_report(size_t size, size_t rounded, StreamId st
   for (size_t i = 0; i < top; ++i) {
     r += (i ? ", " : " ") + format_bytes(live[i]->size) + " at " + hex(live[i]->addr);
   }
-  r += ". Released the cache and retried; pressure callbacks freed " + format_bytes(callback_freed);
-  if (daemon_freed) r += "; other processes freed " + format_bytes(daemon_freed);
-  r += ".";
+  if (capturing_ > 0) {  // Note [Capture]: no ladder
+    r += ". A CUDA graph capture is under way, during which pyalloc neither releases nor moves cached memory: "
+         "warm up before capturing, or empty the cache first.";
+  } else {
+    r += ". Released the cache and retried; pressure callbacks freed " + format_bytes(callback_freed);
+    if (daemon_freed) r += "; other processes freed " + format_bytes(daemon_freed);
+    r += ".";
+  }
   if (!last_backend_error_.empty()) r += " Backend said: " + last_backend_error_;
   return r;
 }

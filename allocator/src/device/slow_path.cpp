@@ -180,17 +180,7 @@ bool DeviceAllocator::succeeded(const Status& s) {
 
 __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block) {
   PendingFree pending{block, {}, false};
-  for (StreamId s : block->uses) {
-    EventHandle event = 0;
-    if (!succeeded(backend_->event_record(device_, s, &event))) {
-      // Without an event we can never know the stream is done with this
-      // memory: keep it out of circulation rather than risk reuse.
-      pending.stuck = true;
-      continue;
-    }
-    pending.events.push_back(event);
-  }
-  block->uses.clear();
+  record_pending_events(&pending);
   block->state = BlockState::kPendingFree;
   pending_.push_back(std::move(pending));
   const StatType t = block->pool->stat;
@@ -198,7 +188,23 @@ __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block)
   stats_.pending_bytes.increase(t, static_cast<int64_t>(block->size));
 }
 
+// An event on each stream the block was used on, after the work queued there.
+void DeviceAllocator::record_pending_events(PendingFree* pending) {
+  for (StreamId s : pending->block->uses) {
+    EventHandle event = 0;
+    if (!succeeded(backend_->event_record(device_, s, &event))) {
+      // Without an event we can never know the stream is done with this
+      // memory: keep it out of circulation rather than risk reuse.
+      pending->stuck = true;
+      continue;
+    }
+    pending->events.push_back(event);
+  }
+  pending->block->uses.clear();
+}
+
 size_t DeviceAllocator::reclaim_pending(bool synchronize) {
+  if (capturing_ > 0) return 0;  // an event query would break the capture (Note [Capture])
   size_t reclaimed = 0;
   for (auto it = pending_.begin(); it != pending_.end();) {
     bool done = !it->stuck;
@@ -238,7 +244,9 @@ size_t DeviceAllocator::release_free_segments(size_t bytes) {
   std::vector<Segment*> candidates;
   for (auto& entry : segments_) {
     const Segment* seg = entry.second;
-    if (!seg->arena && seg->wholly_free() && seg != plan_region_) candidates.push_back(entry.second);
+    if (!seg->arena && seg->wholly_free() && seg != plan_region_ && !seg->pool->held) {
+      candidates.push_back(entry.second);  // a held pool's memory stays (Note [Held pools])
+    }
   }
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
     return a->free_since != b->free_since ? a->free_since < b->free_since : a->id < b->id;
@@ -282,6 +290,7 @@ __attribute__((noinline, cold)) void DeviceAllocator::enforce_max_cached() {
 
 size_t DeviceAllocator::empty_cache() {
   Lock lock(mutex_);
+  if (capturing_ > 0) return 0;  // Note [Capture]
   synchronize_pending();
   drop_plan();  // its region goes too; observation starts over
   return release_cached_memory(0);
@@ -289,6 +298,7 @@ size_t DeviceAllocator::empty_cache() {
 
 size_t DeviceAllocator::release_cached(size_t bytes) {
   Lock lock(mutex_);
+  if (capturing_ > 0) return 0;  // Note [Capture]
   reclaim_pending(false);
   return release_cached_memory(bytes);
 }
