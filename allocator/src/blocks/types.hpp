@@ -32,7 +32,7 @@
 //                but never handed out or cached here.
 //
 // Invariants (pyalloc_check: I1..I9 and I13 by observe/check.cpp's walk,
-// I10..I12 by the device allocator beside it, device/reports.cpp)
+// I10..I12, I14 and I15 by the device allocator beside it, device/reports.cpp)
 //   I1  the blocks of a segment tile it: first.addr == base,
 //       b.next.addr == b.addr + b.size, sum(b.size) == segment.size
 //   I2  no two address-adjacent blocks of a segment are both free
@@ -70,6 +70,9 @@
 //       slivers, each under its offset (Note [Sliver index] in
 //       blocks/sliver_index.hpp); an index is on  <=>  every call is diverted
 //       from the fast path
+//   I15 a held pool (Note [Held pools] in device/pools.cpp) has no arena; a
+//       pending free is deferred (Note [Capture]) only while a capture is
+//       under way, and every call is diverted from the fast path  <=>  one is
 #pragma once
 
 #include <cstddef>

@@ -156,6 +156,18 @@ bool DeviceAllocator::check(std::string* error) {
     return fail("I14", indexed ? "an arena's sliver index is on but the fast path is not diverted"
                                : "the fast path is diverted for sliver indexes but none is on");
   }
+  for (const Pool* pool : std::as_const(*this).pools()) {
+    if (pool->held && !pool->arenas.empty()) return fail("I15", "held pool " + pool->name + " has an arena");
+  }
+  if (capturing_ == 0) {
+    for (const PendingFree& p : pending_) {
+      if (p.deferred) return fail("I15", "a free is deferred for a capture but none is under way");
+    }
+  }
+  if ((capturing_ > 0) != ((divert_ & kDivertCapture) != 0)) {
+    return fail("I15", capturing_ > 0 ? "a capture is under way but the fast path is not diverted"
+                                      : "the fast path is diverted for a capture but none is under way");
+  }
   return true;
 }
 
