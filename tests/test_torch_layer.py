@@ -212,3 +212,135 @@ def test_history_records_a_failed_allocation(history: None) -> None:
         torch.ops.pyalloc.allocate(128 * MiB)
     _, _, trace = _recorded()
     assert [e[0] for e in trace] == [OOM, SNAPSHOT] and trace[0][2] == 128 * MiB
+
+
+# ---- private pools (Note [Private pools under PyTorch]) ------------------------------------
+
+GRAPH_POOL = (7, 0)  # a graph's own pool: {capture id, 0}
+MEM_POOL = (0, 9)  # a MemPool's, or graph_pool_handle()'s
+
+
+def _pool_of(address: int) -> tuple[int, int]:
+    flat = torch.ops.pyalloc.snapshot_pools(0)
+    segments = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+    owners = [(first, second) for base, first, second in segments if base <= address]
+    assert owners, f"no segment holds {address:#x}"
+    return owners[-1]
+
+
+def _reserved() -> int:
+    return int(pyalloc.memory_stats()["reserved_bytes.all.current"])
+
+
+def test_a_graphs_pool_takes_its_streams_allocations_and_keeps_them_for_replays(device: None) -> None:
+    torch.ops.pyalloc.pool_begin(0, *GRAPH_POOL, 5)  # beginAllocateToPool: the capture's stream is 5
+    a = torch.ops.pyalloc.allocate(4 * MiB, 0, 5)
+    other = torch.ops.pyalloc.allocate(4 * MiB, 0, 0)  # another stream: the default pools
+    assert _pool_of(a) == GRAPH_POOL and _pool_of(other) == (0, 0)
+    torch.ops.pyalloc.free(a, 4 * MiB, 0, 5)
+    b = torch.ops.pyalloc.allocate(4 * MiB, 0, 5)
+    assert b == a  # memory the capture freed is reused inside the graph
+    torch.ops.pyalloc.pool_end(0, *GRAPH_POOL)  # endAllocateToPool
+    torch.ops.pyalloc.free(b, 4 * MiB, 0, 5)
+    torch.ops.pyalloc.free(other, 4 * MiB)
+    c = torch.ops.pyalloc.allocate(4 * MiB, 0, 5)  # no longer routed: not the graph's memory
+    assert c != a and _pool_of(c) == (0, 0)
+    torch.ops.pyalloc.free(c, 4 * MiB, 0, 5)
+    pyalloc.empty_cache()  # torch.cuda.empty_cache(): the graph's pool stays, it replays into it
+    assert _reserved() >= 4 * MiB and _pool_of(a) == GRAPH_POOL
+    assert torch.ops.pyalloc.pool_use_count(0, *GRAPH_POOL) == 1
+    torch.ops.pyalloc.pool_release(0, *GRAPH_POOL)  # the graph is reset: its memory goes
+    assert torch.ops.pyalloc.pool_use_count(0, *GRAPH_POOL) == 0
+    assert _reserved() == 0
+    pyalloc.check(0)
+
+
+def test_a_mempools_use_count_follows_pytorchs_calls(device: None) -> None:
+    torch.ops.pyalloc.pool_incref(0, *MEM_POOL)  # MemPool()
+    torch.ops.pyalloc.pool_begin(0, *MEM_POOL, 0)  # with use_mem_pool(pool):
+    assert torch.ops.pyalloc.pool_use_count(0, *MEM_POOL) == 2
+    a = torch.ops.pyalloc.allocate(3 * MiB)
+    torch.ops.pyalloc.pool_end(0, *MEM_POOL)
+    torch.ops.pyalloc.pool_release(0, *MEM_POOL)
+    assert torch.ops.pyalloc.pool_use_count(0, *MEM_POOL) == 1
+    assert torch.ops.pyalloc.pool_live_allocations_are(0, *MEM_POOL, [a])
+    assert not torch.ops.pyalloc.pool_live_allocations_are(0, *MEM_POOL, [])
+    torch.ops.pyalloc.free(a, 3 * MiB)
+    assert torch.ops.pyalloc.pool_live_allocations_are(0, *MEM_POOL, [])
+    assert torch.ops.pyalloc.pool_empty(*MEM_POOL) > 0  # emptyCache(pool.id)
+    assert _reserved() == 0
+    torch.ops.pyalloc.pool_release(0, *MEM_POOL)  # ~MemPool
+    assert torch.ops.pyalloc.pool_use_count(0, *MEM_POOL) == 0
+
+
+def test_a_pool_let_go_with_live_blocks_keeps_them_valid(device: None) -> None:
+    torch.ops.pyalloc.pool_begin(0, *GRAPH_POOL, 5)
+    out = torch.ops.pyalloc.allocate(4 * MiB, 0, 5)  # a graph's output, alive after the graph
+    torch.ops.pyalloc.pool_end(0, *GRAPH_POOL)
+    torch.ops.pyalloc.pool_release(0, *GRAPH_POOL)
+    assert _reserved() > 0
+    torch.ops.pyalloc.free(out, 4 * MiB, 0, 5)
+    pyalloc.empty_cache()  # let go: released like any other memory
+    assert _reserved() == 0
+    pyalloc.check(0)
+
+
+def test_use_on_oom_pools_serve_a_request_the_default_pools_cannot(device: None) -> None:
+    torch.ops.pyalloc.pool_incref(0, *MEM_POOL)
+    torch.ops.pyalloc.pool_begin(0, *MEM_POOL, 0)
+    cached = torch.ops.pyalloc.allocate(48 * MiB)
+    torch.ops.pyalloc.pool_end(0, *MEM_POOL)
+    torch.ops.pyalloc.free(cached, 48 * MiB)  # 48 of the 64 MiB held in the pool's cache
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory. Tried to allocate 24.00 MiB"):
+        torch.ops.pyalloc.allocate(24 * MiB)
+    torch.ops.pyalloc.pool_use_on_oom(0, *MEM_POOL, True)
+    p = torch.ops.pyalloc.allocate(24 * MiB)  # from the pool's cache
+    assert _pool_of(p) == MEM_POOL
+    torch.ops.pyalloc.free(p, 24 * MiB)
+    torch.ops.pyalloc.pool_use_on_oom(0, *MEM_POOL, False)
+    torch.ops.pyalloc.pool_release(0, *MEM_POOL)
+    torch.ops.pyalloc.pool_release(0, *MEM_POOL)
+    assert _reserved() == 0
+
+
+def test_pools_are_reused_so_graphs_can_be_made_without_end(device: None) -> None:
+    # pyalloc keeps at most 4096 user pools per process; a program may make a graph per step.
+    for capture in range(5000):
+        torch.ops.pyalloc.pool_begin(0, capture + 1, 0, 5)
+        a = torch.ops.pyalloc.allocate(1 * MiB, 0, 5)
+        torch.ops.pyalloc.free(a, 1 * MiB, 0, 5)
+        torch.ops.pyalloc.pool_end(0, capture + 1, 0)
+        torch.ops.pyalloc.pool_release(0, capture + 1, 0)
+    assert _reserved() == 0
+    pyalloc.check(0)
+
+
+def test_a_release_while_routed_waits_for_the_end_of_the_route(device: None,
+                                                              capfd: pytest.CaptureFixture[str]) -> None:
+    torch.ops.pyalloc.pool_begin(0, *GRAPH_POOL, 5)
+    a = torch.ops.pyalloc.allocate(4 * MiB, 0, 5)
+    torch.ops.pyalloc.free(a, 4 * MiB, 0, 5)
+    torch.ops.pyalloc.pool_release(0, *GRAPH_POOL)  # a warning (c10's, on stderr), not a throw
+    assert "private pool (7, 0) released while allocations are still routed to it" in capfd.readouterr().err
+    pyalloc.empty_cache()
+    assert _reserved() > 0  # still held: allocations may still come
+    torch.ops.pyalloc.pool_end(0, *GRAPH_POOL)
+    assert _reserved() == 0
+
+
+def test_bad_pool_calls_are_errors_that_name_the_pool(device: None, capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RuntimeError, match=r"endAllocateToPool of private pool \(3, 0\) on device 0, to which no"):
+        torch.ops.pyalloc.pool_end(0, 3, 0)
+    torch.ops.pyalloc.pool_release(0, 3, 0)  # releasePool runs in destructors: it warns
+    assert "releasePool of private pool (3, 0) on device 0, which was never made" in capfd.readouterr().err
+
+
+def test_a_capture_mark_keeps_the_cache_until_its_end(device: None) -> None:
+    a = torch.ops.pyalloc.allocate(4 * MiB)
+    torch.ops.pyalloc.free(a, 4 * MiB)
+    torch.ops.pyalloc.capture_mark(0, True)  # markCaptureBegin
+    pyalloc.empty_cache()
+    assert _reserved() > 0
+    torch.ops.pyalloc.capture_mark(0, False)  # markCaptureEnd
+    pyalloc.empty_cache()
+    assert _reserved() == 0

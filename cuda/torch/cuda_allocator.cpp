@@ -13,7 +13,9 @@
 //   - getDeviceStats, resetPeakStats, resetAccumulatedStats (stats.hpp);
 //   - attachOutOfMemoryObserver, set/getMemoryFraction, emptyCache, name;
 //   - recordHistory and snapshot, with PyTorch's gathered stack contexts
-//     (Note [Memory history under PyTorch], history.hpp).
+//     (Note [Memory history under PyTorch], history.hpp);
+//   - the private pools of CUDA graphs and torch.cuda.MemPool, and the
+//     capture marks (Note [Private pools under PyTorch], pools.hpp).
 // Built against the installed PyTorch's headers and CUDA's runtime headers;
 // loaded only where PyTorch has CUDA (pyalloc/pytorch/layer.py builds it).
 #include <c10/cuda/CUDAFunctions.h>
@@ -22,9 +24,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 
 #include "history.hpp"
 #include "oom.hpp"
+#include "pools.hpp"
 #include "stats.hpp"
 
 namespace {
@@ -36,6 +40,12 @@ class PyallocCUDAAllocator final : public Base {
  public:
   PyallocCUDAAllocator()
       : Base([](size_t size, int device, cudaStream_t stream) {
+               if (pyalloc::torch_layer::Pools::instance().capturing()) {
+                 // New memory during a capture: allowed in the relaxed mode
+                 // only, as PyTorch's own allocator does (Note [Capture]).
+                 RelaxedCaptureMode relaxed;
+                 return pyalloc::torch_layer::allocate_or_throw(size, device, stream);
+               }
                return pyalloc::torch_layer::allocate_or_throw(size, device, stream);
              },
              [](void* ptr, size_t size, int device, cudaStream_t stream) {
@@ -79,7 +89,57 @@ class PyallocCUDAAllocator final : public Base {
     return it == fractions_.end() ? 1.0 : it->second;
   }
 
-  void emptyCache(c10::cuda::MempoolId_t /*mempool_id*/) override { pyalloc_empty_cache(); }
+  void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      pyalloc_empty_cache();  // held private pools keep their memory (Note [Held pools])
+    } else {
+      pools().empty(mempool_id);
+    }
+  }
+
+  // Note [Private pools under PyTorch] (pools.hpp).
+  void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    pools().begin_route(device, mempool_id,
+                        [f = std::move(filter)](void* stream) { return f(static_cast<cudaStream_t>(stream)); });
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+    pools().end_route(device, mempool_id);
+  }
+
+  void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+    pools().release(device, mempool_id);
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                          std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
+    TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+                "pyalloc: a torch.cuda.MemPool with an allocator of its own (", allocator ? allocator->name() : "",
+                ") is not supported while pyalloc is PyTorch's allocator; make the MemPool without one");
+    pools().incref(device, mempool_id);
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+    return pools().use_count(device, mempool_id);
+  }
+
+  void setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id, bool use_on_oom) override {
+    pools().set_use_on_oom(device, mempool_id, use_on_oom);
+  }
+
+  void setNoSplit(c10::DeviceIndex /*device*/, c10::cuda::MempoolId_t /*mempool_id*/) override {
+    TORCH_CHECK(false, "pyalloc does not support torch.cuda.MemPool(no_split=True) (setNoSplit): its pools split "
+                       "blocks as the default pools do");
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected_live_allocations) override {
+    return pools().live_allocations_are(device, mempool_id, expected_live_allocations);
+  }
+
+  void markCaptureBegin(c10::DeviceIndex device) override { pools().capture_begin(device); }
+  void markCaptureEnd(c10::DeviceIndex device) override { pools().capture_end(device); }
 
   // Note [Memory history under PyTorch] (history.hpp).
   void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
@@ -88,12 +148,15 @@ class PyallocCUDAAllocator final : public Base {
     History::instance().configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history);
   }
 
-  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t /*mempool*/,
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool,
                                                          bool include_traces) override {
     c10::cuda::CUDACachingAllocator::SnapshotInfo info;
     const int devices = pyalloc_device_count();
+    const bool one_pool = mempool.first != 0 || mempool.second != 0;  // MemPool.snapshot()
     for (int d = 0; d < devices; ++d) {
-      for (auto& segment : History::instance().segments(d)) info.segments.push_back(std::move(segment));
+      for (auto& segment : History::instance().segments(d)) {
+        if (!one_pool || segment.owner_private_pool_id == mempool) info.segments.push_back(std::move(segment));
+      }
     }
     if (include_traces) info.device_traces = History::instance().traces(devices);
     return info;
@@ -102,6 +165,20 @@ class PyallocCUDAAllocator final : public Base {
   std::string name() override { return "pyalloc"; }
 
  private:
+  static pyalloc::torch_layer::Pools& pools() { return pyalloc::torch_layer::Pools::instance(); }
+
+  // The calling thread in cudaStreamCaptureModeRelaxed for a scope.
+  class RelaxedCaptureMode {
+   public:
+    RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+    ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+    RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+    RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+   private:
+    cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  };
+
   std::mutex mutex_;
   std::map<c10::DeviceIndex, double> fractions_;
 };

@@ -1,6 +1,8 @@
 // history.cpp: Note [Memory history under PyTorch] (history.hpp).
 #include "history.hpp"
 
+#include "pools.hpp"
+
 #include <pyalloc/pyalloc.h>
 
 #include <c10/util/ApproximateClock.h>
@@ -94,7 +96,7 @@ void add_segment(const pyalloc_segment_info_t* s, void* user) {
   info.stream = s->stream;
   info.is_large = s->is_large != 0;
   info.is_expandable = s->is_expandable != 0;
-  info.owner_private_pool_id = {0, static_cast<unsigned long long>(s->pool_id)};
+  info.owner_private_pool_id = {0, static_cast<unsigned long long>(s->pool_id)};  // pyalloc's, for now
   walk->segments.push_back(std::move(info));
 }
 
@@ -117,6 +119,11 @@ std::vector<SegmentInfo> History::segments(int device) {
   // this one (on_alloc takes this lock with pyalloc's not held: no cycle).
   const int status = pyalloc_snapshot_walk(device, add_segment, add_block, &walk);
   TORCH_CHECK(status == PYALLOC_OK, "pyalloc: ", pyalloc_last_error());
+  // PyTorch's ids of the private pools, read after the walk: Pools calls
+  // into pyalloc under its own lock, so it must not be taken under pyalloc's.
+  for (SegmentInfo& segment : walk.segments) {
+    segment.owner_private_pool_id = Pools::instance().key_of(static_cast<int>(segment.owner_private_pool_id.second));
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   size_t i = 0;
   for (SegmentInfo& segment : walk.segments) {

@@ -2,6 +2,7 @@
 #include "oom.hpp"
 
 #include "history.hpp"
+#include "pools.hpp"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
@@ -67,9 +68,7 @@ void attach_oom_observer(OomObserver observer) {
   observers().push_back(std::move(observer));
 }
 
-void throw_out_of_memory(size_t size, int device) {
-  const char* last = pyalloc_last_error();
-  const std::string report = last != nullptr ? last : "";  // read before anything else may call in
+void throw_out_of_memory(size_t size, int device, const std::string& report) {
   const pyalloc_memory_info_t info = read_info(device);
   std::vector<OomObserver> to_call;
   {
@@ -84,21 +83,48 @@ void throw_out_of_memory(size_t size, int device) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, out_of_memory_message(size, device, info, report));
 }
 
-void* allocate_or_throw(size_t size, int device, void* stream) {
-  // Every allocation of PyTorch's comes here: nothing before the call. A NULL
-  // for size > 0 always leaves its reason in pyalloc_last_error (pyalloc.h).
+namespace {
+
+// pyalloc_malloc in user pool `pool` (0: the default pools). The current pool
+// is the calling thread's, so it is set around the one call.
+void* malloc_in(int pool, size_t size, int device, void* stream) {
+  if (pool == 0) return pyalloc_malloc(size, device, stream);
+  const int previous = pyalloc_current_pool();
+  pyalloc_set_current_pool(pool);
   void* p = pyalloc_malloc(size, device, stream);
+  pyalloc_set_current_pool(previous);
+  return p;
+}
+
+}  // namespace
+
+void* allocate_or_throw(size_t size, int device, void* stream) {
+  // Every allocation of PyTorch's comes here: one relaxed load for the
+  // private pools (Note [Private pools under PyTorch]) before the call. A
+  // NULL for size > 0 always leaves its reason in pyalloc_last_error.
+  Pools& pools = Pools::instance();
+  const int pool = pools.route(device, stream);
+  void* p = malloc_in(pool, size, device, stream);
   if (p != nullptr) {
     History& history = History::instance();
     if (history.recording()) history.on_alloc(device, p, size, stream);
     return p;
   }
   if (size == 0) return p;
-  if (device < 0 || device >= pyalloc_device_count()) {
-    const char* last = pyalloc_last_error();
-    TORCH_CHECK(false, "pyalloc: ", last != nullptr ? last : "invalid device");
+  const char* last = pyalloc_last_error();
+  const std::string report = last != nullptr ? last : "";  // before another call overwrites it
+  if (device < 0 || device >= pyalloc_device_count()) TORCH_CHECK(false, "pyalloc: ", report);
+  if (pool == 0) {
+    // torch.cuda.MemPool(use_on_oom=True): the pool's cache before an OOM.
+    for (int fallback : pools.oom_fallbacks(device)) {
+      if (void* q = malloc_in(fallback, size, device, stream)) {
+        History& history = History::instance();
+        if (history.recording()) history.on_alloc(device, q, size, stream);
+        return q;
+      }
+    }
   }
-  throw_out_of_memory(size, device);
+  throw_out_of_memory(size, device, report);
 }
 
 void free_block(void* ptr, size_t size, int device, void* stream) {

@@ -44,12 +44,15 @@ using OomObserver = std::function<void(int64_t, size_t, size_t, size_t)>;
 void attach_oom_observer(OomObserver observer);
 
 // Runs the observers and throws c10::OutOfMemoryError for a failed request of
-// `size` bytes on `device`. Reads the figures with pyalloc_memory_info.
-[[noreturn]] void throw_out_of_memory(size_t size, int device);
+// `size` bytes on `device`, with pyalloc's `report` (its pyalloc_last_error).
+// Reads the figures with pyalloc_memory_info.
+[[noreturn]] void throw_out_of_memory(size_t size, int device, const std::string& report);
 
 // pyalloc_malloc, or the throw above when it returns NULL for size > 0. A bad
 // argument (a device out of range) throws c10::Error with pyalloc's message.
-// While memory history is recorded, the allocation is (history.hpp).
+// The request goes to the private pool a route picks (pools.hpp), else the
+// default pools, then the use_on_oom pools before the throw. While memory
+// history is recorded, the allocation is (history.hpp).
 void* allocate_or_throw(size_t size, int device, void* stream);
 
 // pyalloc_free, with the free recorded while memory history is: the one way

@@ -7,7 +7,9 @@
 // PyTorch] in oom.hpp). They load on every build of PyTorch, CPU included,
 // which is how the tests show a failed allocation reaching Python as
 // torch.OutOfMemoryError; under a CUDA build they are also a way to take raw
-// device memory from pyalloc with the errors PyTorch code expects.
+// device memory from pyalloc with the errors PyTorch code expects. The
+// pool_* and capture_mark operators drive the private pools as the
+// allocator's entry points do (pools.hpp), for the tests.
 #include <torch/library.h>
 
 #include <atomic>
@@ -15,10 +17,12 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <unordered_set>
 #include <vector>
 
 #include "history.hpp"
 #include "oom.hpp"
+#include "pools.hpp"
 #include "stats.hpp"
 
 namespace {
@@ -131,6 +135,67 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> sna
   return {segments, blocks, trace};
 }
 
+// Private pools (Note [Private pools under PyTorch] in pools.hpp) as the
+// torch-facing allocator drives them, with a stream filter that takes the
+// allocations of one stream (a graph's filter takes its capture's).
+pyalloc::torch_layer::PoolKey pool_key(int64_t first, int64_t second) {
+  TORCH_CHECK(first >= 0 && second >= 0, "a pool id is two non-negative integers, got (", first, ", ", second, ")");
+  return {static_cast<unsigned long long>(first), static_cast<unsigned long long>(second)};
+}
+
+void pool_begin(int64_t device, int64_t first, int64_t second, int64_t stream) {
+  void* routed = as_stream(stream);
+  pyalloc::torch_layer::Pools::instance().begin_route(static_cast<int>(device), pool_key(first, second),
+                                                      [routed](void* s) { return s == routed; });
+}
+
+void pool_end(int64_t device, int64_t first, int64_t second) {
+  pyalloc::torch_layer::Pools::instance().end_route(static_cast<int>(device), pool_key(first, second));
+}
+
+void pool_incref(int64_t device, int64_t first, int64_t second) {
+  pyalloc::torch_layer::Pools::instance().incref(static_cast<int>(device), pool_key(first, second));
+}
+
+void pool_release(int64_t device, int64_t first, int64_t second) {
+  pyalloc::torch_layer::Pools::instance().release(static_cast<int>(device), pool_key(first, second));
+}
+
+int64_t pool_use_count(int64_t device, int64_t first, int64_t second) {
+  return pyalloc::torch_layer::Pools::instance().use_count(static_cast<int>(device), pool_key(first, second));
+}
+
+void pool_use_on_oom(int64_t device, int64_t first, int64_t second, bool on) {
+  pyalloc::torch_layer::Pools::instance().set_use_on_oom(static_cast<int>(device), pool_key(first, second), on);
+}
+
+int64_t pool_empty(int64_t first, int64_t second) {
+  return static_cast<int64_t>(pyalloc::torch_layer::Pools::instance().empty(pool_key(first, second)));
+}
+
+bool pool_live_allocations_are(int64_t device, int64_t first, int64_t second, std::vector<int64_t> addresses) {
+  std::unordered_set<void*> expected;
+  for (int64_t a : addresses) expected.insert(reinterpret_cast<void*>(static_cast<uintptr_t>(a)));
+  return pyalloc::torch_layer::Pools::instance().live_allocations_are(static_cast<int>(device), pool_key(first, second),
+                                                                      expected);
+}
+
+// The PyTorch pool id of each segment of the snapshot the torch-facing
+// allocator would give PyTorch: [address, first, second] per segment.
+std::vector<int64_t> snapshot_pools(int64_t device) {
+  std::vector<int64_t> out;
+  for (const auto& s : pyalloc::torch_layer::History::instance().segments(static_cast<int>(device))) {
+    out.insert(out.end(), {static_cast<int64_t>(s.address), static_cast<int64_t>(s.owner_private_pool_id.first),
+                           static_cast<int64_t>(s.owner_private_pool_id.second)});
+  }
+  return out;
+}
+
+void capture_mark(int64_t device, bool begin) {
+  auto& pools = pyalloc::torch_layer::Pools::instance();
+  begin ? pools.capture_begin(static_cast<int>(device)) : pools.capture_end(static_cast<int>(device));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pyalloc, m) {
@@ -140,4 +205,15 @@ TORCH_LIBRARY(pyalloc, m) {
   m.def("device_stats(int device=0) -> Dict(str, int)", &device_stats);
   m.def("record_history(bool enabled, int max_entries=10000, int when=2, bool clear=False) -> ()", &record_history);
   m.def("snapshot_recorded(int device=0) -> (int[], int[], int[])", &snapshot_recorded);
+  m.def("pool_begin(int device, int first, int second, int stream) -> ()", &pool_begin);
+  m.def("pool_end(int device, int first, int second) -> ()", &pool_end);
+  m.def("pool_incref(int device, int first, int second) -> ()", &pool_incref);
+  m.def("pool_release(int device, int first, int second) -> ()", &pool_release);
+  m.def("pool_use_count(int device, int first, int second) -> int", &pool_use_count);
+  m.def("pool_use_on_oom(int device, int first, int second, bool on) -> ()", &pool_use_on_oom);
+  m.def("pool_empty(int first, int second) -> int", &pool_empty);
+  m.def("pool_live_allocations_are(int device, int first, int second, int[] addresses) -> bool",
+        &pool_live_allocations_are);
+  m.def("snapshot_pools(int device=0) -> int[]", &snapshot_pools);
+  m.def("capture_mark(int device, bool begin) -> ()", &capture_mark);
 }
