@@ -91,6 +91,16 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
     ),
     "pyalloc_capture_begin": (ctypes.c_int, [ctypes.c_int]),
+    "pyalloc_ipc_export": (
+        ctypes.c_int,
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+         ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "pyalloc_ipc_import": (
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)],
+    ),
+    "pyalloc_ipc_close": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "pyalloc_capture_end": (ctypes.c_int, [ctypes.c_int]),
     "pyalloc_register_pressure_callback": (
         ctypes.c_int,

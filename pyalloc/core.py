@@ -265,6 +265,32 @@ def capturing(device: int = 0) -> Iterator[None]:
         check_status(lib().pyalloc_capture_end(device), "pyalloc_capture_end")
 
 
+def ipc_export(ptr: int) -> tuple[bytes, int]:
+    """A handle another process of this machine maps the live block at ``ptr`` with
+    (:func:`ipc_import`), and the block's offset in what it maps (Note [Sharing blocks]). The
+    block must stay allocated while the other process uses it."""
+    length = ctypes.c_size_t(0)
+    offset = ctypes.c_size_t(0)
+    check_status(lib().pyalloc_ipc_export(ptr, None, 0, ctypes.byref(length), ctypes.byref(offset)),
+                 "pyalloc_ipc_export")
+    buf = ctypes.create_string_buffer(length.value)
+    check_status(lib().pyalloc_ipc_export(ptr, buf, length.value, ctypes.byref(length), ctypes.byref(offset)),
+                 "pyalloc_ipc_export")
+    return buf.raw[:length.value], int(offset.value)
+
+
+def ipc_import(handle: bytes, device: int = 0) -> int:
+    """Maps another process's block (a handle from :func:`ipc_export`) on ``device``; returns the
+    base address (the block is at base + the exporter's offset) until :func:`ipc_close`."""
+    base = ctypes.c_void_p(0)
+    check_status(lib().pyalloc_ipc_import(device, handle, len(handle), ctypes.byref(base)), "pyalloc_ipc_import")
+    return int(base.value or 0)
+
+
+def ipc_close(base: int, device: int = 0) -> None:
+    check_status(lib().pyalloc_ipc_close(device, base), "pyalloc_ipc_close")
+
+
 _callbacks: dict[int, Any] = {}  # keeps ctypes thunks alive while registered
 
 

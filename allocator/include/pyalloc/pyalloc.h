@@ -186,6 +186,17 @@ PYALLOC_API int pyalloc_pool_empty_cache(int pool_id, size_t* released, size_t* 
  * queries no event, synchronizes nothing, releases and remaps no memory, and
  * defers frees that would (see Note [Capture] in device/pools.cpp). */
 PYALLOC_API int pyalloc_capture_begin(int device);
+/* Sharing a live block with another process of this machine (Note [Sharing
+ * blocks] in device/ipc.cpp; torch.multiprocessing). Export writes the
+ * handle's bytes to `buf` (at most `len`; pass NULL to learn the length) and
+ * their count to *handle_len, and the block's offset in the memory the
+ * handle maps to *offset. PYALLOC_EINVAL when `ptr` is not the start of a
+ * live allocation, PYALLOC_EBACKEND when its memory cannot be shared. */
+PYALLOC_API int pyalloc_ipc_export(void* ptr, void* buf, size_t len, size_t* handle_len, size_t* offset);
+/* In the other process: maps the memory a handle describes on `device` at
+ * *base (the block is at *base + offset), until pyalloc_ipc_close. */
+PYALLOC_API int pyalloc_ipc_import(int device, const void* handle, size_t len, void** base);
+PYALLOC_API int pyalloc_ipc_close(int device, void* base);
 PYALLOC_API int pyalloc_capture_end(int device);
 
 /* Pressure callbacks: step 3 of the pressure ladder. Called, without any

@@ -6,6 +6,7 @@
 // pyalloc_last_error().
 #include <atomic>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -455,6 +456,66 @@ int pyalloc_pool_empty_cache(int pool_id, size_t* released, size_t* still_reserv
     }
     if (released != nullptr) *released = freed;
     if (still_reserved != nullptr) *still_reserved = kept;
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_ipc_export(void* ptr, void* buf, size_t len, size_t* handle_len, size_t* offset) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (handle_len == nullptr || offset == nullptr) {
+      set_error("pyalloc_ipc_export: handle_len and offset must not be NULL");
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    for (auto& d : pyalloc::current_runtime()->devices) {
+      std::string handle;
+      std::string error;
+      if (d->ipc_export(reinterpret_cast<uintptr_t>(ptr), &handle, offset, &error)) {
+        *handle_len = handle.size();
+        if (buf != nullptr) std::memcpy(buf, handle.data(), std::min(len, handle.size()));
+        return static_cast<int>(PYALLOC_OK);
+      }
+      if (!error.empty()) {
+        set_error("pyalloc_ipc_export: " + error);
+        return static_cast<int>(PYALLOC_EBACKEND);
+      }
+    }
+    char where[32];
+    std::snprintf(where, sizeof where, "%p", ptr);
+    set_error(std::string("pyalloc_ipc_export: ") + where + " is not the start of a live allocation");
+    return static_cast<int>(PYALLOC_EINVAL);
+  });
+}
+
+int pyalloc_ipc_import(int device, const void* handle, size_t len, void** base) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    if (handle == nullptr || base == nullptr) {
+      set_error("pyalloc_ipc_import: handle and base must not be NULL");
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_ipc_import");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    std::string error;
+    uintptr_t at = 0;
+    if (!d->ipc_import(std::string(static_cast<const char*>(handle), len), &at, &error)) {
+      set_error("pyalloc_ipc_import: " + error);
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
+    *base = reinterpret_cast<void*>(at);
+    return static_cast<int>(PYALLOC_OK);
+  });
+}
+
+int pyalloc_ipc_close(int device, void* base) {
+  return guarded<int>(PYALLOC_EINVAL, [&] {
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_ipc_close");
+    if (d == nullptr) return static_cast<int>(PYALLOC_EDEVICE);
+    if (!d->ipc_close(reinterpret_cast<uintptr_t>(base))) {
+      char where[32];
+      std::snprintf(where, sizeof where, "%p", base);
+      set_error(std::string("pyalloc_ipc_close: ") + where + " is not memory imported on device " +
+                std::to_string(device));
+      return static_cast<int>(PYALLOC_EINVAL);
+    }
     return static_cast<int>(PYALLOC_OK);
   });
 }

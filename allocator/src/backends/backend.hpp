@@ -97,7 +97,25 @@ class Backend {
                                     StreamId stream) = 0;
   virtual Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size,
                                       StreamId stream) = 0;
+
+  // ---- sharing memory with other processes (Note [Sharing blocks] in device/ipc.cpp) ----
+  // Exporting: bytes that let another process of this machine map the same
+  // memory, a plain segment's or a physical chunk's. The exporter keeps the
+  // memory until the importers are done (its caller's business).
+  virtual Status segment_export(int device, uintptr_t addr, size_t size, std::string* out);
+  virtual Status phys_export(int device, PhysHandle handle, std::string* out);
+  // Importing, in the other process: a segment mapped at *addr (*size: its
+  // size as exported; undone with segment_close), or a chunk to map() into a reservation (undone with
+  // phys_close after unmap; it frees nothing of the exporter's).
+  virtual Status segment_import(int device, const std::string& in, uintptr_t* addr, size_t* size);
+  virtual void segment_close(int device, uintptr_t addr, size_t size) {}
+  virtual Status phys_import(int device, const std::string& in, size_t size, PhysHandle* out);
+  virtual void phys_close(int device, PhysHandle handle) {}
 };
+
+// A copy of descriptor `fd` of process `pid` in this process (backend.cpp),
+// for imports of memory exported as file descriptors.
+Status take_fd(int pid, int fd, int* out);
 
 // Factories. Each returns nullptr and fills *error when the backend cannot
 // start (e.g. cuda without a driver).

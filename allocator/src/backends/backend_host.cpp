@@ -112,6 +112,32 @@ class HostBackend final : public Backend {
   void event_release(int device, EventHandle event) override { devices_[device]->events.release(event); }
   Status stream_wait(int, StreamId, EventHandle) override { return Status::success(); }
 
+  // A chunk is a memfd: another process takes the descriptor (take_fd) and
+  // maps the same file. A plain segment is a private mapping, which cannot
+  // be shared: sharing needs arenas (vmm=on or vmm=shared, the default here).
+  Status segment_export(int, uintptr_t, size_t, std::string*) override {
+    return Status::failure("host backend: a plain segment is private memory and cannot be shared with another "
+                           "process; share blocks of arenas (vmm=on or vmm=shared)");
+  }
+
+  Status phys_export(int, PhysHandle handle, std::string* out) override {
+    const ChunkRef ref{static_cast<int32_t>(getpid()), static_cast<int32_t>(handle.value)};
+    out->assign(reinterpret_cast<const char*>(&ref), sizeof ref);
+    return Status::success();
+  }
+
+  Status phys_import(int, const std::string& in, size_t size, PhysHandle* out) override {
+    ChunkRef ref{};
+    if (in.size() != sizeof ref) return Status::failure("host backend: a shared chunk's description is malformed");
+    std::memcpy(&ref, in.data(), sizeof ref);
+    int fd = -1;
+    if (Status s = take_fd(ref.pid, ref.fd, &fd); !s.ok) return Status::failure("host backend: " + s.message);
+    *out = PhysHandle{static_cast<uint64_t>(fd), size};
+    return Status::success();
+  }
+
+  void phys_close(int, PhysHandle handle) override { close(static_cast<int>(handle.value)); }
+
   Status copy_to_host_async(int, void* dst, uintptr_t src, size_t size, StreamId) override {
     std::memcpy(dst, reinterpret_cast<const void*>(src), size);
     return Status::success();
@@ -122,6 +148,11 @@ class HostBackend final : public Backend {
   }
 
  private:
+  struct ChunkRef {  // what phys_export writes: the exporter and its memfd
+    int32_t pid;
+    int32_t fd;
+  };
+
   struct DeviceState {
     explicit DeviceState(int delay) : events(delay) {}
     std::atomic<size_t> used{0};

@@ -132,6 +132,14 @@ class DeviceAllocator {
   bool end_capture();
   bool capturing() const;
 
+  // Note [Sharing blocks] (device/ipc.cpp). Export: the handle of live block
+  // `addr`'s memory and the block's offset in what it maps. Import: maps a
+  // handle of another process at *base. False with *error (export: with
+  // *error empty when `addr` is no live allocation of this device).
+  bool ipc_export(uintptr_t addr, std::string* handle, size_t* offset, std::string* error);
+  bool ipc_import(const std::string& handle, uintptr_t* base, std::string* error);
+  bool ipc_close(uintptr_t base);  // false when `base` is no import of this device
+
   // Synchronizes pending frees and releases every wholly free segment.
   size_t empty_cache();
   // Releases wholly free segments, oldest first, until `bytes` (0 = all).
@@ -363,6 +371,13 @@ class DeviceAllocator {
   size_t granule_ = 0;   // the backend's mapping granularity, asked on first use
 
   int capturing_ = 0;  // captures under way (Note [Capture]); kDivertCapture while > 0
+
+  struct Import {  // another process's memory mapped here (Note [Sharing blocks])
+    size_t size = 0;
+    size_t granule = 0;               // granules: each chunk's size
+    std::vector<PhysHandle> chunks;   // empty for a plain segment
+  };
+  std::map<uintptr_t, Import> imports_;  // by base address
 
   // Runtime-adjustable settings.
   double memory_fraction_;

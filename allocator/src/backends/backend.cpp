@@ -1,0 +1,59 @@
+// backend.cpp: what every backend shares: the refusals of a backend that
+// cannot share memory, and taking another process's file descriptor.
+#include "backends/backend.hpp"
+
+#include <fcntl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace pyalloc {
+
+namespace {
+
+Status cannot_share(const Backend& b) {
+  return Status::failure(std::string("the ") + b.name() + " backend cannot share memory with other processes");
+}
+
+}  // namespace
+
+Status Backend::segment_export(int, uintptr_t, size_t, std::string*) { return cannot_share(*this); }
+Status Backend::phys_export(int, PhysHandle, std::string*) { return cannot_share(*this); }
+Status Backend::segment_import(int, const std::string&, uintptr_t*, size_t*) { return cannot_share(*this); }
+Status Backend::phys_import(int, const std::string&, size_t, PhysHandle*) { return cannot_share(*this); }
+
+// A copy of descriptor `fd` of process `pid` in this process: pidfd_getfd
+// (Linux 5.6; it needs the right to ptrace `pid`), else /proc/pid/fd/N
+// reopened (a memfd reopens as the same file; needs only the right to read
+// the process's /proc entry).
+Status take_fd(int pid, int fd, int* out) {
+  std::string why;
+#if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
+  const long pidfd = syscall(SYS_pidfd_open, pid, 0);
+  if (pidfd >= 0) {
+    const long copy = syscall(SYS_pidfd_getfd, static_cast<int>(pidfd), fd, 0);
+    const int err = errno;
+    close(static_cast<int>(pidfd));
+    if (copy >= 0) {
+      *out = static_cast<int>(copy);
+      return Status::success();
+    }
+    why = std::string("pidfd_getfd: ") + std::strerror(err);
+  } else {
+    why = std::string("pidfd_open: ") + std::strerror(errno);
+  }
+#endif
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  const int reopened = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (reopened >= 0) {
+    *out = reopened;
+    return Status::success();
+  }
+  return Status::failure("cannot take descriptor " + std::to_string(fd) + " of process " + std::to_string(pid) +
+                         " (" + (why.empty() ? "" : why + "; ") + "open " + path + ": " + std::strerror(errno) +
+                         "): is the exporting process alive, and of this user?");
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,186 @@
+// ipc.cpp: sharing a live block with another process.
+//
+// Note [Sharing blocks]
+// torch.multiprocessing (DataLoader workers, a producer and its consumers)
+// passes a CUDA tensor to another process as a handle to its memory, which
+// the other process maps; the producer keeps the tensor alive until every
+// consumer is done (PyTorch's reference counter file), so the block stays
+// allocated while it is shared.
+//   - A block of a plain segment is shared as its whole segment (the backend
+//     exports the allocation: cuIpcGetMemHandle on cuda) and the block's
+//     offset in it, as PyTorch's own allocator shares its cudaMalloc blocks.
+//   - A block of an arena is shared as the granules it lies on, each
+//     physical granule exported by the backend (a POSIX file descriptor on
+//     cuda, the memfd on the host backend: the importer takes it with
+//     pidfd_getfd), and its offset in the first. cudaIpcGetMemHandle refuses
+//     virtual-memory mappings; this is how they travel. The importer
+//     reserves an address range and maps the granules in order, so it sees
+//     the block contiguous, as the exporter does. Neighbours that share a
+//     granule with the block are visible to the importer too, as a plain
+//     segment's neighbours are.
+// The handle is self-describing bytes ("pyalloc-ipc", a version, the kind,
+// the sizes, then each part as the backend wrote it); the importer refuses
+// anything else by name. An import is undone by ipc_close, which unmaps and
+// drops the importer's references; the exporter's memory is its own.
+#include <cstring>
+
+#include "device/device_allocator.hpp"
+
+namespace pyalloc {
+
+namespace {
+
+constexpr char kMagic[12] = "pyalloc-ipc";
+constexpr uint8_t kVersion = 1;
+constexpr uint8_t kPlain = 'S';
+constexpr uint8_t kGranules = 'G';
+
+// 40 bytes, no padding; then each part: its length (uint32) and its bytes.
+struct Header {
+  char magic[12];
+  uint8_t version;
+  uint8_t kind;
+  uint8_t reserved[2];
+  uint32_t parts;
+  uint32_t reserved2;
+  uint64_t size;     // the bytes the importer maps
+  uint64_t granule;  // kGranules: each part's size
+};
+static_assert(sizeof(Header) == 40, "the handle's header has no padding");
+
+void put_u32(std::string* out, uint32_t v) { out->append(reinterpret_cast<const char*>(&v), sizeof v); }
+
+}  // namespace
+
+bool DeviceAllocator::ipc_export(uintptr_t addr, std::string* handle, size_t* offset, std::string* error) {
+  Lock lock(mutex_);
+  auto* entry = live_.find(addr);
+  if (entry == nullptr) return false;  // another device's, perhaps: *error stays empty
+  const Block* block = entry->value;
+  const Segment* seg = block->segment;
+  Header h{};
+  std::memcpy(h.magic, kMagic, sizeof kMagic);
+  h.version = kVersion;
+  std::vector<std::string> parts;
+  if (!seg->arena) {
+    std::string part;
+    if (!succeeded(backend_->segment_export(device_, seg->base, seg->size, &part))) {
+      *error = last_backend_error_;
+      return false;
+    }
+    parts.push_back(std::move(part));
+    h.kind = kPlain;
+    h.size = seg->size;
+    *offset = addr - seg->base;
+  } else {
+    const size_t g = granule_;
+    const size_t first = (addr - seg->base) / g;
+    const size_t last = (addr + block->size - 1 - seg->base) / g;
+    for (size_t slot = first; slot <= last; ++slot) {
+      std::string part;
+      if (!succeeded(backend_->phys_export(device_, seg->phys[slot], &part))) {
+        *error = last_backend_error_;
+        return false;
+      }
+      parts.push_back(std::move(part));
+    }
+    h.kind = kGranules;
+    h.size = (last - first + 1) * g;
+    h.granule = g;
+    *offset = addr - (seg->base + first * g);
+  }
+  h.parts = static_cast<uint32_t>(parts.size());
+  handle->assign(reinterpret_cast<const char*>(&h), sizeof h);
+  for (const std::string& part : parts) {
+    put_u32(handle, static_cast<uint32_t>(part.size()));
+    handle->append(part);
+  }
+  return true;
+}
+
+bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std::string* error) {
+  Header h{};
+  if (handle.size() < sizeof h || std::memcmp(handle.data(), kMagic, sizeof kMagic) != 0) {
+    *error = "not a pyalloc IPC handle (" + std::to_string(handle.size()) + " bytes)";
+    return false;
+  }
+  std::memcpy(&h, handle.data(), sizeof h);
+  if (h.version != kVersion || (h.kind != kPlain && h.kind != kGranules)) {
+    *error = "a pyalloc IPC handle of version " + std::to_string(h.version) + ", kind " + std::to_string(h.kind) +
+             " (this pyalloc reads version " + std::to_string(kVersion) + ")";
+    return false;
+  }
+  std::vector<std::string> parts;
+  size_t at = sizeof h;
+  for (uint32_t i = 0; i < h.parts; ++i) {
+    uint32_t n = 0;
+    if (handle.size() - at < sizeof n) break;
+    std::memcpy(&n, handle.data() + at, sizeof n);
+    at += sizeof n;
+    if (handle.size() - at < n) break;
+    parts.emplace_back(handle, at, n);
+    at += n;
+  }
+  const bool plain = h.kind == kPlain;
+  if (parts.size() != h.parts || at != handle.size() || (plain && h.parts != 1) ||
+      (!plain && (h.granule == 0 || h.size != h.granule * h.parts))) {
+    *error = "a truncated or malformed pyalloc IPC handle";
+    return false;
+  }
+
+  Lock lock(mutex_);
+  Import imported;
+  imported.size = h.size;
+  if (plain) {
+    size_t size = h.size;
+    if (!succeeded(backend_->segment_import(device_, parts[0], base, &size))) {
+      *error = last_backend_error_;
+      return false;
+    }
+    imported.size = size;
+  } else {
+    if (!succeeded(backend_->reserve(device_, h.size, base))) {
+      *error = last_backend_error_;
+      return false;
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      PhysHandle chunk;
+      const bool ok = succeeded(backend_->phys_import(device_, parts[i], h.granule, &chunk)) &&
+                      (succeeded(backend_->map(device_, *base + i * h.granule, chunk)) ||
+                       (backend_->phys_close(device_, chunk), false));
+      if (!ok) {
+        *error = last_backend_error_;
+        for (size_t j = 0; j < imported.chunks.size(); ++j) {
+          backend_->unmap(device_, *base + j * h.granule, h.granule);
+          backend_->phys_close(device_, imported.chunks[j]);
+        }
+        backend_->release_reservation(device_, *base, h.size);
+        return false;
+      }
+      imported.chunks.push_back(chunk);
+    }
+    imported.granule = h.granule;
+  }
+  imports_.emplace(*base, std::move(imported));
+  return true;
+}
+
+bool DeviceAllocator::ipc_close(uintptr_t base) {
+  Lock lock(mutex_);
+  const auto it = imports_.find(base);
+  if (it == imports_.end()) return false;
+  const Import& imported = it->second;
+  if (imported.chunks.empty()) {
+    backend_->segment_close(device_, base, imported.size);
+  } else {
+    for (size_t j = 0; j < imported.chunks.size(); ++j) {
+      backend_->unmap(device_, base + j * imported.granule, imported.granule);
+      backend_->phys_close(device_, imported.chunks[j]);
+    }
+    backend_->release_reservation(device_, base, imported.size);
+  }
+  imports_.erase(it);
+  return true;
+}
+
+}  // namespace pyalloc

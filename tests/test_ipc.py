@@ -1,0 +1,127 @@
+"""Sharing a live block with another process (Note [Sharing blocks] in allocator/src/device/ipc.cpp).
+
+Real processes: the exporter is this test, the importer a child Python process with its own
+pyalloc on the host backend. Arena granules are memfds, which the importer takes with
+pidfd_getfd (or reopens through /proc) and maps in order, so both processes see the same bytes:
+what one writes, the other reads. Plain segments of the host backend are private memory, and
+exporting one is refused by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+from typing import Callable, Iterator
+
+import pytest
+
+import pyalloc
+from allocator_fixture import Allocator, rebuilt
+
+MiB = 1 << 20
+
+IMPORTER = textwrap.dedent("""
+    import ctypes, sys
+    import pyalloc
+    pyalloc.configure("backend=host,devices=1,capacity=64MiB")
+    handle = bytes.fromhex(sys.stdin.readline())
+    offset, size = int(sys.argv[1]), int(sys.argv[2])
+    base = pyalloc.ipc_import(handle)
+    seen = ctypes.string_at(base + offset, size)
+    print(len(set(seen)), seen[0], flush=True)
+    ctypes.memset(base + offset, 0x5A, size)  # the exporter sees this
+    pyalloc.ipc_close(base)
+    try:
+        pyalloc.ipc_close(base)
+    except pyalloc.PyallocError as e:
+        print("second close:", e, flush=True)
+""")
+
+
+@pytest.fixture
+def fresh() -> Iterator[Callable[[str, str], Allocator]]:
+    """A freshly built allocator on a backend and vmm setting; whatever is left live is freed."""
+    made: list[Allocator] = []
+
+    def build(backend: str, vmm: str) -> Allocator:
+        made.append(rebuilt(backend, vmm))
+        return made[-1]
+
+    yield build
+    for a in made:
+        a.free_all()
+    pyalloc.check(0)
+
+
+def import_in_child(handle: bytes, offset: int, size: int) -> list[str]:
+    env = dict(os.environ, PYALLOC_CONF="backend=host")
+    done = subprocess.run([sys.executable, "-c", IMPORTER, str(offset), str(size)], input=handle.hex() + "\n",
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+@pytest.mark.parametrize("vmm", ["vmm=shared", "vmm=on"])
+def test_a_block_in_an_arena_is_shared_with_another_process(vmm: str, fresh: Callable[[str, str], Allocator]) -> None:
+    a = fresh("host", vmm)
+    a.malloc(1 * MiB)  # something before it, so the block does not start the arena
+    size = 5 * MiB + 4096  # spans granules, not a whole number of them
+    ptr = a.malloc(size)
+    ctypes.memset(ptr, 0x11, size)
+    handle, offset = pyalloc.ipc_export(ptr)
+    assert handle.startswith(b"pyalloc-ipc")
+    out = import_in_child(handle, offset, size)
+    assert out[0] == "1 17"  # one distinct byte, 0x11: the importer read the block
+    assert out[1].startswith("second close: pyalloc_ipc_close: 0x") and "is not memory imported on device 0" in out[1]
+    assert ctypes.string_at(ptr, size) == b"\x5a" * size  # and wrote it, in this process's memory
+    pyalloc.check(0)
+
+
+def test_a_plain_segment_of_the_host_backend_is_refused_by_name(fresh: Callable[[str, str], Allocator]) -> None:
+    a = fresh("host", "vmm=off")
+    ptr = a.malloc(3 * MiB)
+    with pytest.raises(pyalloc.PyallocError, match="plain segment is private memory and cannot be shared"):
+        pyalloc.ipc_export(ptr)
+
+
+def test_the_sim_backend_cannot_share_and_says_so(fresh: Callable[[str, str], Allocator]) -> None:
+    a = fresh("sim", "vmm=shared")
+    ptr = a.malloc(3 * MiB)
+    with pytest.raises(pyalloc.PyallocError, match="the sim backend cannot share memory with other processes"):
+        pyalloc.ipc_export(ptr)
+
+
+def test_bad_handles_and_pointers_are_errors_that_name_them(allocator: Allocator) -> None:
+    ptr = allocator.malloc(3 * MiB)  # the large pool: in an arena unless vmm=off
+    with pytest.raises(pyalloc.PyallocError, match="is not the start of a live allocation"):
+        pyalloc.ipc_export(ptr + 512)
+    with pytest.raises(pyalloc.PyallocError, match=r"not a pyalloc IPC handle \(5 bytes\)"):
+        pyalloc.ipc_import(b"hello")
+    if allocator.backend == "host" and allocator.vmm != "vmm=off":
+        handle, _ = pyalloc.ipc_export(ptr)
+        with pytest.raises(pyalloc.PyallocError, match="truncated or malformed"):
+            pyalloc.ipc_import(handle[:-1])
+        corrupt = handle[:12] + bytes([99]) + handle[13:]
+        with pytest.raises(pyalloc.PyallocError, match="version 99"):
+            pyalloc.ipc_import(corrupt)
+    with pytest.raises(pyalloc.PyallocError, match="is not memory imported on device 0"):
+        pyalloc.ipc_close(ptr)
+    allocator.free(ptr)
+
+
+def test_a_handle_from_a_process_that_is_gone_is_a_clear_error(fresh: Callable[[str, str], Allocator]) -> None:
+    a = fresh("host", "vmm=shared")
+    ptr = a.malloc(3 * MiB)
+    handle, _ = pyalloc.ipc_export(ptr)
+    # Rewrite the exporter's pid to one that has exited.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    header = 40  # then the part's length (4 bytes), the exporter's pid (4) and descriptor (4)
+    forged = handle[:header + 4] + int(dead).to_bytes(4, "little") + handle[header + 8:]
+    with pytest.raises(pyalloc.PyallocError, match=f"cannot take descriptor .* of process {dead}"):
+        pyalloc.ipc_import(forged)
+    pyalloc.check(0)
