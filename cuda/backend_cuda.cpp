@@ -47,9 +47,12 @@
 //   forever on memory it can never get back, and the error is remembered
 //   for diagnostics. CUDA_ERROR_DEINITIALIZED (the process is exiting) is
 //   expected then and not reported.
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -201,9 +204,27 @@ class CudaBackend final : public Backend {
 
   Status phys_create(int device, size_t size, PhysHandle* out) override {
     return in_context(device, [&](DeviceState& state) -> Status {
-      const CUmemAllocationProp prop = device_memory_prop(state);
+      CUmemAllocationProp prop = device_memory_prop(state);
       CUmemGenericAllocationHandle handle = 0;
-      const CUresult rc = api_.cuMemCreate(&handle, size, &prop, 0);
+      // Chunks are made exportable as file descriptors where the driver
+      // can (Note [Sharing blocks]); a driver or system that refuses it
+      // gets chunks that cannot be shared, once asked.
+      std::unique_lock<std::mutex> lock(state.mutex);
+      const bool try_export = state.exportable != 0 && api_.cuMemExportToShareableHandle != nullptr;
+      lock.unlock();
+      if (try_export) prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+      CUresult rc = api_.cuMemCreate(&handle, size, &prop, 0);
+      if (try_export && (rc == CUDA_ERROR_INVALID_VALUE || rc == CUDA_ERROR_NOT_SUPPORTED)) {
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+        rc = api_.cuMemCreate(&handle, size, &prop, 0);
+        if (rc == CUDA_SUCCESS) {
+          lock.lock();
+          state.exportable = 0;
+        }
+      } else if (try_export && rc == CUDA_SUCCESS) {
+        lock.lock();
+        state.exportable = 1;
+      }
       if (rc != CUDA_SUCCESS) return alloc_failure(device, "cuMemCreate", size, rc);
       out->value = handle;
       out->size = size;
@@ -212,8 +233,105 @@ class CudaBackend final : public Backend {
   }
 
   void phys_release(int device, PhysHandle handle) override {
+    if (DeviceState* state = device_state(device)) {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      const auto it = state->exported.find(handle.value);
+      if (it != state->exported.end()) {
+        close(it->second);
+        state->exported.erase(it);
+      }
+    }
     // Releasing a handle still mapped somewhere only drops our reference:
     // the memory goes back when the last mapping is unmapped.
+    call_void(device, "cuMemRelease", [&] { return api_.cuMemRelease(handle.value); });
+  }
+
+  // ---- sharing with other processes (Note [Sharing blocks]) -----------------------
+  //
+  // A plain segment travels as cuIpcGetMemHandle's handle; a chunk as a
+  // POSIX file descriptor (cuMemExportToShareableHandle), which the importer
+  // takes from this process with pidfd_getfd. The descriptor is kept open
+  // until the chunk is released: the importer may take it any time before.
+
+  Status segment_export(int device, uintptr_t addr, size_t, std::string* out) override {
+    if (api_.cuIpcGetMemHandle == nullptr) return missing(device, "cuIpcGetMemHandle");
+    return in_context(device, [&](DeviceState&) -> Status {
+      CUipcMemHandle handle{};
+      const CUresult rc = api_.cuIpcGetMemHandle(&handle, addr);
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuIpcGetMemHandle", rc);
+      out->assign(handle.reserved, sizeof handle.reserved);
+      return Status::success();
+    });
+  }
+
+  Status segment_import(int device, const std::string& in, uintptr_t* addr, size_t*) override {
+    if (api_.cuIpcOpenMemHandle == nullptr) return missing(device, "cuIpcOpenMemHandle_v2");
+    CUipcMemHandle handle{};
+    if (in.size() != sizeof handle.reserved) {
+      return Status::failure("cuda device " + std::to_string(device) + ": a shared segment's handle is malformed");
+    }
+    std::memcpy(handle.reserved, in.data(), sizeof handle.reserved);
+    return in_context(device, [&](DeviceState&) -> Status {
+      CUdeviceptr ptr = 0;
+      const CUresult rc = api_.cuIpcOpenMemHandle(&ptr, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuIpcOpenMemHandle_v2", rc);
+      *addr = static_cast<uintptr_t>(ptr);
+      return Status::success();
+    });
+  }
+
+  void segment_close(int device, uintptr_t addr, size_t) override {
+    if (api_.cuIpcCloseMemHandle == nullptr) return;
+    call_void(device, "cuIpcCloseMemHandle", [&] { return api_.cuIpcCloseMemHandle(addr); });
+  }
+
+  Status phys_export(int device, PhysHandle handle, std::string* out) override {
+    if (api_.cuMemExportToShareableHandle == nullptr) return missing(device, "cuMemExportToShareableHandle");
+    return in_context(device, [&](DeviceState& state) -> Status {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      if (state.exportable == 0) {
+        return Status::failure("cuda device " + std::to_string(device) + ": the driver refused memory exportable "
+                               "as file descriptors (cuMemCreate), so arena blocks cannot be shared; set vmm=off "
+                               "for plain segments, which can");
+      }
+      auto it = state.exported.find(handle.value);
+      if (it == state.exported.end()) {
+        int fd = -1;
+        const CUresult rc =
+            api_.cuMemExportToShareableHandle(&fd, handle.value, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemExportToShareableHandle", rc);
+        it = state.exported.emplace(handle.value, fd).first;
+      }
+      const int32_t ref[2] = {static_cast<int32_t>(getpid()), static_cast<int32_t>(it->second)};
+      out->assign(reinterpret_cast<const char*>(ref), sizeof ref);
+      return Status::success();
+    });
+  }
+
+  Status phys_import(int device, const std::string& in, size_t size, PhysHandle* out) override {
+    if (api_.cuMemImportFromShareableHandle == nullptr) return missing(device, "cuMemImportFromShareableHandle");
+    int32_t ref[2] = {0, 0};
+    if (in.size() != sizeof ref) {
+      return Status::failure("cuda device " + std::to_string(device) + ": a shared chunk's description is malformed");
+    }
+    std::memcpy(ref, in.data(), sizeof ref);
+    int fd = -1;
+    if (Status s = take_fd(ref[0], ref[1], &fd); !s.ok) {
+      return Status::failure("cuda device " + std::to_string(device) + ": " + s.message);
+    }
+    Status status = in_context(device, [&](DeviceState&) -> Status {
+      CUmemGenericAllocationHandle handle = 0;
+      const CUresult rc = api_.cuMemImportFromShareableHandle(
+          &handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemImportFromShareableHandle", rc);
+      *out = PhysHandle{handle, size};
+      return Status::success();
+    });
+    close(fd);  // the driver holds its own reference
+    return status;
+  }
+
+  void phys_close(int device, PhysHandle handle) override {
     call_void(device, "cuMemRelease", [&] { return api_.cuMemRelease(handle.value); });
   }
 
@@ -450,6 +568,11 @@ class CudaBackend final : public Backend {
                    state->first_error.c_str());
     } catch (...) {
     }
+  }
+
+  Status missing(int device, const char* symbol) const {
+    return Status::failure("cuda device " + std::to_string(device) + ": " + kDriverLibrary + " has no " + symbol +
+                           ", which sharing memory with another process needs (update the NVIDIA driver)");
   }
 
   Status call_failure(int device, const char* call_name, CUresult rc) const {

@@ -59,6 +59,10 @@ LoadResult load_driver() {
   }
   PYALLOC_CUDA_DRIVER_FUNCTIONS(PYALLOC_RESOLVE_FUNCTION)
 #undef PYALLOC_RESOLVE_FUNCTION
+#define PYALLOC_RESOLVE_OPTIONAL(name, symbol, signature) \
+  api.name = reinterpret_cast<std::add_pointer_t<signature>>(dlsym(library, #symbol));
+  PYALLOC_CUDA_DRIVER_OPTIONAL_FUNCTIONS(PYALLOC_RESOLVE_OPTIONAL)
+#undef PYALLOC_RESOLVE_OPTIONAL
 
   CUresult rc = api.cuInit(0);
   if (rc != CUDA_SUCCESS) {

@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -37,6 +38,7 @@ struct DriverApi {
 #define PYALLOC_DECLARE_FUNCTION(name, symbol, signature) \
   std::add_pointer_t<signature> name = nullptr;
   PYALLOC_CUDA_DRIVER_FUNCTIONS(PYALLOC_DECLARE_FUNCTION)
+  PYALLOC_CUDA_DRIVER_OPTIONAL_FUNCTIONS(PYALLOC_DECLARE_FUNCTION)  // null when the driver lacks one
 #undef PYALLOC_DECLARE_FUNCTION
 };
 
@@ -50,6 +52,8 @@ struct DeviceState {
   std::vector<CUevent> idle_events; // recorded-and-released events, ready for reuse
   size_t granularity = 0;           // 0 until first asked
   int vmm_supported = -1;           // -1 unknown, 0 no, 1 yes
+  int exportable = -1;              // chunks made exportable as POSIX fds: -1 not tried, 0 no, 1 yes
+  std::map<CUmemGenericAllocationHandle, int> exported;  // each exported chunk's fd, until released
   uint64_t unreported_errors = 0;   // driver errors a void method could not return
   std::string first_error;          // the first of them (printed once), for diagnostics
 };

@@ -64,6 +64,11 @@ enum CUmemAllocationType : int {
 
 enum CUmemAllocationHandleType : int {
   CU_MEM_HANDLE_TYPE_NONE = 0x0,  // not exportable to other processes
+  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1,  // exportable as a file descriptor
+};
+
+enum CUipcMem_flags : unsigned int {
+  CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1,
 };
 
 enum CUmemLocationType : int {
@@ -101,6 +106,11 @@ struct CUmemAllocationProp {
 struct CUmemAccessDesc {
   CUmemLocation location;
   CUmemAccess_flags flags;
+};
+
+// cuIpcGetMemHandle's opaque handle of a cuMemAlloc allocation.
+struct CUipcMemHandle {
+  char reserved[64];
 };
 
 // ---- functions -----------------------------------------------------------------
@@ -152,6 +162,18 @@ struct CUmemAccessDesc {
   X(cuStreamWaitEvent, cuStreamWaitEvent, CUresult(CUstream, CUevent, unsigned int))            \
   X(cuMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2, CUresult(void*, CUdeviceptr, size_t, CUstream))    \
   X(cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2, CUresult(CUdeviceptr, const void*, size_t, CUstream))
+
+// Resolved like the above, but a driver without them still loads: the one
+// feature that needs them fails, naming the missing function. Sharing memory
+// with other processes (Note [Sharing blocks] in allocator/src/device/ipc.cpp).
+#define PYALLOC_CUDA_DRIVER_OPTIONAL_FUNCTIONS(X)                                               \
+  X(cuIpcGetMemHandle, cuIpcGetMemHandle, CUresult(CUipcMemHandle*, CUdeviceptr))               \
+  X(cuIpcOpenMemHandle, cuIpcOpenMemHandle_v2, CUresult(CUdeviceptr*, CUipcMemHandle, unsigned int)) \
+  X(cuIpcCloseMemHandle, cuIpcCloseMemHandle, CUresult(CUdeviceptr))                            \
+  X(cuMemExportToShareableHandle, cuMemExportToShareableHandle,                                 \
+    CUresult(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long)) \
+  X(cuMemImportFromShareableHandle, cuMemImportFromShareableHandle,                             \
+    CUresult(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType))
 
 // The soname of the driver library, installed with the NVIDIA driver itself
 // (not with the toolkit; libcuda.so without the .1 is a development link).

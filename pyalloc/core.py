@@ -271,12 +271,14 @@ def ipc_export(ptr: int) -> tuple[bytes, int]:
     block must stay allocated while the other process uses it."""
     length = ctypes.c_size_t(0)
     offset = ctypes.c_size_t(0)
-    check_status(lib().pyalloc_ipc_export(ptr, None, 0, ctypes.byref(length), ctypes.byref(offset)),
-                 "pyalloc_ipc_export")
-    buf = ctypes.create_string_buffer(length.value)
-    check_status(lib().pyalloc_ipc_export(ptr, buf, length.value, ctypes.byref(length), ctypes.byref(offset)),
-                 "pyalloc_ipc_export")
-    return buf.raw[:length.value], int(offset.value)
+    size = 4096  # a handle is 40 bytes and a few per granule: one call, almost always
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        check_status(lib().pyalloc_ipc_export(ptr, buf, size, ctypes.byref(length), ctypes.byref(offset)),
+                     "pyalloc_ipc_export")
+        if length.value <= size:
+            return buf.raw[:length.value], int(offset.value)
+        size = length.value
 
 
 def ipc_import(handle: bytes, device: int = 0) -> int:

@@ -34,8 +34,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECK_SOURCE = REPO_ROOT / "tests" / "native" / "cuda_driver_api_check.cpp"
-# The cuda backend: the Backend over the driver, and the driver's loading.
-BACKEND_SOURCES = (REPO_ROOT / "cuda" / "backend_cuda.cpp", REPO_ROOT / "cuda" / "driver.cpp")
+# The cuda backend: the Backend over the driver, the driver's loading, and what every backend shares.
+BACKEND_SOURCES = (REPO_ROOT / "cuda" / "backend_cuda.cpp", REPO_ROOT / "cuda" / "driver.cpp",
+                   REPO_ROOT / "allocator" / "src" / "backends" / "backend.cpp")
 LIBRARY_SOURCE_DIRS = (REPO_ROOT / "allocator", REPO_ROOT / "cuda")
 
 # How long a compile or a child process may take before the test fails.
@@ -613,6 +614,68 @@ def test_vmm_auto_on_cuda_uses_arenas_on_a_single_device_that_supports_them(
     assert (result["maps"] > 0, result["plain"] == 0) == (arenas, arenas)
 
 
+_IPC_ON_FAKE_DRIVER = _FAKE + """
+fake.fake_cuda_bytes.restype = ctypes.c_void_p
+fake.fake_cuda_bytes.argtypes = [ctypes.c_ulonglong]
+pyalloc.configure("backend=cuda,VMM")
+pyalloc.malloc(1 * MiB)
+size = 5 * MiB + 4096
+p = pyalloc.malloc(size)
+handle, offset = pyalloc.ipc_export(p)
+base = pyalloc.ipc_import(handle)
+out = {"same_bytes": [fake.fake_cuda_bytes(p + k) == fake.fake_cuda_bytes(base + offset + k) for k in (0, size - 1)],
+       "distinct_address": base + offset != p}
+pyalloc.ipc_close(base)
+pyalloc.ipc_export(p)  # again: the exported descriptors are kept, not made anew
+pyalloc.free(p, size)
+pyalloc.empty_cache()
+for name in ("export", "import", "ipc_get", "ipc_open", "ipc_close", "live_mappings"):
+    out[name] = int(fake.fake_cuda_get(name.encode()))
+out["misuse"] = fake.fake_cuda_misuse_report().decode()
+emit(out)
+"""
+
+
+def test_an_arena_block_is_shared_through_exported_granules_on_the_fake_driver(fake_driver: Path) -> None:
+    result = _run_python(_IPC_ON_FAKE_DRIVER.replace("VMM", "vmm=shared"), {"LD_LIBRARY_PATH": str(fake_driver)})
+    assert result["misuse"] == ""
+    assert result["same_bytes"] == [True, True]  # the import maps the exporter's memory, block contiguous
+    assert result["distinct_address"]  # at an address of its own
+    assert result["export"] == 4 and result["import"] == 4  # 5 MiB + 4 KiB at 1 MiB: granules 0-3 of 2 MiB
+    assert result["ipc_get"] == 0
+
+
+def test_a_plain_segment_is_shared_through_cuipcgetmemhandle_on_the_fake_driver(fake_driver: Path) -> None:
+    result = _run_python(_IPC_ON_FAKE_DRIVER.replace("VMM", "vmm=off"), {"LD_LIBRARY_PATH": str(fake_driver)})
+    assert result["misuse"] == ""
+    assert result["same_bytes"] == [True, True]
+    assert (result["ipc_get"], result["ipc_open"], result["ipc_close"]) == (2, 1, 1)
+    assert result["export"] == 0
+
+
+_IPC_WITHOUT_SYMBOLS = _FAKE + """
+pyalloc.configure("backend=cuda,vmm=shared")
+p = pyalloc.malloc(3 * MiB)
+try:
+    pyalloc.ipc_export(p)
+    emit("exported")
+except pyalloc.PyallocError as e:
+    emit(str(e))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver_without_ipc(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fake libcuda.so.1 without the sharing functions: the driver still loads."""
+    return _build_fake_driver(tmp_path_factory.mktemp("fake_libcuda_no_ipc"), "-DFAKE_OMIT_IPC")
+
+
+def test_a_driver_without_the_sharing_functions_loads_and_names_them(fake_driver_without_ipc: Path) -> None:
+    message = _run_python(_IPC_WITHOUT_SYMBOLS, {"LD_LIBRARY_PATH": str(fake_driver_without_ipc)})
+    assert message == ("pyalloc_ipc_export: cuda device 0: libcuda.so.1 has no cuMemExportToShareableHandle, which "
+                       "sharing memory with another process needs (update the NVIDIA driver)")
+
+
 _CONFIGURE_CUDA = """
 import pyalloc
 
@@ -668,6 +731,9 @@ FAKE_LIBCUDA_SOURCE = r'''// A fake libcuda.so.1 for testing the cuda backend wi
 // cuInit, a mapping outside a reservation, an unmap of unmapped memory.
 // Behaviour is set with environment variables (read in cuInit) and
 // fake_cuda_set(); counters are read with fake_cuda_get().
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -708,7 +774,11 @@ struct Alloc { size_t size; int device; void* host; };
 std::map<CUdeviceptr, Alloc> g_allocs;
 struct Reservation { size_t size; };
 std::map<CUdeviceptr, Reservation> g_reservations;
-struct Handle { size_t size; int device; bool released; int mappings; std::vector<char>* bytes; };
+struct Handle {
+  size_t size; int device; bool released; int mappings; std::vector<char>* bytes;
+  bool exportable = false;  // made with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+  bool imported = false;    // another handle's bytes (cuMemImportFromShareableHandle): not ours to free
+};
 std::map<CUmemGenericAllocationHandle, Handle> g_handles;
 struct Mapping { size_t size; CUmemGenericAllocationHandle handle; bool access; };
 std::map<CUdeviceptr, Mapping> g_mappings;
@@ -921,7 +991,8 @@ EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
 
 static bool prop_ok(const CUmemAllocationProp* prop) {
   return prop != nullptr && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
-         prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_NONE &&
+         (prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_NONE ||
+          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) &&
          prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->location.id >= 0 &&
          prop->location.id < g_devices && prop->win32HandleMetaData == nullptr &&
          prop->allocFlags.compressionType == 0;
@@ -985,6 +1056,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
   g_used[device] += size;
   *handle = g_next_handle++;
   g_handles[*handle] = Handle{size, device, false, 0, new std::vector<char>(size, 0)};
+  g_handles[*handle].exportable = prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   count("create");
   return CUDA_SUCCESS;
 }
@@ -993,8 +1065,10 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
 static void maybe_drop_handle(CUmemGenericAllocationHandle h) {
   auto it = g_handles.find(h);
   if (it != g_handles.end() && it->second.released && it->second.mappings == 0) {
-    g_used[it->second.device] -= it->second.size;
-    delete it->second.bytes;
+    if (!it->second.imported) {
+      g_used[it->second.device] -= it->second.size;
+      delete it->second.bytes;
+    }
     g_handles.erase(it);
   }
 }
@@ -1281,6 +1355,108 @@ EXPORT CUresult cuStreamSynchronize(CUstream) {
   NEED_CONTEXT
   for (auto& e : g_events) e.second->pending = 0;
   return CUDA_SUCCESS;
+}
+
+// ---- sharing with other processes ------------------------------------------------
+// One process stands for both sides: an exported handle is a memfd named after
+// it, which the importer (after taking it with pidfd_getfd) reads back from
+// /proc/self/fd; an imported handle maps the exporter's bytes. A cuMemAlloc
+// segment's IPC handle names its address, and opening it gives that address.
+
+#ifndef FAKE_OMIT_IPC  // the variant of a driver without them
+EXPORT CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle handle,
+                                             CUmemAllocationHandleType type, unsigned long long flags) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NEED_INIT
+  auto it = g_handles.find(handle);
+  if (it == g_handles.end() || it->second.released || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR ||
+      flags != 0 || out == nullptr) {
+    count("misuse_bad_export");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (!it->second.exportable) {
+    count("misuse_export_of_unexportable");
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  const std::string name = "fake-cuda-handle-" + std::to_string(handle);
+  *static_cast<int*>(out) = memfd_create(name.c_str(), MFD_CLOEXEC);
+  count("export");
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* out, void* os_handle,
+                                               CUmemAllocationHandleType type) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NEED_INIT
+  const int fd = static_cast<int>(reinterpret_cast<intptr_t>(os_handle));
+  char link[256] = {0};
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = readlink(path.c_str(), link, sizeof link - 1);
+  const std::string target = n > 0 ? std::string(link, static_cast<size_t>(n)) : "";
+  const size_t at = target.find("fake-cuda-handle-");
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || at == std::string::npos) {
+    count("misuse_bad_import");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  const CUmemGenericAllocationHandle source = std::strtoull(target.c_str() + at + 17, nullptr, 10);
+  auto it = g_handles.find(source);
+  if (it == g_handles.end()) {
+    count("misuse_import_of_released");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  *out = g_next_handle++;
+  g_handles[*out] = Handle{it->second.size, it->second.device, false, 0, it->second.bytes};
+  g_handles[*out].imported = true;
+  count("import");
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NEED_CONTEXT
+  if (g_allocs.find(ptr) == g_allocs.end()) {
+    count("misuse_ipc_of_unknown");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  std::memset(handle->reserved, 0, sizeof handle->reserved);
+  std::memcpy(handle->reserved, &ptr, sizeof ptr);
+  count("ipc_get");
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* ptr, CUipcMemHandle handle, unsigned int flags) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NEED_CONTEXT
+  std::memcpy(ptr, handle.reserved, sizeof *ptr);
+  if (flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS || g_allocs.find(*ptr) == g_allocs.end()) {
+    count("misuse_bad_ipc_open");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  count("ipc_open");
+  return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NEED_CONTEXT
+  if (g_allocs.find(ptr) == g_allocs.end()) count("misuse_bad_ipc_close");
+  count("ipc_close");
+  return CUDA_SUCCESS;
+}
+#endif
+
+// The host bytes behind device address `va` (a mapping's or a segment's), or null.
+EXPORT const void* fake_cuda_bytes(CUdeviceptr va) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (auto& m : g_mappings) {
+    if (va >= m.first && va < m.first + m.second.size) {
+      return g_handles[m.second.handle].bytes->data() + (va - m.first);
+    }
+  }
+  for (auto& a : g_allocs) {
+    if (va >= a.first && va < a.first + a.second.size) return static_cast<char*>(a.second.host) + (va - a.first);
+  }
+  return nullptr;
 }
 
 // ---- test controls --------------------------------------------------------------

@@ -55,6 +55,8 @@ PYALLOC_CHECK_VALUE(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED);
 PYALLOC_CHECK_VALUE(CU_EVENT_DISABLE_TIMING);
 PYALLOC_CHECK_VALUE(CU_MEM_ALLOCATION_TYPE_PINNED);
 PYALLOC_CHECK_VALUE(CU_MEM_HANDLE_TYPE_NONE);
+PYALLOC_CHECK_VALUE(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+PYALLOC_CHECK_VALUE(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
 PYALLOC_CHECK_VALUE(CU_MEM_LOCATION_TYPE_DEVICE);
 PYALLOC_CHECK_VALUE(CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
 PYALLOC_CHECK_VALUE(CU_MEM_ALLOC_GRANULARITY_MINIMUM);
@@ -99,6 +101,9 @@ static_assert(offsetof(DrvAllocFlags, gpuDirectRDMACapable) ==
 static_assert(offsetof(DrvAllocFlags, usage) == offsetof(RealAllocFlags, usage));
 static_assert(offsetof(DrvAllocFlags, reserved) == offsetof(RealAllocFlags, reserved));
 static_assert(sizeof(DrvAllocFlags::reserved) == sizeof(RealAllocFlags::reserved));
+
+PYALLOC_CHECK_STRUCT(CUipcMemHandle);
+PYALLOC_CHECK_FIELD(CUipcMemHandle, reserved);
 
 PYALLOC_CHECK_STRUCT(CUmemAccessDesc);
 PYALLOC_CHECK_FIELD(CUmemAccessDesc, location);
@@ -148,6 +153,8 @@ PYALLOC_MAP_TYPE(CUdevice_attribute);
 PYALLOC_MAP_TYPE(CUmemAllocationGranularity_flags);
 PYALLOC_MAP_TYPE(CUmemAllocationProp);
 PYALLOC_MAP_TYPE(CUmemAccessDesc);
+PYALLOC_MAP_TYPE(CUipcMemHandle);
+PYALLOC_MAP_TYPE(CUmemAllocationHandleType);
 
 #undef PYALLOC_MAP_TYPE
 
@@ -175,6 +182,7 @@ constexpr bool same_text(const char* a, const char* b) {
 namespace pyalloc {
 namespace cuda_driver {
 PYALLOC_CUDA_DRIVER_FUNCTIONS(PYALLOC_CHECK_FUNCTION)
+PYALLOC_CUDA_DRIVER_OPTIONAL_FUNCTIONS(PYALLOC_CHECK_FUNCTION)
 }  // namespace cuda_driver
 }  // namespace pyalloc
 

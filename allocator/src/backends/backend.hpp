@@ -108,9 +108,9 @@ class Backend {
   // size as exported; undone with segment_close), or a chunk to map() into a reservation (undone with
   // phys_close after unmap; it frees nothing of the exporter's).
   virtual Status segment_import(int device, const std::string& in, uintptr_t* addr, size_t* size);
-  virtual void segment_close(int device, uintptr_t addr, size_t size) {}
+  virtual void segment_close(int /*device*/, uintptr_t /*addr*/, size_t /*size*/) {}
   virtual Status phys_import(int device, const std::string& in, size_t size, PhysHandle* out);
-  virtual void phys_close(int device, PhysHandle handle) {}
+  virtual void phys_close(int /*device*/, PhysHandle /*handle*/) {}
 };
 
 // A copy of descriptor `fd` of process `pid` in this process (backend.cpp),
