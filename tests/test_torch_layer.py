@@ -10,6 +10,7 @@ compiled against the installed headers and its symbols are checked.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 from pathlib import Path
@@ -344,3 +345,34 @@ def test_a_capture_mark_keeps_the_cache_until_its_end(device: None) -> None:
     torch.ops.pyalloc.capture_mark(0, False)  # markCaptureEnd
     pyalloc.empty_cache()
     assert _reserved() == 0
+
+
+# ---- sharing (Note [Sharing under PyTorch]) ------------------------------------------------
+
+
+def test_a_shared_tensors_memory_is_mapped_once_per_handle_and_closed_with_the_last_holder(device: None) -> None:
+    size = 5 * MiB
+    ptr = torch.ops.pyalloc.allocate(size)  # the host backend's arenas: shareable
+    ctypes.memset(ptr, 0x2B, size)
+    handle, offset = torch.ops.pyalloc.ipc_share(ptr)  # shareIpcHandle
+    assert bytes(handle).startswith(b"pyalloc-ipc")
+    first, base = torch.ops.pyalloc.ipc_open(0, handle)  # getIpcDevPtr (this process stands for the receiver)
+    second, again = torch.ops.pyalloc.ipc_open(0, handle)
+    assert again == base and base != ptr  # one mapping for both holders, of its own
+    assert ctypes.string_at(base + offset, size) == b"\x2b" * size
+    torch.ops.pyalloc.ipc_release(first)
+    assert ctypes.string_at(base + offset, 16) == b"\x2b" * 16  # the second holder keeps it
+    torch.ops.pyalloc.ipc_release(second)
+    with pytest.raises(pyalloc.PyallocError, match="is not memory imported on device 0"):
+        pyalloc.ipc_close(base)  # the last holder closed it
+    torch.ops.pyalloc.free(ptr, size)
+
+
+def test_a_tensor_that_cannot_be_shared_is_an_error_that_says_why(device: None) -> None:
+    pyalloc.configure(fresh_conf("host", "capacity=64MiB,vmm=off"))
+    ptr = torch.ops.pyalloc.allocate(3 * MiB)
+    with pytest.raises(RuntimeError, match="cannot share this CUDA tensor with another process: .*plain segment"):
+        torch.ops.pyalloc.ipc_share(ptr)
+    with pytest.raises(RuntimeError, match="cannot open a CUDA tensor shared by another process: .*not a pyalloc"):
+        torch.ops.pyalloc.ipc_open(0, list(b"junk"))
+    torch.ops.pyalloc.free(ptr, 3 * MiB)

@@ -15,7 +15,9 @@
 //   - recordHistory and snapshot, with PyTorch's gathered stack contexts
 //     (Note [Memory history under PyTorch], history.hpp);
 //   - the private pools of CUDA graphs and torch.cuda.MemPool, and the
-//     capture marks (Note [Private pools under PyTorch], pools.hpp).
+//     capture marks (Note [Private pools under PyTorch], pools.hpp);
+//   - shareIpcHandle and getIpcDevPtr, CUDA tensors passed between
+//     processes (Note [Sharing under PyTorch], ipc.hpp).
 // Built against the installed PyTorch's headers and CUDA's runtime headers;
 // loaded only where PyTorch has CUDA (pyalloc/pytorch/layer.py builds it).
 #include <c10/cuda/CUDAFunctions.h>
@@ -27,6 +29,7 @@
 #include <unordered_set>
 
 #include "history.hpp"
+#include "ipc.hpp"
 #include "oom.hpp"
 #include "pools.hpp"
 #include "stats.hpp"
@@ -136,6 +139,16 @@ class PyallocCUDAAllocator final : public Base {
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected_live_allocations) override {
     return pools().live_allocations_are(device, mempool_id, expected_live_allocations);
+  }
+
+  // Note [Sharing under PyTorch] (ipc.hpp).
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    auto [offset, handle] = pyalloc::torch_layer::share_handle(ptr);
+    return {static_cast<ptrdiff_t>(offset), std::move(handle)};
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return pyalloc::torch_layer::Imports::instance().open(c10::cuda::current_device(), handle);
   }
 
   void markCaptureBegin(c10::DeviceIndex device) override { pools().capture_begin(device); }

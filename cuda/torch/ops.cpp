@@ -9,18 +9,22 @@
 // torch.OutOfMemoryError; under a CUDA build they are also a way to take raw
 // device memory from pyalloc with the errors PyTorch code expects. The
 // pool_* and capture_mark operators drive the private pools as the
-// allocator's entry points do (pools.hpp), for the tests.
+// allocator's entry points do (pools.hpp), and ipc_* its sharing (ipc.hpp),
+// for the tests.
 #include <torch/library.h>
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <unordered_set>
 #include <vector>
 
 #include "history.hpp"
+#include "ipc.hpp"
 #include "oom.hpp"
 #include "pools.hpp"
 #include "stats.hpp"
@@ -191,6 +195,42 @@ std::vector<int64_t> snapshot_pools(int64_t device) {
   return out;
 }
 
+// Sharing (Note [Sharing under PyTorch] in ipc.hpp), as shareIpcHandle and
+// getIpcDevPtr do it: the handle's bytes travel as a list of ints; an open
+// mapping is held here, by number, until ipc_release.
+std::tuple<std::vector<int64_t>, int64_t> ipc_share(int64_t address) {
+  auto [offset, handle] = pyalloc::torch_layer::share_handle(reinterpret_cast<void*>(static_cast<uintptr_t>(address)));
+  std::vector<int64_t> bytes(handle.begin(), handle.end());
+  for (int64_t& b : bytes) b &= 0xff;
+  return {bytes, static_cast<int64_t>(offset)};
+}
+
+std::mutex held_mutex;
+std::map<int64_t, std::shared_ptr<void>> held;
+int64_t held_next = 0;
+
+// (holder number, base address)
+std::tuple<int64_t, int64_t> ipc_open(int64_t device, std::vector<int64_t> bytes) {
+  std::string handle;
+  for (int64_t b : bytes) handle.push_back(static_cast<char>(b));
+  std::shared_ptr<void> mapped = pyalloc::torch_layer::Imports::instance().open(static_cast<int>(device), handle);
+  const int64_t base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(mapped.get()));
+  std::lock_guard<std::mutex> lock(held_mutex);
+  held.emplace(++held_next, std::move(mapped));
+  return {held_next, base};
+}
+
+void ipc_release(int64_t holder) {
+  std::shared_ptr<void> mapped;
+  {
+    std::lock_guard<std::mutex> lock(held_mutex);
+    const auto it = held.find(holder);
+    TORCH_CHECK(it != held.end(), "ipc_release: no open mapping numbered ", holder);
+    mapped = std::move(it->second);
+    held.erase(it);
+  }
+}
+
 void capture_mark(int64_t device, bool begin) {
   auto& pools = pyalloc::torch_layer::Pools::instance();
   begin ? pools.capture_begin(static_cast<int>(device)) : pools.capture_end(static_cast<int>(device));
@@ -216,4 +256,7 @@ TORCH_LIBRARY(pyalloc, m) {
         &pool_live_allocations_are);
   m.def("snapshot_pools(int device=0) -> int[]", &snapshot_pools);
   m.def("capture_mark(int device, bool begin) -> ()", &capture_mark);
+  m.def("ipc_share(int address) -> (int[], int)", &ipc_share);
+  m.def("ipc_open(int device, int[] handle) -> (int, int)", &ipc_open);
+  m.def("ipc_release(int holder) -> ()", &ipc_release);
 }

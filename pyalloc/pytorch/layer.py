@@ -39,8 +39,8 @@ from .._lib import PyallocError, library_path
 __all__ = ["LayerError", "build", "cuda_include_dir", "load_ops", "sources_dir"]
 
 _KINDS = {
-    "ops": ("oom.cpp", "stats.cpp", "history.cpp", "pools.cpp", "ops.cpp"),
-    "cuda": ("oom.cpp", "stats.cpp", "history.cpp", "pools.cpp", "cuda_allocator.cpp"),
+    "ops": ("oom.cpp", "stats.cpp", "history.cpp", "pools.cpp", "ipc.cpp", "ops.cpp"),
+    "cuda": ("oom.cpp", "stats.cpp", "history.cpp", "pools.cpp", "ipc.cpp", "cuda_allocator.cpp"),
 }
 _lock = threading.Lock()
 _ops_loaded: Path | None = None
@@ -129,7 +129,7 @@ def build(kind: str) -> Path:
     key = hashlib.sha256()
     key.update(torch.__version__.encode())
     key.update(library_path().encode())
-    for name in (*_KINDS[kind], "oom.hpp", "stats.hpp", "history.hpp", "pools.hpp"):
+    for name in (*_KINDS[kind], "oom.hpp", "stats.hpp", "history.hpp", "pools.hpp", "ipc.hpp"):
         key.update((sources / name).read_bytes())
     key.update((_header_dir(sources) / "pyalloc" / "pyalloc.h").read_bytes())
     out = _cache_dir() / f"{torch.__version__.replace('+', '_')}-{key.hexdigest()[:16]}" / f"libpyalloc_torch_{kind}.so"

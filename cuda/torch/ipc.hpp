@@ -1,0 +1,43 @@
+// ipc.hpp: CUDA tensors passed between processes, under pyalloc.
+//
+// Note [Sharing under PyTorch]
+// torch.multiprocessing sends a CUDA tensor as its storage's handle: the
+// sender asks its allocator's shareIpcHandle(data pointer) for bytes and an
+// offset, keeps the storage alive until the receivers let go (PyTorch's
+// reference counter file), and the receiver asks its allocator's
+// getIpcDevPtr(bytes) for the memory, holding the shared_ptr it returns for
+// as long as any tensor uses it. pyalloc's handle (Note [Sharing blocks] in
+// allocator/src/device/ipc.cpp) maps a plain segment whole or an arena
+// block's granules. A receiver may be sent several tensors of one segment
+// (the same bytes): the driver maps a handle once per process, so the
+// receiver keeps one mapping per handle, shared by every tensor that opened
+// it, and closes it when the last one goes.
+//
+// c10 only (no CUDA header), so the tests drive it on a CPU build.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace pyalloc::torch_layer {
+
+// shareIpcHandle: (the block's offset in what the handle maps, the handle).
+std::pair<size_t, std::string> share_handle(void* ptr);
+
+class Imports {
+ public:
+  static Imports& instance();
+  // getIpcDevPtr: the memory a handle maps on `device`, mapped once while
+  // any holder keeps it.
+  std::shared_ptr<void> open(int device, const std::string& handle);
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<int, std::string>, std::weak_ptr<void>> open_;
+};
+
+}  // namespace pyalloc::torch_layer
