@@ -187,6 +187,8 @@ def test_history_keeps_each_live_blocks_context_and_a_trace_of_allocs_and_frees(
                                                   (FREE_COMPLETED, a, MiB), (SNAPSHOT, 0, 0)]
     assert trace[1][3] == b_context and trace[0][3] == b_context - 1  # contexts of the allocations, in order
     assert trace[2][3] == 0  # frees carry a context only with when=ALL
+    assert torch.ops.pyalloc.context_for_pointer(b) == b_context  # getContextForPointer
+    assert torch.ops.pyalloc.context_for_pointer(a) == 0  # freed: no context
     torch.ops.pyalloc.free(b, 2 * MiB)
 
 

@@ -161,6 +161,12 @@ class PyallocCUDAAllocator final : public Base {
     History::instance().configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history);
   }
 
+  bool isHistoryEnabled() override { return History::instance().recording(); }
+
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
+    return History::instance().context_of(ptr);
+  }
+
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool,
                                                          bool include_traces) override {
     c10::cuda::CUDACachingAllocator::SnapshotInfo info;

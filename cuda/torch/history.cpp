@@ -113,6 +113,12 @@ void add_block(const pyalloc_block_info_t* b, void* user) {
 
 }  // namespace
 
+History::Context History::context_of(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = live_.find(reinterpret_cast<uintptr_t>(ptr));
+  return it == live_.end() ? nullptr : it->second;
+}
+
 std::vector<SegmentInfo> History::segments(int device) {
   Walk walk{device, {}, {}};
   // The walk runs under pyalloc's lock; contexts are attached after it, under

@@ -46,6 +46,10 @@ class History {
   void on_free(int device, void* ptr, size_t size, void* stream);
   void on_oom(int device, size_t size, size_t device_free, void* stream);
 
+  // The context recorded with live allocation `ptr` (getContextForPointer),
+  // or null.
+  Context context_of(const void* ptr);
+
   // The snapshot's segments of `device`, with each allocated block's context.
   std::vector<c10::CachingDeviceAllocator::SegmentInfo> segments(int device);
   // Each device's trace, oldest first, after a SNAPSHOT entry is added.

@@ -231,6 +231,13 @@ void ipc_release(int64_t holder) {
   }
 }
 
+// getContextForPointer's answer for `address`: the number of the stand-in
+// context recorded with it (0: none).
+int64_t context_for_pointer(int64_t address) {
+  return number_of(pyalloc::torch_layer::History::instance().context_of(
+      reinterpret_cast<const void*>(static_cast<uintptr_t>(address))));
+}
+
 void capture_mark(int64_t device, bool begin) {
   auto& pools = pyalloc::torch_layer::Pools::instance();
   begin ? pools.capture_begin(static_cast<int>(device)) : pools.capture_end(static_cast<int>(device));
@@ -256,6 +263,7 @@ TORCH_LIBRARY(pyalloc, m) {
         &pool_live_allocations_are);
   m.def("snapshot_pools(int device=0) -> int[]", &snapshot_pools);
   m.def("capture_mark(int device, bool begin) -> ()", &capture_mark);
+  m.def("context_for_pointer(int address) -> int", &context_for_pointer);
   m.def("ipc_share(int address) -> (int[], int)", &ipc_share);
   m.def("ipc_open(int device, int[] handle) -> (int, int)", &ipc_open);
   m.def("ipc_release(int holder) -> ()", &ipc_release);
