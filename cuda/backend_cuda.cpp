@@ -61,6 +61,7 @@
 
 #include "backends/backend.hpp"
 #include "driver.hpp"
+#include "sharing.hpp"
 #include "ground/config.hpp"
 
 namespace pyalloc {
@@ -246,88 +247,46 @@ class CudaBackend final : public Backend {
     call_void(device, "cuMemRelease", [&] { return api_.cuMemRelease(handle.value); });
   }
 
-  // ---- sharing with other processes (Note [Sharing blocks]) -----------------------
-  //
-  // A plain segment travels as cuIpcGetMemHandle's handle; a chunk as a
-  // POSIX file descriptor (cuMemExportToShareableHandle), which the importer
-  // takes from this process with pidfd_getfd. The descriptor is kept open
-  // until the chunk is released: the importer may take it any time before.
+  // ---- sharing with other processes (Note [Sharing blocks]; sharing.hpp) ----------
 
   Status segment_export(int device, uintptr_t addr, size_t, std::string* out) override {
     if (api_.cuIpcGetMemHandle == nullptr) return missing(device, "cuIpcGetMemHandle");
-    return in_context(device, [&](DeviceState&) -> Status {
-      CUipcMemHandle handle{};
-      const CUresult rc = api_.cuIpcGetMemHandle(&handle, addr);
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuIpcGetMemHandle", rc);
-      out->assign(handle.reserved, sizeof handle.reserved);
-      return Status::success();
-    });
+    return in_context(device, [&](DeviceState&) { return status_of(device, export_segment(api_, addr, out)); });
   }
 
   Status segment_import(int device, const std::string& in, uintptr_t* addr, size_t*) override {
     if (api_.cuIpcOpenMemHandle == nullptr) return missing(device, "cuIpcOpenMemHandle_v2");
-    CUipcMemHandle handle{};
-    if (in.size() != sizeof handle.reserved) {
-      return Status::failure("cuda device " + std::to_string(device) + ": a shared segment's handle is malformed");
-    }
-    std::memcpy(handle.reserved, in.data(), sizeof handle.reserved);
-    return in_context(device, [&](DeviceState&) -> Status {
-      CUdeviceptr ptr = 0;
-      const CUresult rc = api_.cuIpcOpenMemHandle(&ptr, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuIpcOpenMemHandle_v2", rc);
-      *addr = static_cast<uintptr_t>(ptr);
-      return Status::success();
-    });
+    if (in.size() != sizeof(CUipcMemHandle)) return malformed(device, "segment");
+    return in_context(device, [&](DeviceState&) { return status_of(device, open_segment(api_, in, addr)); });
   }
 
   void segment_close(int device, uintptr_t addr, size_t) override {
-    if (api_.cuIpcCloseMemHandle == nullptr) return;
-    call_void(device, "cuIpcCloseMemHandle", [&] { return api_.cuIpcCloseMemHandle(addr); });
+    if (api_.cuIpcCloseMemHandle) call_void(device, "cuIpcCloseMemHandle", [&] { return api_.cuIpcCloseMemHandle(addr); });
   }
 
   Status phys_export(int device, PhysHandle handle, std::string* out) override {
     if (api_.cuMemExportToShareableHandle == nullptr) return missing(device, "cuMemExportToShareableHandle");
     return in_context(device, [&](DeviceState& state) -> Status {
-      std::lock_guard<std::mutex> lock(state.mutex);
       if (state.exportable == 0) {
         return Status::failure("cuda device " + std::to_string(device) + ": the driver refused memory exportable "
                                "as file descriptors (cuMemCreate), so arena blocks cannot be shared; set vmm=off "
                                "for plain segments, which can");
       }
-      auto it = state.exported.find(handle.value);
-      if (it == state.exported.end()) {
-        int fd = -1;
-        const CUresult rc =
-            api_.cuMemExportToShareableHandle(&fd, handle.value, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-        if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemExportToShareableHandle", rc);
-        it = state.exported.emplace(handle.value, fd).first;
-      }
-      const int32_t ref[2] = {static_cast<int32_t>(getpid()), static_cast<int32_t>(it->second)};
-      out->assign(reinterpret_cast<const char*>(ref), sizeof ref);
-      return Status::success();
+      return status_of(device, export_chunk(api_, state, handle.value, out));
     });
   }
 
   Status phys_import(int device, const std::string& in, size_t size, PhysHandle* out) override {
     if (api_.cuMemImportFromShareableHandle == nullptr) return missing(device, "cuMemImportFromShareableHandle");
-    int32_t ref[2] = {0, 0};
-    if (in.size() != sizeof ref) {
-      return Status::failure("cuda device " + std::to_string(device) + ": a shared chunk's description is malformed");
-    }
+    int32_t ref[2] = {0, 0};  // (exporter's pid, descriptor): sharing.hpp
+    if (in.size() != sizeof ref) return malformed(device, "chunk");
     std::memcpy(ref, in.data(), sizeof ref);
     int fd = -1;
-    if (Status s = take_fd(ref[0], ref[1], &fd); !s.ok) {
-      return Status::failure("cuda device " + std::to_string(device) + ": " + s.message);
-    }
-    Status status = in_context(device, [&](DeviceState&) -> Status {
-      CUmemGenericAllocationHandle handle = 0;
-      const CUresult rc = api_.cuMemImportFromShareableHandle(
-          &handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemImportFromShareableHandle", rc);
-      *out = PhysHandle{handle, size};
-      return Status::success();
-    });
+    if (Status s = take_fd(ref[0], ref[1], &fd); !s.ok) return Status::failure("cuda device " + std::to_string(device) + ": " + s.message);
+    CUmemGenericAllocationHandle handle = 0;
+    Status status = in_context(device, [&](DeviceState&) { return status_of(device, import_chunk(api_, fd, &handle)); });
     close(fd);  // the driver holds its own reference
+    *out = PhysHandle{handle, size};
     return status;
   }
 
@@ -568,6 +527,14 @@ class CudaBackend final : public Backend {
                    state->first_error.c_str());
     } catch (...) {
     }
+  }
+
+  Status status_of(int device, const DriverCall& c) const {
+    return c.ok() ? Status::success() : call_failure(device, c.call, c.result);
+  }
+
+  Status malformed(int device, const char* what) const {
+    return Status::failure("cuda device " + std::to_string(device) + ": a shared " + what + "'s handle is malformed");
   }
 
   Status missing(int device, const char* symbol) const {

@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECK_SOURCE = REPO_ROOT / "tests" / "native" / "cuda_driver_api_check.cpp"
 # The cuda backend: the Backend over the driver, the driver's loading, and what every backend shares.
 BACKEND_SOURCES = (REPO_ROOT / "cuda" / "backend_cuda.cpp", REPO_ROOT / "cuda" / "driver.cpp",
-                   REPO_ROOT / "allocator" / "src" / "backends" / "backend.cpp")
+                   REPO_ROOT / "cuda" / "sharing.cpp", REPO_ROOT / "allocator" / "src" / "backends" / "backend.cpp")
 LIBRARY_SOURCE_DIRS = (REPO_ROOT / "allocator", REPO_ROOT / "cuda")
 
 # How long a compile or a child process may take before the test fails.
