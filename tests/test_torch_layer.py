@@ -375,6 +375,30 @@ def test_a_tensor_that_cannot_be_shared_is_an_error_that_says_why(device: None) 
     ptr = torch.ops.pyalloc.allocate(3 * MiB)
     with pytest.raises(RuntimeError, match="cannot share this CUDA tensor with another process: .*plain segment"):
         torch.ops.pyalloc.ipc_share(ptr)
-    with pytest.raises(RuntimeError, match="cannot open a CUDA tensor shared by another process: .*not a pyalloc"):
+    with pytest.raises(RuntimeError, match=r"cannot open a CUDA tensor shared by another process: its handle \(4 bytes\)"):
         torch.ops.pyalloc.ipc_open(0, list(b"junk"))
     torch.ops.pyalloc.free(ptr, 3 * MiB)
+
+
+def _pyalloc_plain_handle(ipc: bytes) -> bytes:
+    """pyalloc's handle of a plain segment on the cuda backend (pyalloc.h): header, one 64-byte part."""
+    header = b"pyalloc-ipc\0" + bytes([1, ord("S"), 0, 0]) + (1).to_bytes(4, "little") + bytes(4) + \
+        (20 << 20).to_bytes(8, "little") + bytes(8)
+    return header + (64).to_bytes(4, "little") + ipc
+
+
+def test_a_plain_segments_handle_travels_in_pytorchs_form_both_ways(ops: None) -> None:
+    ipc = bytes(range(64))  # cudaIpcGetMemHandle's bytes
+    theirs = bytes(torch.ops.pyalloc.ipc_convert(list(_pyalloc_plain_handle(ipc)), True))
+    assert theirs == b"\x02c" + ipc  # what PyTorch's own allocator opens in a process without pyalloc
+    back = bytes(torch.ops.pyalloc.ipc_convert(list(theirs), False))
+    assert back[:14] == b"pyalloc-ipc\0\x01S" and back.endswith((64).to_bytes(4, "little") + ipc)
+    granules = b"pyalloc-ipc\0\x01G" + bytes(30)  # an arena block's handle: no PyTorch form
+    assert bytes(torch.ops.pyalloc.ipc_convert(list(granules), True)) == granules
+
+
+def test_handles_pyalloc_cannot_open_are_errors_that_say_why(ops: None) -> None:
+    with pytest.raises(RuntimeError, match="PyTorch's own with expandable_segments, which pyalloc cannot open"):
+        torch.ops.pyalloc.ipc_convert(list(b"\x02e" + bytes(40)), False)
+    with pytest.raises(RuntimeError, match=r"its handle \(3 bytes\) is neither pyalloc's nor PyTorch's"):
+        torch.ops.pyalloc.ipc_convert([1, 2, 3], False)

@@ -5,9 +5,58 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace pyalloc::torch_layer {
+
+namespace {
+
+// PyTorch's shareable handle: a version byte, then the kind.
+constexpr char kPytorchVersion = 2;
+constexpr char kPytorchCudaMalloc = 'c';
+constexpr char kPytorchExpandable = 'e';
+constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
+// pyalloc's handle (pyalloc.h): the 40-byte header, then length and bytes.
+constexpr size_t kHeader = 40;
+constexpr char kMagic[12] = "pyalloc-ipc";
+
+bool is_pyalloc_form(const std::string& h) {
+  return h.size() >= kHeader && std::memcmp(h.data(), kMagic, sizeof kMagic) == 0;
+}
+
+}  // namespace
+
+std::string to_pytorch_form(const std::string& handle) {
+  // A plain segment with one part of cuIpcGetMemHandle's 64 bytes.
+  if (!is_pyalloc_form(handle) || handle[13] != 'S' || handle.size() != kHeader + 4 + kIpcHandleBytes) return handle;
+  std::string out{kPytorchVersion, kPytorchCudaMalloc};
+  out.append(handle, kHeader + 4, kIpcHandleBytes);
+  return out;
+}
+
+std::string from_pytorch_form(const std::string& handle) {
+  if (is_pyalloc_form(handle)) return handle;
+  if (handle.size() == 2 + kIpcHandleBytes && handle[0] == kPytorchVersion && handle[1] == kPytorchCudaMalloc) {
+    std::string out(kHeader, '\0');
+    std::memcpy(out.data(), kMagic, sizeof kMagic);
+    out[12] = 1;    // version
+    out[13] = 'S';  // a plain segment, of a size the handle does not say
+    const uint32_t parts = 1;
+    const uint32_t length = kIpcHandleBytes;
+    std::memcpy(out.data() + 16, &parts, sizeof parts);
+    out.append(reinterpret_cast<const char*>(&length), sizeof length);
+    out.append(handle, 2, kIpcHandleBytes);
+    return out;
+  }
+  TORCH_CHECK(!(handle.size() >= 2 && handle[0] == kPytorchVersion && handle[1] == kPytorchExpandable),
+              "pyalloc: this CUDA tensor was shared by a process whose allocator is PyTorch's own with "
+              "expandable_segments, which pyalloc cannot open; install pyalloc in that process too, or share "
+              "from plain segments");
+  TORCH_CHECK(false, "pyalloc: cannot open a CUDA tensor shared by another process: its handle (", handle.size(),
+              " bytes) is neither pyalloc's nor PyTorch's");
+}
 
 std::pair<size_t, std::string> share_handle(void* ptr) {
   std::vector<char> buf(4096);
@@ -20,7 +69,7 @@ std::pair<size_t, std::string> share_handle(void* ptr) {
       TORCH_CHECK(false, "pyalloc: cannot share this CUDA tensor with another process: ",
                   last != nullptr ? last : "pyalloc_ipc_export failed");
     }
-    if (length <= buf.size()) return {offset, std::string(buf.data(), length)};
+    if (length <= buf.size()) return {offset, to_pytorch_form(std::string(buf.data(), length))};
     buf.resize(length);
   }
 }
@@ -34,8 +83,9 @@ std::shared_ptr<void> Imports::open(int device, const std::string& handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto key = std::make_pair(device, handle);
   if (auto held = open_[key].lock()) return held;
+  const std::string mine = from_pytorch_form(handle);
   void* base = nullptr;
-  if (pyalloc_ipc_import(device, handle.data(), handle.size(), &base) != PYALLOC_OK) {
+  if (pyalloc_ipc_import(device, mine.data(), mine.size(), &base) != PYALLOC_OK) {
     open_.erase(key);
     const char* last = pyalloc_last_error();
     TORCH_CHECK(false, "pyalloc: cannot open a CUDA tensor shared by another process: ",

@@ -13,6 +13,16 @@
 // receiver keeps one mapping per handle, shared by every tensor that opened
 // it, and closes it when the last one goes.
 //
+// A process whose allocator is PyTorch's own may be on the other end (a
+// DataLoader worker that did not install pyalloc). PyTorch's handle of a
+// cudaMalloc block is a version byte (2), 'c' and cudaIpcGetMemHandle's 64
+// bytes, with the block's offset in its segment beside it: the same facts as
+// pyalloc's handle of a plain segment. So a plain segment's handle leaves in
+// PyTorch's form, which either allocator opens, and PyTorch's form is read
+// on arrival. An arena block's handle (exported granules) has no PyTorch
+// form; PyTorch's own expandable segments ('e') have no pyalloc form, and
+// opening one is an error that says so.
+//
 // c10 only (no CUDA header), so the tests drive it on a CPU build.
 #pragma once
 
@@ -27,6 +37,13 @@ namespace pyalloc::torch_layer {
 
 // shareIpcHandle: (the block's offset in what the handle maps, the handle).
 std::pair<size_t, std::string> share_handle(void* ptr);
+
+// pyalloc's handle of a plain segment in PyTorch's form; any other handle
+// as it is.
+std::string to_pytorch_form(const std::string& handle);
+// PyTorch's form of a cudaMalloc block's handle in pyalloc's; pyalloc's
+// handles as they are; anything else is an error naming it.
+std::string from_pytorch_form(const std::string& handle);
 
 class Imports {
  public:

@@ -205,6 +205,17 @@ std::tuple<std::vector<int64_t>, int64_t> ipc_share(int64_t address) {
   return {bytes, static_cast<int64_t>(offset)};
 }
 
+// The handle's two forms (Note [Sharing under PyTorch]), byte lists both ways.
+std::vector<int64_t> ipc_convert(std::vector<int64_t> bytes, bool to_pytorch) {
+  std::string handle;
+  for (int64_t b : bytes) handle.push_back(static_cast<char>(b));
+  const std::string out = to_pytorch ? pyalloc::torch_layer::to_pytorch_form(handle)
+                                     : pyalloc::torch_layer::from_pytorch_form(handle);
+  std::vector<int64_t> result;
+  for (char c : out) result.push_back(static_cast<unsigned char>(c));
+  return result;
+}
+
 std::mutex held_mutex;
 std::map<int64_t, std::shared_ptr<void>> held;
 int64_t held_next = 0;
@@ -267,4 +278,5 @@ TORCH_LIBRARY(pyalloc, m) {
   m.def("ipc_share(int address) -> (int[], int)", &ipc_share);
   m.def("ipc_open(int device, int[] handle) -> (int, int)", &ipc_open);
   m.def("ipc_release(int holder) -> ()", &ipc_release);
+  m.def("ipc_convert(int[] handle, bool to_pytorch) -> int[]", &ipc_convert);
 }

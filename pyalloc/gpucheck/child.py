@@ -155,6 +155,18 @@ def check_graphs(cfg: dict[str, Any]) -> Figures:
     figures["graph_max_error"] = worst
     if worst > 1e-3:
         raise CheckFailed(f"a replayed graph's output differs from eager by {worst}")
+    # The graph's private pool stays through empty_cache while the graph lives (it replays into
+    # its memory) and goes with it; a MemPool's use count and snapshot, as PyTorch reports them.
+    torch.cuda.empty_cache()
+    figures["reserved_with_graph"] = torch.cuda.memory_reserved()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        pooled = torch.randn(1 << 20, device="cuda")
+    figures["mempool_use_count"] = pool.use_count()
+    figures["mempool_segments"] = len(pool.snapshot())
+    del pooled, pool, graph, out
+    torch.cuda.empty_cache()
+    figures["reserved_after_graph"] = torch.cuda.memory_reserved()
 
     compiled = torch.compile(lambda x: model(x).relu().sum(dim=1), mode="reduce-overhead")
     worst = 0.0
@@ -168,29 +180,53 @@ def check_graphs(cfg: dict[str, Any]) -> Figures:
     return figures
 
 
-def _ipc_reader(queue: Any, results: Any) -> None:
-    tensor = queue.get()
-    results.put(float(tensor.sum().item()))
+def _ipc_reader(cfg: dict[str, Any], queue: Any, results: Any) -> None:
+    _setup(cfg)  # the reader's allocator: the same as the sender's, or PyTorch's own
+    try:
+        for _ in range(2):
+            tensor = queue.get()
+            results.put(float(tensor.sum().item()))
+            del tensor
+    except Exception as e:  # noqa: BLE001 - reported to the sender, which fails the check with it
+        results.put(f"{type(e).__name__}: {e}")
 
 
-def check_ipc(cfg: dict[str, Any]) -> Figures:
-    """A CUDA tensor passed to another process (torch.multiprocessing, as DataLoader workers do)."""
-    torch = _torch()
-    _require_cuda(cfg)
-    allocator = _setup(cfg)
+def _pass_to_a_reader(cfg: dict[str, Any], tensors: list[Any]) -> list[Any]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
-    reader = ctx.Process(target=_ipc_reader, args=(queue, results))
+    reader = ctx.Process(target=_ipc_reader, args=(cfg, queue, results))
     reader.start()
-    tensor = torch.full((1 << 20,), 2.0, device="cuda")
-    queue.put(tensor)
-    got = results.get(timeout=120)
+    got = []
+    for tensor in tensors:
+        queue.put(tensor)
+        got.append(results.get(timeout=120))
+        if isinstance(got[-1], str):
+            break
     reader.join(timeout=60)
-    if got != 2.0 * (1 << 20):
-        raise CheckFailed(f"the other process read a sum of {got}, not {2.0 * (1 << 20)}")
-    return {"allocator": allocator, "sum": got}
+    return got
+
+
+def check_ipc(cfg: dict[str, Any]) -> Figures:
+    """CUDA tensors passed to another process (torch.multiprocessing, as DataLoader workers do): a
+    1 MiB one and a 64 MiB one, to a reader under the same allocator; under pyalloc also to a reader
+    whose allocator is PyTorch's own, recorded as a figure, not a failure (Note [Sharing under
+    PyTorch]: a plain segment's handle travels in PyTorch's form and opens there; an arena block's
+    cannot)."""
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    small = torch.full((1 << 18,), 2.0, device="cuda")
+    large = torch.full((16 << 20,), 1.0, device="cuda")
+    want = [2.0 * (1 << 18), 1.0 * (16 << 20)]
+    got = _pass_to_a_reader(cfg, [small, large])
+    if got != want:
+        raise CheckFailed(f"the other process read {got}, not {want}")
+    figures: Figures = {"allocator": allocator, "sums": got}
+    if cfg.get("allocator") == "pyalloc":
+        figures["to_pytorch_allocator"] = _pass_to_a_reader({**cfg, "allocator": "pytorch"}, [small, large])
+    return figures
 
 
 def _allocate_in_a_named_function(torch: Any) -> list[Any]:

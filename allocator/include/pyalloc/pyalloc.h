@@ -193,6 +193,12 @@ PYALLOC_API int pyalloc_capture_begin(int device);
  * handle maps to *offset. PYALLOC_EINVAL when `ptr` is not the start of a
  * live allocation, PYALLOC_EBACKEND when its memory cannot be shared. */
 PYALLOC_API int pyalloc_ipc_export(void* ptr, void* buf, size_t len, size_t* handle_len, size_t* offset);
+/* The handle's bytes (little-endian, 40-byte header): "pyalloc-ipc\0",
+ * version (uint8, 1), kind (uint8: 'S' a plain segment, 'G' granules), two
+ * zero bytes, the number of parts (uint32), four zero bytes, the bytes the
+ * importer maps (uint64; 0 when unknown), each granule's size (uint64, 'G');
+ * then each part as its length (uint32) and the backend's bytes: for 'S' on
+ * the cuda backend, the 64 bytes of cuIpcGetMemHandle. */
 /* In the other process: maps the memory a handle describes on `device` at
  * *base (the block is at *base + offset), until pyalloc_ipc_close. */
 PYALLOC_API int pyalloc_ipc_import(int device, const void* handle, size_t len, void** base);

@@ -123,7 +123,7 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
   }
   const bool plain = h.kind == kPlain;
   if (parts.size() != h.parts || at != handle.size() || (plain && h.parts != 1) ||
-      (!plain && (h.granule == 0 || h.size != h.granule * h.parts))) {
+      (!plain && (h.parts == 0 || h.granule == 0 || h.size != h.granule * h.parts))) {
     *error = "a truncated or malformed pyalloc IPC handle";
     return false;
   }
