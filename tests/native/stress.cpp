@@ -222,6 +222,8 @@ struct Counters {
   std::atomic<uint64_t> refused_reconfigures{0};  // layout changes refused with blocks live
   std::atomic<uint64_t> introspections{0};  // stats/snapshot JSON and release_cached
   std::atomic<uint64_t> near_full_ops{0};     // operations of the near-full phases
+  std::atomic<uint64_t> captures{0};          // capture bursts (Note [Capture])
+  std::atomic<uint64_t> held_pool_empties{0};  // pyalloc_pool_empty_cache of the held pool
   std::atomic<uint64_t> loop_iterations{0};  // repetitions of the main thread's training loop
 };
 Counters g_count;
@@ -380,6 +382,13 @@ void reconfigure_layout_refused(const Block& held, int thread) {
 void introspect(Rng& rng, int thread) {
   g_count.introspections.fetch_add(1, std::memory_order_relaxed);
   const uint64_t what = rng.below(3);
+  if (what == 2 && rng.below(4) == 0) {  // the held pool's own emptying (Note [Held pools])
+    g_count.held_pool_empties.fetch_add(1, std::memory_order_relaxed);
+    if (pyalloc_pool_empty_cache(g_pool_ids[1], nullptr, nullptr) != PYALLOC_OK) {
+      fail("thread %d: pyalloc_pool_empty_cache: %s", thread, last_error());
+    }
+    return;
+  }
   if (what == 2) {
     size_t released = 0;
     if (pyalloc_release_cached(int(rng.below(kDevices)), rng.below(2) * 2 * MiB, &released) != PYALLOC_OK) {
@@ -406,6 +415,23 @@ void check_or_fail(int device, int thread, const char* when) {
   }
 }
 
+// A CUDA graph capture on one device: a few allocations and frees of this
+// thread's while every thread's calls on that device meet the capture (frees
+// deferred, no ladder), then its end, with an invariant walk inside and after.
+void capture_burst(Rng& rng, int thread, std::vector<Block*>& local, uint64_t& next_index) {
+  const int device = int(rng.below(kDevices));
+  if (pyalloc_capture_begin(device) != PYALLOC_OK) fail("thread %d: pyalloc_capture_begin: %s", thread, last_error());
+  for (int i = 0; i < 8; ++i) {
+    Block*& slot = local[rng.below(local.size())];
+    release(slot, thread);
+    slot = rng.below(2) == 0 ? allocate(rng, thread, next_index++) : nullptr;
+  }
+  check_or_fail(device, thread, "during a capture");
+  if (pyalloc_capture_end(device) != PYALLOC_OK) fail("thread %d: pyalloc_capture_end: %s", thread, last_error());
+  check_or_fail(device, thread, "after a capture");
+  g_count.captures.fetch_add(1, std::memory_order_relaxed);
+}
+
 // One thread's share of one round.
 void stress_thread(const Options& opt, int round, int thread) {
   Rng rng(mix(opt.seed ^ mix(uint64_t(round) << 32 | uint64_t(thread))));
@@ -423,12 +449,14 @@ void stress_thread(const Options& opt, int round, int thread) {
       slot = nullptr;
     } else if (r < 9500) {  // 20%: swap with the transfer array (hands blocks to other threads)
       slot = g_transfer[rng.below(kTransferSlots)].exchange(slot, std::memory_order_acq_rel);
-    } else if (r < 9900) {  // 4%: record_stream onto another stream
+    } else if (r < 9890) {  // 3.9%: record_stream onto another stream
       if (slot != nullptr) {
         const uintptr_t other = (slot->stream + 1 + rng.below(kStreams - 1)) % kStreams;
         pyalloc_record_stream(slot->ptr, as_stream(other));
         g_count.record_streams.fetch_add(1, std::memory_order_relaxed);
       }
+    } else if (r < 9900) {  // 0.1%: a capture, while the others go on (Note [Capture])
+      capture_burst(rng, thread, local, next_index);
     } else if (r < 9950) {  // 0.5%: invariant walk while others allocate
       check_or_fail(int(rng.below(kDevices)), thread, "during the run");
     } else if (r < 9970) {  // 0.2%: deliberate bad free
@@ -650,6 +678,11 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  // The second pool is held, as a CUDA graph's is: empty_cache and the ladder leave its memory.
+  if (pyalloc_pool_hold(g_pool_ids[1], 1) != PYALLOC_OK) {
+    std::fprintf(stderr, "stress: FAIL: pyalloc_pool_hold: %s\n", last_error());
+    return 1;
+  }
 
   for (int round = 0; round < opt.rounds && !g_failed.load(); ++round) {
     std::vector<std::thread> threads;
@@ -681,7 +714,8 @@ int main(int argc, char** argv) {
   for (auto& slot : g_transfer) release(slot.exchange(nullptr), -1);
   for (int d = 0; d < kDevices; ++d) check_or_fail(d, -1, "after freeing everything");
   // empty_cache synchronizes pending (record_stream) frees and releases every
-  // fully free segment; with nothing live that is all of them.
+  // fully free segment; with nothing live, and the held pool let go, that is all of them.
+  if (pyalloc_pool_hold(g_pool_ids[1], 0) != PYALLOC_OK) fail("pyalloc_pool_hold(0): %s", last_error());
   pyalloc_empty_cache();
 
   uint64_t ooms = 0;
@@ -730,6 +764,7 @@ int main(int argc, char** argv) {
               " bad_calls=%" PRIu64 " checks=%" PRIu64 " empty_caches=%" PRIu64
               " pool_allocs=%" PRIu64 " cupy_allocs=%" PRIu64 " reconfigures=%" PRIu64
               " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64 " shared=%" PRIu64 " near_full_ops=%" PRIu64 " near_full_shared=%" PRIu64
+              " captures=%" PRIu64 " held_pool_empties=%" PRIu64
               " loop_iterations=%" PRIu64 " plans=%" PRIu64 " plan_served=%" PRIu64 " lifetime_long=%" PRIu64
               " threads=%d rounds=%d seed=%" PRIu64 "\n",
               uint64_t(g_count.ops.load()), uint64_t(g_count.allocs.load()),
@@ -739,7 +774,9 @@ int main(int argc, char** argv) {
               uint64_t(g_count.empty_caches.load()), uint64_t(g_count.pool_allocs.load()),
               uint64_t(g_count.cupy_allocs.load()), uint64_t(g_count.reconfigures.load()),
               uint64_t(g_count.refused_reconfigures.load()), uint64_t(g_count.introspections.load()),
-              stitches, shared, uint64_t(g_count.near_full_ops.load()), g_near_full_shared, uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
+              stitches, shared, uint64_t(g_count.near_full_ops.load()), g_near_full_shared,
+              uint64_t(g_count.captures.load()), uint64_t(g_count.held_pool_empties.load()),
+              uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
               opt.rounds, opt.seed);
   return 0;
 }
