@@ -11,9 +11,11 @@ Call it first thing in the program, run the program under
 ``pyalloc run -- python train.py`` (which installs it at interpreter start, in
 every Python process the command starts), or call it from ``sitecustomize``.
 
-It also points PyTorch's memory API at pyalloc's figures
+Through the plain ``CUDAPluggableAllocator`` (whose C++ stats and history
+entry points raise) it also points PyTorch's memory API at pyalloc's figures
 (:mod:`pyalloc.pytorch.memory_api`), unless ``install(patch_torch=False)`` or
-``PYALLOC_PATCH_TORCH=0``.
+``PYALLOC_PATCH_TORCH=0``; through the layer PyTorch's own functions are right
+and stay.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .._lib import PyallocError, lib, library_path
 from ..core import config, configure, device_count, startup_error
 from ..core import snapshot as _pyalloc_snapshot
 from . import layer
-from .memory_api import HISTORY_FUNCTIONS, patch_torch_memory_api
+from .memory_api import ANSWERED_BY_LAYER, patch_torch_memory_api
 
 __all__ = [
     "LAYER_ENV",
@@ -131,8 +133,8 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
 
 
 def _kept_by_torch() -> frozenset[str]:
-    """PyTorch's own functions that stay: snapshots and history, when the layer answers them with frames."""
-    return HISTORY_FUNCTIONS if _installed_allocator is layer else frozenset()
+    """PyTorch's own functions that stay: all of them when the layer answers them from C++."""
+    return ANSWERED_BY_LAYER if _installed_allocator is layer else frozenset()
 
 
 def _set_installed(pluggable: Any) -> None:

@@ -214,8 +214,13 @@ def _namespaces() -> list[tuple[str, ModuleType]]:
 
 
 # What the torch-facing layer answers from C++ with PyTorch's own stack
-# contexts (Note [Memory history under PyTorch]): left to PyTorch when it is installed.
+# contexts (Note [Memory history under PyTorch]).
 HISTORY_FUNCTIONS = frozenset({"_snapshot", "memory_snapshot", "_record_memory_history"})
+# What PyTorch's own functions get right once the torch-facing layer is its
+# allocator: the stats through getDeviceStats and the resets (stats.hpp), the
+# history and snapshots (history.hpp). Nothing is patched then; the patches
+# serve the plain CUDAPluggableAllocator, whose C++ entry points raise.
+ANSWERED_BY_LAYER = frozenset(_REPLACEMENTS)
 
 
 def patch_torch_memory_api(*, keep: frozenset[str] = frozenset()) -> None:
