@@ -85,6 +85,45 @@
 // path; an exact fit stays on the fast path.
 //
 
+// Note [Reuse before growing]
+// An arena that finds no cached block for a request grows: it maps granules
+// where the window needs them (best_window). Until 2026-11-25 it mapped new
+// granules even while whole granules sat unused inside free blocks elsewhere
+// in the arena, and reused those by stitching only once the device was full,
+// so peak reserved memory climbed towards the device's size
+// (llama1b_b32_s4096_ckpt: 81,446 MiB reserved for 69,077 live on an 80 GiB
+// device, more than either model of PyTorch's allocator).
+// Now a growth takes its granules from free blocks of its own arena first
+// (reuse_granules: the smallest free blocks that hold whole granules first,
+// their interior granules unmapped and mapped into the window), and new ones
+// only for the rest, when reserved memory would otherwise pass the peak of
+// allocated memory by more than 1/kReuseSlack (0.4%) and stays below 95% of
+// what the allocator may reserve; above that, the pressure ladder and shared
+// granules decide, as before. A cache hit changes nothing: only a miss that
+// would have mapped new granules moves cached ones instead. The slack is
+// taken against the peak, not what is allocated now, so that a workload
+// whose reserved memory stays within 0.4% of its high-water mark never
+// moves a granule; 1/64 left vit_l and resnet50 reserving more than before
+// (40,486 MiB against 40,406; 11,064 against 11,040) and no slack moved
+// granules on misses that the slack absorbs.
+// The cost: a synchronization of the arena's stream and a remap of each
+// granule moved (on a GPU an unmap and a map, microseconds each), on such a
+// miss; counted in num_reuses and reused_bytes. On the recorded training
+// traces it is paid in the first iterations (llama1b_b32_s4096_ckpt: 100
+// reuses before the first iteration mark, 6 over the next two, none in the
+// third); on a random churn that never repeats, on every miss, and the
+// search for a window (best_window) walks the more holes that moving leaves:
+// 3 to 5 times the instructions per operation of tools/bench/scale.py at
+// 10^3 and 10^4 live blocks, as the allocator keeps reserved memory near
+// live instead of 19% above it.
+// Moving a granule leaves a hole between live blocks, so live blocks spread
+// over more of the address space: an arena reserves kArenaSpan times the
+// device's size of it, not twice (with twice, interleaved_lifetimes at a
+// capacity of 800 MiB ran out of address space with 638 MiB reserved).
+// Measured on the stress suite and tools/bench/scale.py:
+// docs/benchmarks/2026-11-25-reuse-cpu.md.
+//
+
 #include <algorithm>
 #include <set>
 
@@ -93,6 +132,14 @@
 #include "device/fast_path.hpp"
 
 namespace pyalloc {
+
+namespace {
+// An arena's address space, in device sizes (Note [Reuse before growing]).
+constexpr size_t kArenaSpan = 8;
+// Growth reuses cached granules once reserved memory would pass the peak of
+// allocated memory by more than 1/kReuseSlack of it (Note [Reuse before growing]).
+constexpr size_t kReuseSlack = 256;
+}  // namespace
 
 size_t DeviceAllocator::granule() {
   if (granule_ == 0) granule_ = backend_->granularity(device_);
@@ -108,9 +155,10 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
     last_backend_error_ = "the backend has no usable virtual-memory granularity";
     return nullptr;
   }
-  // Twice the device, so that address space is rarely what runs out: live
-  // blocks would have to be spread thinly over all of it.
-  const size_t size = round_up_to(2 * device_total(), g);
+  // kArenaSpan times the device, so that address space is rarely what runs
+  // out: live blocks would have to be spread thinly over all of it (Note
+  // [Reuse before growing]).
+  const size_t size = round_up_to(kArenaSpan * device_total(), g);
   uintptr_t va = 0;
   if (!succeeded(backend_->reserve(device_, size, &va))) return nullptr;
   Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
@@ -354,7 +402,16 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
 
   // Gather every handle first, so a failure leaves the arena as it was.
-  std::vector<PhysHandle> handles = new_granules(w.granules);
+  std::vector<PhysHandle> handles;
+  if (!stitch && reuses_first(rounded, w.granules * g)) {
+    const size_t n = reuse_granules(pool, arena, w.granules, lo, hi, &handles);
+    if (n > 0) {
+      stats_.num_reuses += 1;
+      stats_.reused_bytes += static_cast<int64_t>(n * g);
+    }
+  }
+  std::vector<PhysHandle> fresh = new_granules(w.granules - handles.size());
+  handles.insert(handles.end(), fresh.begin(), fresh.end());
   if (handles.size() < w.granules && stitch) {
     const size_t before = handles.size();
     unmap_free_granules(w.granules - before, lo, hi, &handles);
@@ -394,6 +451,55 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   }
   release_granules(handles);  // left over only when a map failed
   return pool.free_blocks.best_fit(stream, rounded);
+}
+
+// Whether a growth that needs `fresh` bytes of new granules for `rounded`
+// bytes takes cached free granules first (Note [Reuse before growing]): with
+// reuse on, while reserved memory would stay below reuse_below_, and when it
+// would pass the peak of allocated memory (or what is allocated with this
+// request, if more) by more than 1/kReuseSlack of it.
+bool DeviceAllocator::reuses_first(size_t rounded, size_t fresh) {
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + fresh;
+  if (fresh == 0 || reserved >= reuse_below_) return false;
+  const Stat allocated = stats_.allocated_bytes.get(kStatAll);
+  const size_t high = std::max(static_cast<size_t>(allocated.peak), static_cast<size_t>(allocated.current) + rounded);
+  return reserved > high + high / kReuseSlack;
+}
+
+// Takes up to `n` granules from free blocks of `pool` in `arena` (its own
+// stream's cached memory), smallest blocks first, except blocks overlapping
+// [skip_lo, skip_hi) (the window being grown); the handles go to `handles`.
+// Returns the granules taken. The stream is synchronized first, once, as
+// for stitching; nothing moves when it cannot be.
+size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
+                                       std::vector<PhysHandle>* handles) {
+  const size_t g = granule_;
+  struct Donor {
+    Block* block;
+    uintptr_t lo, hi;
+  };
+  std::vector<Donor> donors;
+  size_t found = 0;
+  pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {
+    uintptr_t lo, hi;
+    if (b->segment != arena || (b->addr < skip_hi && end_of(b) > skip_lo) || !free_interior(b, g, &lo, &hi)) {
+      return true;
+    }
+    donors.push_back(Donor{b, lo, hi});
+    found += (hi - lo) / g;
+    return found < n;
+  });
+  if (donors.empty() || !synchronize_stream(arena)) return 0;
+  size_t done = 0;
+  // Unmapping one donor carves it and merges holes: the other donors, free
+  // blocks apart from it (free neighbours coalesce), stay as they are.
+  for (const Donor& d : donors) {
+    if (done == n) break;
+    const size_t k = std::min((d.hi - d.lo) / g, n - done);
+    unmap_free_range(d.block, d.lo, d.lo + k * g, handles);
+    done += k;
+  }
+  return done;
 }
 
 // Ladder step 2. A pool without arenas grows by plain segments from the
