@@ -263,12 +263,13 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::
     }
     handles->pop_back();
     arena->phys[(mapped_to - arena->base) / g] = h;
-    arena->mapped += g;
-    stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(g));
     trace_.record(TraceAction::kSegmentMap, mapped_to, g, arena->stream);
     mapped_to += g;
   }
   if (mapped_to == lo) return nullptr;
+  // Counted once for the range: the peak is the same, as the loop only adds.
+  arena->mapped += mapped_to - lo;
+  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(mapped_to - lo));
   // Carve [lo, mapped_to) out of the hole as a free block; what lies before
   // and after stays a hole.
   arena->holes.erase(hole);
@@ -302,9 +303,9 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi,
       ++stats_.num_device_free;
     }
     slot = PhysHandle{};
-    arena->mapped -= g;
-    stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(g));
   }
+  arena->mapped -= hi - lo;
+  stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(hi - lo));
   middle->state = BlockState::kHole;
   merge_holes(middle);
   reserved_changed();
@@ -490,6 +491,7 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
     return found < n;
   });
   if (donors.empty() || !synchronize_stream(arena)) return 0;
+  handles->reserve(handles->size() + n);
   size_t done = 0;
   // Unmapping one donor carves it and merges holes: the other donors, free
   // blocks apart from it (free neighbours coalesce), stay as they are.
