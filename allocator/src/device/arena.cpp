@@ -96,26 +96,28 @@
 // Now a growth takes its granules from free blocks of its own arena first
 // (reuse_granules: the smallest free blocks that hold whole granules first,
 // their interior granules unmapped and mapped into the window), and new ones
-// only for the rest, when reserved memory would otherwise pass the peak of
-// allocated memory by more than 1/kReuseSlack (0.4%) and stays below 95% of
-// what the allocator may reserve; above that, the pressure ladder and shared
-// granules decide, as before. A cache hit changes nothing: only a miss that
-// would have mapped new granules moves cached ones instead. The slack is
-// taken against the peak, not what is allocated now, so that a workload
-// whose reserved memory stays within 0.4% of its high-water mark never
-// moves a granule; 1/64 left vit_l and resnet50 reserving more than before
-// (40,486 MiB against 40,406; 11,064 against 11,040) and no slack moved
-// granules on misses that the slack absorbs.
+// only for the rest, while reserved memory stays below 95% of what the
+// allocator may reserve; above that, the pressure ladder and shared granules
+// decide, as before. A cache hit changes nothing: only a miss that would
+// have mapped new granules moves cached ones instead.
+// Letting reserved memory pass the peak of allocated memory by a slack
+// before reusing (1/1024, 1/256, 1/64: tried) moved as many granules on the
+// random churn of tools/bench/scale.py, kept moving some on every iteration
+// of vit_l_b256_s224 (4 reuses, 0.55 GiB, where no slack settles after two),
+// and left reserved memory higher: 1/256 reserved 64,538 MiB on
+// llama7b_b1_s2048 against 64,360; 1/64 on vit_l 40,486 against 40,406
+// before reuse. A slack against what is allocated now (rather than the peak)
+// did the same.
 // The cost: a synchronization of the arena's stream and a remap of each
 // granule moved (on a GPU an unmap and a map, microseconds each), on such a
 // miss; counted in num_reuses and reused_bytes. On the recorded training
 // traces it is paid in the first iterations (llama1b_b32_s4096_ckpt: 100
-// reuses before the first iteration mark, 6 over the next two, none in the
-// third); on a random churn that never repeats, on every miss, and the
-// search for a window (best_window) walks the more holes that moving leaves:
-// 3 to 5 times the instructions per operation of tools/bench/scale.py at
-// 10^3 and 10^4 live blocks, as the allocator keeps reserved memory near
-// live instead of 19% above it.
+// reuses before the first iteration mark, 4 and 2 in the next two, none in
+// the last); on a random churn that never repeats, on every miss, and the
+// search for a window (best_window) walks the more holes that moving
+// leaves: 2.5 to 3 times the instructions per operation of
+// tools/bench/scale.py at 10^3 and 10^4 live blocks with no limit, as the
+// allocator keeps reserved memory near live instead of 19% above it.
 // Moving a granule leaves a hole between live blocks, so live blocks spread
 // over more of the address space: an arena reserves kArenaSpan times the
 // device's size of it, not twice (with twice, interleaved_lifetimes at a
@@ -136,9 +138,6 @@ namespace pyalloc {
 namespace {
 // An arena's address space, in device sizes (Note [Reuse before growing]).
 constexpr size_t kArenaSpan = 8;
-// Growth reuses cached granules once reserved memory would pass the peak of
-// allocated memory by more than 1/kReuseSlack of it (Note [Reuse before growing]).
-constexpr size_t kReuseSlack = 256;
 }  // namespace
 
 size_t DeviceAllocator::granule() {
@@ -404,7 +403,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
 
   // Gather every handle first, so a failure leaves the arena as it was.
   std::vector<PhysHandle> handles;
-  if (!stitch && reuses_first(rounded, w.granules * g)) {
+  if (!stitch && reuses_first(w.granules * g)) {
     const size_t n = reuse_granules(pool, arena, w.granules, lo, hi, &handles);
     if (n > 0) {
       stats_.num_reuses += 1;
@@ -454,17 +453,11 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   return pool.free_blocks.best_fit(stream, rounded);
 }
 
-// Whether a growth that needs `fresh` bytes of new granules for `rounded`
-// bytes takes cached free granules first (Note [Reuse before growing]): with
-// reuse on, while reserved memory would stay below reuse_below_, and when it
-// would pass the peak of allocated memory (or what is allocated with this
-// request, if more) by more than 1/kReuseSlack of it.
-bool DeviceAllocator::reuses_first(size_t rounded, size_t fresh) {
-  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + fresh;
-  if (fresh == 0 || reserved >= reuse_below_) return false;
-  const Stat allocated = stats_.allocated_bytes.get(kStatAll);
-  const size_t high = std::max(static_cast<size_t>(allocated.peak), static_cast<size_t>(allocated.current) + rounded);
-  return reserved > high + high / kReuseSlack;
+// Whether a growth that needs `fresh` bytes of new granules takes cached free
+// granules first (Note [Reuse before growing]): with reuse on, while reserved
+// memory would stay below reuse_below_.
+bool DeviceAllocator::reuses_first(size_t fresh) {
+  return fresh != 0 && static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + fresh < reuse_below_;
 }
 
 // Takes up to `n` granules from free blocks of `pool` in `arena` (its own

@@ -278,7 +278,7 @@ class DeviceAllocator {
   std::vector<PhysHandle> new_granules(size_t n);
   void release_granules(const std::vector<PhysHandle>& handles);
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
-  bool reuses_first(size_t rounded, size_t fresh);
+  bool reuses_first(size_t fresh);
   size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
                         std::vector<PhysHandle>* handles);
   Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
