@@ -48,6 +48,14 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
     if (hole->addr < walked_to) continue;  // in the run just walked
     const Block* b = hole;
     while (b->prev != nullptr && usable(b->prev)) b = b->prev;
+    // A run shorter than the request holds no window: skip it in one walk.
+    size_t run = 0;
+    const Block* end = b;
+    for (; end != nullptr && usable(end) && run < rounded; end = end->next) run += end->size;
+    if (run < rounded) {
+      walked_to = end != nullptr ? end->addr : arena->base + arena->size;
+      continue;
+    }
     for (; b != nullptr && usable(b); b = b->next) {
       // Forward from b's start.
       size_t span = 0;

@@ -6,6 +6,7 @@ namespace pyalloc {
 FreeSet::StreamBins FreeSet::no_bins_;
 
 Block* FreeSet::next_of(const Block* b) { return b->bin_next; }
+bool FreeSet::below(const Block* b, size_t size) { return b->size < size; }
 
 FreeSet::StreamBins* FreeSet::add_stream(StreamId stream) {
   streams_.push_back(std::make_unique<StreamBins>());

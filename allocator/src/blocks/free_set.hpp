@@ -92,6 +92,21 @@ class FreeSet {
     }
   }
 
+  // Calls fn(block) for the free blocks of `stream` of at least `size` bytes,
+  // smallest first (class by class, each in (size, address) order), until fn
+  // returns false. fn must not change the set (collect, then change).
+  template <typename F>
+  void for_each_at_least(StreamId stream, size_t size, F fn) const {
+    const StreamBins* bins = find(stream);
+    if (bins == nullptr) return;
+    for (int c = first_class_at_or_above(*bins, size_class(size)); c >= 0;
+         c = first_class_at_or_above(*bins, c + 1)) {
+      for (Block* b = bins->heads[c]; b != nullptr; b = next_of(b)) {
+        if (!below(b, size) && !fn(b)) return;
+      }
+    }
+  }
+
   // The structure's own invariants: sorted classes, right classes and
   // streams, a bit set for every non-empty class. False with *error.
   bool validate(std::string* error) const;
@@ -105,6 +120,7 @@ class FreeSet {
   };
 
   static bool before(const Block* a, const Block* b);
+  static bool below(const Block* b, size_t size);
   static Block* next_of(const Block* b);
   // The stream's bins; nullptr when it has none, or, until the first stream
   // is added, possibly the empty no_bins_ (which only insert() must tell).

@@ -85,6 +85,47 @@
 // path; an exact fit stays on the fast path.
 //
 
+// Note [Reuse before growing]
+// An arena that finds no cached block for a request grows: it maps granules
+// where the window needs them (best_window). Until 2026-11-25 it mapped new
+// granules even while whole granules sat unused inside free blocks elsewhere
+// in the arena, and reused those by stitching only once the device was full,
+// so peak reserved memory climbed towards the device's size
+// (llama1b_b32_s4096_ckpt: 81,446 MiB reserved for 69,077 live on an 80 GiB
+// device, more than either model of PyTorch's allocator).
+// Now a growth takes its granules from free blocks of its own arena first
+// (reuse_granules: the smallest free blocks that hold whole granules first,
+// their interior granules unmapped and mapped into the window), and new ones
+// only for the rest, while reserved memory stays below 95% of what the
+// allocator may reserve; above that, the pressure ladder and shared granules
+// decide, as before. A cache hit changes nothing: only a miss that would
+// have mapped new granules moves cached ones instead.
+// Letting reserved memory pass the peak of allocated memory by a slack
+// before reusing (1/1024, 1/256, 1/64: tried) moved as many granules on the
+// random churn of tools/bench/scale.py, kept moving some on every iteration
+// of vit_l_b256_s224 (4 reuses, 0.55 GiB, where no slack settles after two),
+// and left reserved memory higher: 1/256 reserved 64,538 MiB on
+// llama7b_b1_s2048 against 64,360; 1/64 on vit_l 40,486 against 40,406
+// before reuse. A slack against what is allocated now (rather than the peak)
+// did the same.
+// The cost: a synchronization of the arena's stream and a remap of each
+// granule moved (on a GPU an unmap and a map, microseconds each), on such a
+// miss; counted in num_reuses and reused_bytes. On the recorded training
+// traces it is paid in the first iterations (llama1b_b32_s4096_ckpt: 100
+// reuses before the first iteration mark, 4 and 2 in the next two, none in
+// the last); on a random churn that never repeats, on every miss, and the
+// search for a window (best_window) walks the more holes that moving
+// leaves: 2.5 to 3 times the instructions per operation of
+// tools/bench/scale.py at 10^3 and 10^4 live blocks with no limit, as the
+// allocator keeps reserved memory near live instead of 19% above it.
+// Moving a granule leaves a hole between live blocks, so live blocks spread
+// over more of the address space: an arena reserves kArenaSpan times the
+// device's size of it, not twice (with twice, interleaved_lifetimes at a
+// capacity of 800 MiB ran out of address space with 638 MiB reserved).
+// Measured on the stress suite and tools/bench/scale.py:
+// docs/benchmarks/2026-11-25-reuse-cpu.md.
+//
+
 #include <algorithm>
 #include <set>
 
@@ -93,6 +134,11 @@
 #include "device/fast_path.hpp"
 
 namespace pyalloc {
+
+namespace {
+// An arena's address space, in device sizes (Note [Reuse before growing]).
+constexpr size_t kArenaSpan = 8;
+}  // namespace
 
 size_t DeviceAllocator::granule() {
   if (granule_ == 0) granule_ = backend_->granularity(device_);
@@ -108,9 +154,10 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
     last_backend_error_ = "the backend has no usable virtual-memory granularity";
     return nullptr;
   }
-  // Twice the device, so that address space is rarely what runs out: live
-  // blocks would have to be spread thinly over all of it.
-  const size_t size = round_up_to(2 * device_total(), g);
+  // kArenaSpan times the device, so that address space is rarely what runs
+  // out: live blocks would have to be spread thinly over all of it (Note
+  // [Reuse before growing]).
+  const size_t size = round_up_to(kArenaSpan * device_total(), g);
   uintptr_t va = 0;
   if (!succeeded(backend_->reserve(device_, size, &va))) return nullptr;
   Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
@@ -215,12 +262,13 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::
     }
     handles->pop_back();
     arena->phys[(mapped_to - arena->base) / g] = h;
-    arena->mapped += g;
-    stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(g));
     trace_.record(TraceAction::kSegmentMap, mapped_to, g, arena->stream);
     mapped_to += g;
   }
   if (mapped_to == lo) return nullptr;
+  // Counted once for the range: the peak is the same, as the loop only adds.
+  arena->mapped += mapped_to - lo;
+  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(mapped_to - lo));
   // Carve [lo, mapped_to) out of the hole as a free block; what lies before
   // and after stays a hole.
   arena->holes.erase(hole);
@@ -254,9 +302,9 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi,
       ++stats_.num_device_free;
     }
     slot = PhysHandle{};
-    arena->mapped -= g;
-    stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(g));
   }
+  arena->mapped -= hi - lo;
+  stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(hi - lo));
   middle->state = BlockState::kHole;
   merge_holes(middle);
   reserved_changed();
@@ -354,7 +402,16 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
 
   // Gather every handle first, so a failure leaves the arena as it was.
-  std::vector<PhysHandle> handles = new_granules(w.granules);
+  std::vector<PhysHandle> handles;
+  if (!stitch && reuses_first(w.granules * g)) {
+    const size_t n = reuse_granules(pool, arena, w.granules, lo, hi, &handles);
+    if (n > 0) {
+      stats_.num_reuses += 1;
+      stats_.reused_bytes += static_cast<int64_t>(n * g);
+    }
+  }
+  std::vector<PhysHandle> fresh = new_granules(w.granules - handles.size());
+  handles.insert(handles.end(), fresh.begin(), fresh.end());
   if (handles.size() < w.granules && stitch) {
     const size_t before = handles.size();
     unmap_free_granules(w.granules - before, lo, hi, &handles);
@@ -394,6 +451,50 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   }
   release_granules(handles);  // left over only when a map failed
   return pool.free_blocks.best_fit(stream, rounded);
+}
+
+// Whether a growth that needs `fresh` bytes of new granules takes cached free
+// granules first (Note [Reuse before growing]): with reuse on, while reserved
+// memory would stay below reuse_below_.
+bool DeviceAllocator::reuses_first(size_t fresh) {
+  return fresh != 0 && static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + fresh < reuse_below_;
+}
+
+// Takes up to `n` granules from free blocks of `pool` in `arena` (its own
+// stream's cached memory), smallest blocks first, except blocks overlapping
+// [skip_lo, skip_hi) (the window being grown); the handles go to `handles`.
+// Returns the granules taken. The stream is synchronized first, once, as
+// for stitching; nothing moves when it cannot be.
+size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
+                                       std::vector<PhysHandle>* handles) {
+  const size_t g = granule_;
+  struct Donor {
+    Block* block;
+    uintptr_t lo, hi;
+  };
+  std::vector<Donor> donors;
+  size_t found = 0;
+  pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {
+    uintptr_t lo, hi;
+    if (b->segment != arena || (b->addr < skip_hi && end_of(b) > skip_lo) || !free_interior(b, g, &lo, &hi)) {
+      return true;
+    }
+    donors.push_back(Donor{b, lo, hi});
+    found += (hi - lo) / g;
+    return found < n;
+  });
+  if (donors.empty() || !synchronize_stream(arena)) return 0;
+  handles->reserve(handles->size() + n);
+  size_t done = 0;
+  // Unmapping one donor carves it and merges holes: the other donors, free
+  // blocks apart from it (free neighbours coalesce), stay as they are.
+  for (const Donor& d : donors) {
+    if (done == n) break;
+    const size_t k = std::min((d.hi - d.lo) / g, n - done);
+    unmap_free_range(d.block, d.lo, d.lo + k * g, handles);
+    done += k;
+  }
+  return done;
 }
 
 // Ladder step 2. A pool without arenas grows by plain segments from the

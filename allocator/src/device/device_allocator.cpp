@@ -57,6 +57,7 @@ void DeviceAllocator::apply_settings(const Config& config) {
   round_power2_ = config.round_power2;
   oom_report_ = config.oom_report;
   sharing_ = config.share;
+  reusing_ = config.reuse;
   update_share_from();
   if (trace_.capacity() != config.trace) trace_.resize(config.trace);
   if (cached_free_bytes_ > max_cached_) enforce_max_cached();
@@ -75,6 +76,7 @@ void DeviceAllocator::set_memory_fraction(double fraction) {
 void DeviceAllocator::update_share_from() {
   const size_t limit = std::min(reserved_limit(), device_total());
   share_from_ = sharing_ && vmm_ != VmmMode::kOff && limit != 0 ? limit / 20 * 19 : SIZE_MAX;
+  reuse_below_ = reusing_ && vmm_ != VmmMode::kOff ? (limit != 0 ? limit / 20 * 19 : SIZE_MAX) : 0;
   share_limit_ = limit;
   if (divert_ & kDivertSlivers) drop_sliver_indexes(false);
 }

@@ -302,6 +302,9 @@ class DeviceAllocator {
   std::vector<PhysHandle> new_granules(size_t n);
   void release_granules(const std::vector<PhysHandle>& handles);
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
+  bool reuses_first(size_t fresh);
+  size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
+                        std::vector<PhysHandle>* handles);
   Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
   size_t release_arena_memory(size_t bytes);
   void release_arena(Segment* arena);
@@ -389,6 +392,11 @@ class DeviceAllocator {
   // number of them, may be served from a shared window first (SIZE_MAX: never).
   size_t share_from_ = SIZE_MAX;
   size_t share_limit_ = SIZE_MAX;  // what the allocator may reserve, when share_from_ is set
+  bool reusing_ = true;  // Note [Reuse before growing]
+  // Reserved bytes below which an arena's growth takes cached free granules
+  // before new ones (0: never); 95% of what the allocator may reserve, like
+  // share_from_: above it the pressure ladder's rules apply.
+  size_t reuse_below_ = 0;
 
   std::vector<Block*> spare_blocks_;  // recycled Block objects
   Pool small_pool_;

@@ -153,6 +153,8 @@ const std::vector<KeySpec>& key_specs() {
        [](const std::string& v, Config* c) { return parse_bool(v, &c->lifetime); }},
       {"share", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->share); }},
+      {"reuse", "0 or 1",
+       [](const std::string& v, Config* c) { return parse_bool(v, &c->reuse); }},
   };
   return *specs;
 }
@@ -287,6 +289,7 @@ std::string Config::to_json() const {
   w.key("plan").value(plan);
   w.key("lifetime").value(lifetime);
   w.key("share").value(share);
+  w.key("reuse").value(reuse);
   w.end_object();
   return w.str();
 }

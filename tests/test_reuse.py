@@ -1,0 +1,93 @@
+"""Reuse before growing (Note [Reuse before growing] in allocator/src/device/arena.cpp).
+
+An arena that finds no cached block for a request takes the whole granules
+inside its other free blocks before it maps new ones, while reserved memory
+stays below 95% of what the allocator may reserve. On the host backend the
+granules are real memfd chunks, so the live blocks' bytes are checked after the
+move. Every call is followed by ``pyalloc_check``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+import pyalloc
+from allocator_fixture import Allocator, fill, holds, rebuilt
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=["host", "sim"])
+def arenas(request: pytest.FixtureRequest) -> Iterator[Allocator]:
+    a = rebuilt(request.param, "vmm=shared")
+    yield a
+    a.free_all()
+    pyalloc.check(0)
+
+
+def _hole_between_live_blocks(a: Allocator) -> tuple[int, int]:
+    """8 MiB live, 8 MiB free, 8 MiB live: 12 granules mapped, 4 of them free."""
+    first = a.malloc(8 * MiB)
+    middle = a.malloc(8 * MiB)
+    last = a.malloc(8 * MiB)
+    if a.backend == "host":
+        fill(first, 8 * MiB, 0x11)
+        fill(last, 8 * MiB, 0x33)
+    a.free(middle)
+    assert a.stats()["reserved_bytes.all.current"] == 24 * MiB
+    return first, last
+
+
+def test_a_miss_takes_the_cached_granules_before_new_ones(arenas: Allocator) -> None:
+    first, last = _hole_between_live_blocks(arenas)
+    big = arenas.malloc(12 * MiB)  # fits no cached block: 6 granules, 4 of them cached
+    s = arenas.stats()
+    assert s["num_reuses"] == 1
+    assert s["reused_bytes"] == 8 * MiB
+    assert s["reserved_bytes.all.current"] == 28 * MiB  # 2 new granules, not 6
+    assert s["num_stitches"] == 0  # not the pressure ladder
+    if arenas.backend == "host":
+        fill(big, 12 * MiB, 0x7E)  # every byte of the window is backed and writable
+        assert holds(big, 12 * MiB, 0x7E)
+        assert holds(first, 8 * MiB, 0x11) and holds(last, 8 * MiB, 0x33)  # live bytes did not move
+
+
+def test_a_cache_hit_moves_nothing(arenas: Allocator) -> None:
+    _hole_between_live_blocks(arenas)
+    again = arenas.malloc(8 * MiB)  # the free block fits as it is
+    s = arenas.stats()
+    assert again != 0
+    assert s["num_reuses"] == 0 and s["reused_bytes"] == 0
+    assert s["reserved_bytes.all.current"] == 24 * MiB
+
+
+def test_reuse_off_maps_new_granules_as_before() -> None:
+    a = rebuilt("sim", "vmm=shared", "reuse=0")
+    assert pyalloc.config()["reuse"] is False
+    try:
+        _hole_between_live_blocks(a)
+        a.malloc(12 * MiB)
+        s = a.stats()
+        assert s["num_reuses"] == 0
+        assert s["reserved_bytes.all.current"] == 36 * MiB  # 6 new granules beside the 4 cached ones
+    finally:
+        a.free_all()
+        pyalloc.check(0)
+
+
+def test_near_the_limit_the_pressure_ladder_decides() -> None:
+    """Past 95% of what it may reserve, a miss grows as before, and stitches once the device is full."""
+    a = rebuilt("sim", "vmm=shared", "capacity=30MiB")
+    try:
+        _hole_between_live_blocks(a)
+        big = a.malloc(12 * MiB)  # 24 + 12 MiB would pass 28.5 MiB: no reuse; 6 MiB left to grow
+        s = a.stats()
+        assert big != 0
+        assert s["num_reuses"] == 0
+        assert s["num_stitches"] == 1  # ladder step 2 took the cached granules
+        assert s["num_ooms"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)
