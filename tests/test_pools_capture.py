@@ -210,3 +210,24 @@ def test_captures_nest_and_an_unbalanced_end_is_refused(allocator: Allocator) ->
     with pytest.raises(pyalloc.PyallocError, match="device 7 is out of range"):
         with pyalloc.capturing(7):
             pass
+
+
+def test_a_capture_grows_by_new_granules_and_moves_none(allocator: Allocator) -> None:
+    # Cached whole granules that a growth outside a capture would move (Note [Reuse before
+    # growing]) stay where they are during one: moving them synchronizes and remaps.
+    cached, pins = [], []
+    for _ in range(3):
+        cached.append(allocator.malloc(8 * MiB))
+        pins.append(allocator.malloc(3 * MiB))
+    for c in cached:
+        allocator.free(c)
+    before = allocator.stats()
+    with pyalloc.capturing(0):
+        big = allocator.malloc(20 * MiB)
+        pyalloc.check(0)
+    after = allocator.stats()
+    assert after["num_reuses"] == before["num_reuses"]
+    assert after["num_stitches"] == before["num_stitches"]
+    allocator.free(big)
+    for p in pins:
+        allocator.free(p)

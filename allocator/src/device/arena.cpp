@@ -457,7 +457,9 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
 // granules first (Note [Reuse before growing]): with reuse on, while reserved
 // memory would stay below reuse_below_.
 bool DeviceAllocator::reuses_first(size_t fresh) {
-  return fresh != 0 && static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + fresh < reuse_below_;
+  // Never during a capture: moving granules synchronizes and remaps (Note [Capture]).
+  return fresh != 0 && capturing_ == 0 &&
+         static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + fresh < reuse_below_;
 }
 
 // Takes up to `n` granules from free blocks of `pool` in `arena` (its own

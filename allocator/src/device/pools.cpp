@@ -34,7 +34,8 @@
 // begin_capture and end_capture a device only serves from its cache and
 // grows (malloc_capturing), on every stream and in every pool:
 //   - no pending free is reclaimed (an event query) or synchronized, and no
-//     memory is released, unmapped, stitched or shared; empty_cache and
+//     memory is released, unmapped, stitched, shared or reused (Note [Reuse
+//     before growing] in arena.cpp); empty_cache and
 //     release_cached do nothing; a request the cache and growth cannot serve
 //     fails (the OOM report says why) instead of climbing the ladder;
 //   - a free that would need the backend (a block used on other streams,
