@@ -350,6 +350,31 @@ def test_activations_under_data_parallel_are_owned_by_the_wrapped_model() -> Non
     assert set(peak["activations_by_block"]) <= {"Net.body", "Net.head"} and "Net.body" in peak["activations_by_block"]
 
 
+def test_a_compiled_model_runs_eagerly_under_the_doctor_and_is_named_by_its_own_class() -> None:
+    # Dynamo skips every frame while a TorchDispatchMode that is not PyTorch's own is on the stack
+    # ("non-infra torch dispatch mode present"): the compiled model runs as eager code, which the
+    # doctor measures. If a later PyTorch compiles under a mode, the frame count says so and
+    # docs/doctor.md's limits must change.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pyalloc.doctor(print_report=False) as d:
+        for _ in range(4):
+            opt.zero_grad()
+            compiled(torch.randn(16, 32)).sum().backward()
+            opt.step()
+    assert d.report is not None and d.report["iterations"] == 4 and d.report["leaks"] == []
+    assert not torch._dynamo.utils.counters["frames"]  # nothing was compiled
+    peak = d.report["peak"]
+    assert peak["parameters"] == MLP_PARAM_BYTES
+    assert set(peak["activations_by_module"]) == {"Sequential"}
+    assert set(peak["activations_by_block"]) <= {"Sequential.0", "Sequential.1", "Sequential.2"}
+
+
 # ---- crash, OOM, no optimizer, --steps -------------------------------------------------------------
 
 

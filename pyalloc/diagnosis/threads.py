@@ -71,7 +71,7 @@ class ThreadWatch:
             original(thread)
 
         self._original, self._wrapper = original, start
-        threading.Thread.start = start  # type: ignore[method-assign]
+        threading.Thread.start = start  # type: ignore[method-assign, assignment]
 
     def stop(self) -> None:
         if self._original is not None and threading.Thread.start is self._wrapper:

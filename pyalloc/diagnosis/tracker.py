@@ -103,10 +103,17 @@ class SavedOwner:
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DataParallel or DistributedDataParallel, which name it `module`."""
+    """The model inside DataParallel or DistributedDataParallel, which name it `module`, or inside
+    torch.compile's OptimizedModule, which names it `_orig_mod`."""
     wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     inner = getattr(module, "module", None)
-    return inner if isinstance(module, wrappers) and isinstance(inner, torch.nn.Module) else module
+    if isinstance(module, wrappers) and isinstance(inner, torch.nn.Module):
+        return inner
+    if type(module).__name__ == "OptimizedModule":
+        inner = getattr(module, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module):
+            return inner
+    return module
 
 
 class ThreadState(threading.local):
