@@ -25,6 +25,5 @@ def test_ci_runs_the_readmes_test_command() -> None:
 
 def test_ci_installs_as_the_readmes_set_up_does() -> None:
     # the training side is the torch extra (the base install is gpumemd's, issue 23)
-    set_up = 'pip install torch==2.13.0 ".[torch]"'
-    assert set_up in README
-    assert set_up in (ROOT / ".ci" / "run").read_text()
+    assert 'pip install torch==2.13.0 ".[torch]"' in README
+    assert re.search(r'pip install (--quiet )?torch==2\.13\.0 "\.\[torch\]"', (ROOT / ".ci" / "run").read_text())
