@@ -34,11 +34,12 @@ def require(module: str, feature: str) -> ModuleType:
     package is absent. A package that is there but fails to import keeps its own error."""
     package = module.partition(".")[0]
     try:
-        return importlib.import_module(module)
+        importlib.import_module(package)
     except ModuleNotFoundError as exc:
-        if exc.name is None or exc.name.partition(".")[0] != package:
+        if exc.name != package:  # something the package itself imports: a broken install
             raise
         raise MissingDependency(missing_message(package, feature), name=package) from None
+    return importlib.import_module(module)
 
 
 def available(package: str) -> bool:
@@ -48,8 +49,6 @@ def available(package: str) -> bool:
 
 def missing_from(exc: BaseException) -> str | None:
     """The optional package whose absence raised ``exc`` (a ModuleNotFoundError), else None."""
-    if isinstance(exc, ModuleNotFoundError) and exc.name:
-        package = exc.name.partition(".")[0]
-        if package in OPTIONAL:
-            return package
+    if isinstance(exc, ModuleNotFoundError) and exc.name in OPTIONAL:
+        return exc.name
     return None
