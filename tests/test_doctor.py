@@ -350,6 +350,33 @@ def test_activations_under_data_parallel_are_owned_by_the_wrapped_model() -> Non
     assert set(peak["activations_by_block"]) <= {"Net.body", "Net.head"} and "Net.body" in peak["activations_by_block"]
 
 
+def test_a_pool_thread_started_in_one_forward_does_not_carry_that_module_into_later_work() -> None:
+    # A thread pool's thread starts at the first submit and lives on: started inside Outer's
+    # forward, it runs Outer's block then; later, submitted from outside any forward, it runs
+    # Other, whose activations are Other's.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Linear(8, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return pool.submit(self.block, x).result()
+
+    outer, other = Outer(), torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU())
+    with pyalloc.doctor(print_report=False) as d:
+        kept = [outer(torch.randn(16, 8))]  # the pool's thread starts here, inside Outer
+        assert {o.top for o in d.tracker.saved_owner.values()} == {"Outer"}
+        kept.append(pool.submit(other, torch.randn(16, 8)).result())
+        tops = {(o.top, o.child) for o in d.tracker.saved_owner.values()}
+    pool.shutdown()
+    assert d.threads.threads_watched == 1
+    assert tops == {("Outer", "block"), ("Sequential", "0"), ("Sequential", "1")}
+
+
 def test_a_compiled_model_runs_eagerly_under_the_doctor_and_is_named_by_its_own_class() -> None:
     # Dynamo skips every frame while a TorchDispatchMode that is not PyTorch's own is on the stack
     # ("non-infra torch dispatch mode present"): the compiled model runs as eager code, which the

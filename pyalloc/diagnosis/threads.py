@@ -15,7 +15,8 @@ What the new thread inherits from the thread that started it, read when ``start(
 - the module stack (the modules whose forward is running there), so a replica's forward on its
   thread nests under the DataParallel (or other module) that started it, and what it saves for
   backward is owned by the wrapped model and its block, not by a new top-level module per
-  replica (DataParallel makes new replicas every forward);
+  replica (DataParallel makes new replicas every forward). They count only while the starting
+  thread is still inside them: a pool's thread, started in one forward, outlives it;
 - the site of the ``start()`` call, for what the thread makes with no user frame on its stack.
 
 Not seen: threads started before the doctor (a pool made before ``import torch``), threads made
@@ -82,7 +83,7 @@ class ThreadWatch:
         tracker = self.tracker
         if tracker.paused:
             return
-        stack = list(tracker.thread.module_stack)
+        inherited = tracker.thread.inheritance()
         with tracker.lock:
             start_site = tracker.sites.current(skip=3)  # the caller of Thread.start
         if start_site == tracker.sites.no_user_frame:  # started by library code: its own starter's
@@ -90,9 +91,7 @@ class ThreadWatch:
         run = thread.run
 
         def watched_run() -> None:
-            state = tracker.thread
-            state.module_stack = stack
-            state.start_site = start_site
+            tracker.thread.adopt(inherited, start_site)
             mode = ThreadMode(tracker)
             hooks = torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack)
             with hooks, mode:

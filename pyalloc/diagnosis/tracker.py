@@ -117,13 +117,44 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class ThreadState(threading.local):
-    """What the tracker keeps per thread: the running modules, outermost first, and the site of
-    the ``Thread.start()`` call that started a watched thread (the site of what the thread makes
-    with no user frame of its own)."""
+    """What the tracker keeps per thread: the modules whose forward runs on it, outermost first;
+    for a watched thread, the site of the ``Thread.start()`` call (the site of what the thread
+    makes with no user frame of its own) and the modules that were running where it was started
+    (``inherited``), which count as running around its own while the starting thread is still
+    inside them (``inherited_valid``): a pool's thread outlives the forward it was started in."""
 
     def __init__(self) -> None:
         self.module_stack: list[torch.nn.Module] = []
         self.start_site: int | None = None
+        self.inherited: list[torch.nn.Module] = []
+        self._parent_stack: list[torch.nn.Module] = []  # the starting thread's own module_stack
+        self._parent_depth = 0  # its length when this thread started
+
+    def inheritance(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module], int]:
+        """What a thread started from this one inherits (read on this thread)."""
+        return list(self.modules()), self.module_stack, len(self.module_stack)
+
+    def adopt(self, inherited: tuple[list[torch.nn.Module], list[torch.nn.Module], int],
+              start_site: int | None) -> None:
+        self.inherited, self._parent_stack, self._parent_depth = inherited
+        self.start_site = start_site
+
+    def inherited_valid(self) -> bool:
+        if not self.inherited:
+            return False
+        depth = self._parent_depth
+        if depth == 0:  # the starting thread had inherited them too: cannot tell, kept
+            return True
+        try:
+            return len(self._parent_stack) >= depth and self._parent_stack[depth - 1] is self.inherited[-1]
+        except IndexError:  # the starting thread left a module meanwhile
+            return False
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The running modules, outermost first, the inherited ones included while valid."""
+        if self.inherited and self.inherited_valid():
+            return self.inherited + self.module_stack
+        return self.module_stack
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -277,8 +308,9 @@ class StorageTracker(TorchDispatchMode):
     # ---- module context ------------------------------------------------------------------------
 
     def module_pre(self, module: torch.nn.Module, _args: Any) -> None:
-        stack = self.thread.module_stack
-        if not stack:
+        state = self.thread
+        stack = state.module_stack
+        if not stack and not (state.inherited and state.inherited_valid()):
             ident = id(module)
             entry = self.top_modules.get(ident)
             if entry is None or entry[0]() is not module:
@@ -303,7 +335,7 @@ class StorageTracker(TorchDispatchMode):
 
     def current_module(self) -> tuple[str, str, bool]:
         """(top-level module, its direct child or "", training) of the running forward."""
-        stack = self.thread.module_stack
+        stack = self.thread.modules()
         if not stack:
             return "(no module)", "", True  # training or not cannot be told
         top = stack[0]
