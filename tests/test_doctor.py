@@ -387,15 +387,21 @@ def test_a_compiled_model_runs_eagerly_under_the_doctor_and_is_named_by_its_own_
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pyalloc.doctor(print_report=False) as d:
-        for _ in range(4):
-            opt.zero_grad()
-            compiled(torch.randn(16, 32)).sum().backward()
-            opt.step()
+    try:
+        with pyalloc.doctor(print_report=False) as d:
+            for _ in range(4):
+                opt.zero_grad()
+                compiled(torch.randn(16, 32)).sum().backward()
+                opt.step()
+        assert not torch._dynamo.utils.counters["frames"]  # nothing was compiled
+        # Dynamo remembers the frames it skipped: after the doctor they stay eager until a reset
+        compiled(torch.randn(16, 32))
+        assert not torch._dynamo.utils.counters["frames"]
+    finally:
+        torch._dynamo.reset()  # the other tests' compiled code compiles again
     assert d.report is not None and d.report["iterations"] == 4 and d.report["leaks"] == []
-    assert not torch._dynamo.utils.counters["frames"]  # nothing was compiled
     peak = d.report["peak"]
     assert peak["parameters"] == MLP_PARAM_BYTES
     assert set(peak["activations_by_module"]) == {"Sequential"}
