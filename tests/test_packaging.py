@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTAINERFILE = ROOT / "packaging" / "gpumemd.Containerfile"
+CONTAINERFILE = ROOT / "docs" / "gpumemd.Containerfile"
 TRAINING = {"torch", "matplotlib", "tqdm"}
 
 
