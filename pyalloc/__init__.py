@@ -18,6 +18,7 @@ may import and what must never come to it; tests/test_package_layers.py checks):
 
 from __future__ import annotations
 
+from ._deps import MissingDependency, require
 from ._lib import PyallocError, library_path
 from .core import (
     capturing,
@@ -55,6 +56,7 @@ from .pytorch.install import install
 from .pytorch.memory_api import patch_torch_memory_api, unpatch_torch_memory_api
 
 __all__ = [
+    "MissingDependency",
     "PyallocError",
     "capturing",
     "check",
@@ -98,7 +100,10 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # The offload manager needs torch; import it only when asked for, so that
-    # `import pyalloc` (and gpumemd, which never needs torch) stays light.
+    # `import pyalloc` (and gpumemd, which never needs torch) stays light. Without torch (the base
+    # install) the ImportError says what to install (pyalloc/_deps.py).
+    if name in ("offload", "doctor", "relocate_training_state"):
+        require("torch", f"pyalloc.{name}")
     if name == "offload":
         from .offloading.session import offload
 

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from ._deps import MissingDependency, missing_from, missing_message
 from ._lib import PyallocError
 from .command import EXIT_USAGE, PYALLOC_EINVAL, Handler, Register, Subparsers, UsageError
 
@@ -173,6 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except PyallocError as exc:
         print(f"pyalloc: error: {exc}", file=sys.stderr)
+        return 1
+    except MissingDependency as exc:  # a package of the torch extra (pyalloc/_deps.py)
+        print(f"pyalloc: error: {exc}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:
+        package = missing_from(exc)
+        if package is None:
+            raise
+        # a path that imported it without require(): the same one line
+        print(f"pyalloc: error: {missing_message(package, f'pyalloc {args.command_name}')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -350,6 +350,64 @@ def test_activations_under_data_parallel_are_owned_by_the_wrapped_model() -> Non
     assert set(peak["activations_by_block"]) <= {"Net.body", "Net.head"} and "Net.body" in peak["activations_by_block"]
 
 
+def test_a_pool_thread_started_in_one_forward_does_not_carry_that_module_into_later_work() -> None:
+    # A thread pool's thread starts at the first submit and lives on: started inside Outer's
+    # forward, it runs Outer's block then; later, submitted from outside any forward, it runs
+    # Other, whose activations are Other's.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Linear(8, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return pool.submit(self.block, x).result()
+
+    outer, other = Outer(), torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU())
+    with pyalloc.doctor(print_report=False) as d:
+        kept = [outer(torch.randn(16, 8))]  # the pool's thread starts here, inside Outer
+        assert {o.top for o in d.tracker.saved_owner.values()} == {"Outer"}
+        kept.append(pool.submit(other, torch.randn(16, 8)).result())
+        tops = {(o.top, o.child) for o in d.tracker.saved_owner.values()}
+    pool.shutdown()
+    assert d.threads.threads_watched == 1
+    assert tops == {("Outer", "block"), ("Sequential", "0"), ("Sequential", "1")}
+
+
+def test_a_compiled_model_runs_eagerly_under_the_doctor_and_is_named_by_its_own_class() -> None:
+    # Dynamo skips every frame while a TorchDispatchMode that is not PyTorch's own is on the stack
+    # ("non-infra torch dispatch mode present"): the compiled model runs as eager code, which the
+    # doctor measures. If a later PyTorch compiles under a mode, the frame count says so and
+    # docs/doctor.md's limits must change.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with pyalloc.doctor(print_report=False) as d:
+            for _ in range(4):
+                opt.zero_grad()
+                compiled(torch.randn(16, 32)).sum().backward()
+                opt.step()
+        assert not torch._dynamo.utils.counters["frames"]  # nothing was compiled
+        # Dynamo remembers the frames it skipped: after the doctor they stay eager until a reset
+        compiled(torch.randn(16, 32))
+        assert not torch._dynamo.utils.counters["frames"]
+    finally:
+        torch._dynamo.reset()  # the other tests' compiled code compiles again
+    assert d.report is not None and d.report["iterations"] == 4 and d.report["leaks"] == []
+    peak = d.report["peak"]
+    assert peak["parameters"] == MLP_PARAM_BYTES
+    assert set(peak["activations_by_module"]) == {"Sequential"}
+    assert set(peak["activations_by_block"]) <= {"Sequential.0", "Sequential.1", "Sequential.2"}
+
+
 # ---- crash, OOM, no optimizer, --steps -------------------------------------------------------------
 
 
@@ -461,6 +519,128 @@ for step in range(3):
     assert set(report["peak"]["devices"]) <= {"cpu", "meta"}
 
 
+REPLICAS = """
+import sys
+import threading
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU())
+        self.head = nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+torch.manual_seed(0)
+replicas = [Net(), Net().to("meta")]  # as DataParallel's replicas on cuda:0 and cuda:1
+batches = [512, 128]
+opt = torch.optim.SGD([p for r in replicas for p in r.parameters()], lr=0.1)
+kept = []
+
+
+def replica_forward(i, outputs):
+    x = torch.randn(batches[i], 64, device=next(replicas[i].parameters()).device)
+    out = replicas[i](x)
+    outputs[i] = out
+    if i == 0:
+        kept.append(out)  # a leak made on the replica's thread
+
+
+for step in range(6):
+    opt.zero_grad()
+    outputs = [None, None]
+    if sys.argv[1] == "threads":
+        threads = [threading.Thread(target=replica_forward, args=(i, outputs)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for i in range(2):
+            replica_forward(i, outputs)
+    for out in outputs:
+        out.sum().backward()
+    outputs = out = None
+    opt.step()
+"""
+
+
+def test_replicas_run_on_threads_are_measured_as_on_the_main_thread(tmp_path: Path) -> None:
+    # DataParallel runs each replica's forward on a thread of its own (it needs GPUs, so plain
+    # threads here, one replica on cpu and one on meta): the per-device peaks and the leak made
+    # on a thread are those of the same forwards run one after the other on the main thread.
+    script = _script(tmp_path, "train_replicas.py", REPLICAS)
+    reports = {}
+    for how in ("threads", "inline"):
+        done = _doctor("--json", "--", sys.executable, str(script), how)
+        assert done.returncode == 0, done.stderr
+        reports[how] = json.loads(done.stdout)
+    threaded, inline = reports["threads"], reports["inline"]
+    assert threaded["threads_watched"] == 12 and inline["threads_watched"] == 0
+    params = (64 * 256 + 256 + 256 * 8 + 8) * 4
+    assert threaded["devices"]["meta"]["peak_bytes"] >= params + 128 * (64 + 256) * 4
+    assert ({d: v["peak_bytes"] for d, v in threaded["devices"].items()}
+            == {d: v["peak_bytes"] for d, v in inline["devices"].items()})
+    assert threaded["imbalance"] == inline["imbalance"] and threaded["imbalance"]["largest"] == "cpu"
+    leak = threaded["leaks"][0]
+    assert (leak["file"], leak["line"]) == (str(script), _line_of(script, "return self.head(self.body(x))"))
+    assert leak["called_from"] == f"{script}:{_line_of(script, 'out = replicas[i](x)')}"
+    assert leak["bytes_per_iteration"] == 512 * 8 * 4 == inline["leaks"][0]["bytes_per_iteration"]
+    assert "`kept`" in leak["reason"] and leak["reason"] == inline["leaks"][0]["reason"]
+    assert threaded["growth_bytes_per_iteration"] == inline["growth_bytes_per_iteration"]
+
+
+def test_activations_saved_by_replicas_on_their_threads_belong_to_the_wrapped_model() -> None:
+    import copy
+    import threading
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU())
+            self.head = torch.nn.Linear(64, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    class ThreadedDataParallel(torch.nn.DataParallel):  # type: ignore[type-arg]
+        """DataParallel's forward without GPUs: new replicas every forward (cpu and meta here),
+        each run on a thread of its own, as parallel_apply runs them."""
+
+        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+            replicas = [copy.deepcopy(self.module), copy.deepcopy(self.module).to("meta")]
+            inputs = [x, torch.empty(8, 8, device="meta")]
+            outputs: list[torch.Tensor] = []
+            threads = [threading.Thread(target=lambda r, i: outputs.append(r(i)), args=(r, i))
+                       for r, i in zip(replicas, inputs)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return outputs
+
+    model = ThreadedDataParallel(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pyalloc.doctor(print_report=False) as d:
+        for _ in range(3):
+            opt.zero_grad()
+            for out in model(torch.randn(32, 8)):
+                out.sum().backward(retain_graph=True)  # keeps the graphs' saved tensors until the next step
+            opt.step()
+    assert d.report is not None
+    peak = d.report["peak"]
+    assert set(peak["activations_by_module"]) == {"Net"}
+    assert set(peak["activations_by_block"]) == {"Net.body", "Net.head"}
+    assert set(d.report["devices"]) == {"cpu", "meta"}
+    # six sets of replicas ran, but one top-level module is known: the one DataParallel wraps
+    assert [label for _ref, label in d.tracker.top_modules.values()] == ["Net"]
+
+
 def test_several_processes_are_reported_each_and_merged(tmp_path: Path) -> None:
     # As torchrun starts one Python process per rank: a launcher that imports no torch starts two
     # workers; each gets a doctor through the bootstrap, and the command merges their reports.
@@ -524,22 +704,25 @@ def test_the_context_manager_stops_at_steps_and_leaves_nothing_behind() -> None:
 
 def test_storages_made_with_no_user_frame_during_backward_name_the_backward_line() -> None:
     # CUDA backward runs on autograd's device threads, where no frame is the user's: a thread
-    # running only library code stands in for one (no GPU here).
-    import threading
+    # running only library code stands in for one (no GPU here). It is started with _thread, as
+    # those are started by C++: a threading.Thread would be watched (Note [Doctor's threads]).
+    import _thread
 
     model = torch.nn.Linear(4, 4)
     made: list[torch.Tensor] = []
     with pyalloc.doctor(print_report=False) as d:
-        library_code = compile("made.append(torch.empty(100)); tracker.note(made[-1])", torch.__file__, "exec")
+        library_code = compile("try:\n    made.append(torch.empty(100)); tracker.note(made[-1])\n"
+                               "finally:\n    done.release()", torch.__file__, "exec")
         original = d._original_backward
         assert original is not None
 
         def backward_on_a_device_thread(*args: Any, **kwargs: Any) -> None:
             original(*args, **kwargs)
-            worker = threading.Thread(target=exec, args=(library_code, {"torch": torch, "made": made,
-                                                                        "tracker": d.tracker}))
-            worker.start()
-            worker.join()
+            done = _thread.allocate_lock()
+            done.acquire()
+            _thread.start_new_thread(exec, (library_code, {"torch": torch, "made": made, "tracker": d.tracker,
+                                                           "done": done}))
+            done.acquire()  # released by the thread when it is done
 
         d._original_backward = backward_on_a_device_thread
         model(torch.randn(2, 4)).sum().backward()

@@ -21,6 +21,7 @@ PACKAGE = ROOT / "pyalloc"
 CORE = "core binding"
 LAYER_OF: dict[str, str] = {
     "pyalloc._lib": CORE,
+    "pyalloc._deps": CORE,
     "pyalloc.core": CORE,
     "pyalloc.command": "command contract",
     "pyalloc.cupy_allocator": "cupy",

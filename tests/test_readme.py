@@ -21,3 +21,9 @@ def test_ci_runs_the_readmes_test_command() -> None:
     test_command = 'pip install ".[test]" && pytest -q'
     assert test_command in README
     assert test_command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_ci_installs_as_the_readmes_set_up_does() -> None:
+    # the training side is the torch extra (the base install is gpumemd's, issue 23)
+    assert 'pip install torch==2.13.0 ".[torch]"' in README
+    assert re.search(r'pip install (--quiet )?torch==2\.13\.0 "\.\[torch\]"', (ROOT / ".ci" / "run").read_text())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The smoke test on other Python versions (issue 21): for each version given (pyenv's
 # version names, e.g. 3.10.13 3.13.0: the oldest and newest the package declares), a fresh
-# venv gets the package's wheel and its declared dependencies, then runs
+# venv gets the package's wheel and its declared dependencies (the torch extra's too), then runs
 #   gpumemd --no-nvml status;  pyalloc stress --quick;  the gpumemd tests.
 # torch is left out of the venvs: neither gpumemd, the stress suite without a GPU, nor the
 # gpumemd tests import it, and its wheels for every version are on PyPI (a CUDA build of
@@ -33,11 +33,14 @@ for v in "$@"; do
   venv="$work/venv-$v"
   "$py" -m venv "$venv"
   # The wheel without its dependencies, then every declared dependency but torch, as the
-  # wheel's own metadata states them (markers included: tomli on 3.10 only).
+  # wheel's own metadata states them: the base ones with their markers (tomli on 3.10 only) and
+  # the torch extra's (matplotlib and tqdm, for the stress plot and bar), its marker dropped.
   "$venv/bin/python" -m pip install --quiet --no-deps "$wheel"
   deps=$("$venv/bin/python" - <<'EOF'
 from importlib.metadata import requires
-print("\n".join(r for r in requires("pyalloc") if "extra ==" not in r and not r.startswith("torch")))
+base = [r for r in requires("pyalloc") if "extra ==" not in r]
+extra = [r.split(";")[0].strip() for r in requires("pyalloc") if 'extra == "torch"' in r]
+print("\n".join(r for r in base + extra if not r.startswith("torch")))
 EOF
 )
   mapfile -t dep_list <<<"$deps"

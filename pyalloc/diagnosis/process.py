@@ -3,10 +3,11 @@
 ``pyalloc doctor`` sets ``$PYALLOC_DOCTOR`` to a report path (``{pid}`` in it becomes the
 process id) and puts pyalloc's bootstrap first on PYTHONPATH (``pyalloc/pytorch/run.py``); the
 bootstrap calls :func:`start_from_environment` right after ``import torch`` completes, on the
-thread that imported it. From then on a :class:`~.session.Doctor` watches that thread; an
-uncaught exception is recorded through ``sys.excepthook`` (before Python prints its traceback,
-while its frames still hold the program's tensors: an OOM's breakdown is taken there), and at
-exit the report is written as JSON for the command to print.
+thread that imported it. From then on a :class:`~.session.Doctor` watches that thread and the
+threads started after it (Note [Doctor's threads]); an uncaught exception is recorded through
+``sys.excepthook`` (before Python prints its traceback, while its frames still hold the
+program's tensors: an OOM's breakdown is taken there), and at exit the report is written as
+JSON for the command to print.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .._deps import MissingDependency, available, missing_message
 from ..command import EXIT_NOT_FOUND, Subparsers, UsageError
 
 DOCTOR_ENV = "PYALLOC_DOCTOR"  # process.DOCTOR_ENV (not imported: it needs torch)
@@ -71,6 +72,8 @@ def _doctor(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError(f"doctor: missing command (usage: {_USAGE})")
     steps = _parse_steps(args.steps)
+    if not available("torch"):  # the doctor runs inside the program's torch: none here, none there
+        raise MissingDependency(missing_message("torch", "pyalloc doctor"))
     folder = Path(tempfile.mkdtemp(prefix="pyalloc-doctor-"))
     try:
         env = child_environment(dict(os.environ), None)

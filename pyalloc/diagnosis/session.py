@@ -5,7 +5,8 @@ Iterations are optimizer steps, seen through PyTorch's global optimizer step hoo
 steps defines them (a GAN's second optimizer steps inside the same iteration). A program that
 never steps an optimizer has backward() calls as iterations (``torch.autograd.backward`` is
 wrapped: ``Tensor.backward`` calls it). See Note [Doctor's storage tracking] for what is
-measured and Note [Doctor's growth test] for what is called a leak.
+measured, Note [Doctor's threads] for the program's other threads and Note [Doctor's growth
+test] for what is called a leak.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .growth import MIN_BOUNDARIES, Boundaries, boundary, find_leaks, reason_for
 from .owners import Breakdown, breakdown
 from .report import imbalance
 from .sites import SiteTable
+from .threads import ThreadWatch
 from .tracker import StorageTracker
 
 REPORT_VERSION = 1
@@ -40,7 +42,8 @@ class DoctorStop(SystemExit):
 
 
 class Doctor:
-    """Watches the calling thread's tensors from start() (or ``with``) to stop().
+    """Watches the tensors of the calling thread, and of the threads started while it runs, from
+    start() (or ``with``) to stop().
 
     ``steps``: stop the program (raise DoctorStop, which ``with`` swallows and ``pyalloc doctor``
     turns into a normal exit) once that many iterations ran; None runs it to its end.
@@ -54,6 +57,7 @@ class Doctor:
         self.print_report = print_report
         self.sites = SiteTable()
         self.tracker = StorageTracker(self.sites, self._new_peak)
+        self.threads = ThreadWatch(self.tracker)
         self.peak: Breakdown | None = None
         self.phase = "forward"
         self.optimizer_steps = 0
@@ -96,6 +100,7 @@ class Doctor:
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack)
         self._saved_hooks.__enter__()
         self.tracker.__enter__()
+        self.threads.start()
         self._running = True
         return self
 
@@ -105,6 +110,7 @@ class Doctor:
         self._running = False
         self._seconds = time.perf_counter() - self._started
         self.tracker.paused = True
+        self.threads.stop()
         try:
             self.tracker.__exit__(None, None, None)
         finally:
@@ -161,7 +167,8 @@ class Doctor:
         self._backward_depth += 1
         self.phase = "backward"
         if self._backward_depth == 1:
-            self.tracker.fallback_site = self.sites.current()
+            with self.tracker.lock:
+                self.tracker.fallback_site = self.sites.current()
         try:
             result = self._original_backward(*args, **kwargs)
         finally:
@@ -175,7 +182,8 @@ class Doctor:
 
     def _add_boundary(self, bounds: Boundaries, iteration: int) -> None:
         try:
-            b, self._graph_roots = boundary(self.tracker, iteration)
+            with self.tracker.lock:  # watched threads may be running operators
+                b, self._graph_roots = boundary(self.tracker, iteration)
             bounds.add(b)
         except Exception as exc:  # the doctor must never break the program it watches
             self._internal_error(exc)
@@ -213,7 +221,8 @@ class Doctor:
     def _at_oom(self, exc: BaseException) -> dict[str, Any]:
         paused, self.tracker.paused = self.tracker.paused, True
         try:
-            b = breakdown(self.tracker, list(self._optimizers), self.phase)
+            with self.tracker.lock:
+                b = breakdown(self.tracker, list(self._optimizers), self.phase)
             text = str(exc)
             device = parse_device(text)
             return {
@@ -233,7 +242,8 @@ class Doctor:
     def build_report(self) -> dict[str, Any]:
         paused, self.tracker.paused = self.tracker.paused, True
         try:
-            return self._build_report()
+            with self.tracker.lock:
+                return self._build_report()
         finally:
             self.tracker.paused = paused
 
@@ -300,6 +310,7 @@ class Doctor:
             "oom": self.oom,
             "stopped_after_steps": self.steps if self.stopped else None,
             "storages_seen": self.tracker.storages_seen,
+            "threads_watched": self.threads.threads_watched,
             "seconds": round(self._seconds or (time.perf_counter() - self._started), 3),
             "notes": notes,
         }

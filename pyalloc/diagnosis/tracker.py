@@ -26,7 +26,12 @@ Backward on CPU runs on the thread that called it, so the mode sees gradients an
 but have no user frame: what they make is attributed to the ``backward()`` line the session
 recorded when backward began (``fallback_site``; not run here, there is no GPU).
 
-Only the thread that started the tracker is seen (dispatch modes are thread-local).
+Dispatch modes and saved-tensor hooks are per thread: the tracker is entered on the thread that
+started it, and on every thread the program starts while it runs, through a ``ThreadMode`` of
+that thread (Note [Doctor's threads] in ``threads.py``). All of them write to this one tracker,
+so its books are kept under ``lock``; the module stack is the thread's own (``thread``), seeded
+with the module stack of the thread that started it, so what a DataParallel replica saves on
+its thread belongs to the model DataParallel wraps.
 
 The death callback only keeps the books. It runs while a storage is being freed, possibly in
 the middle of PyTorch's own code: breaking the peak down there (reading ``.grad`` while
@@ -37,6 +42,7 @@ when it is reached, in ``note``, after the operator that made it returned.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -97,10 +103,58 @@ class SavedOwner:
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DataParallel or DistributedDataParallel, which name it `module`."""
+    """The model inside DataParallel or DistributedDataParallel, which name it `module`, or inside
+    torch.compile's OptimizedModule, which names it `_orig_mod`."""
     wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     inner = getattr(module, "module", None)
-    return inner if isinstance(module, wrappers) and isinstance(inner, torch.nn.Module) else module
+    if isinstance(module, wrappers) and isinstance(inner, torch.nn.Module):
+        return inner
+    if type(module).__name__ == "OptimizedModule":
+        inner = getattr(module, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module):
+            return inner
+    return module
+
+
+class ThreadState(threading.local):
+    """What the tracker keeps per thread: the modules whose forward runs on it, outermost first;
+    for a watched thread, the site of the ``Thread.start()`` call (the site of what the thread
+    makes with no user frame of its own) and the modules that were running where it was started
+    (``inherited``), which count as running around its own while the starting thread is still
+    inside them (``inherited_valid``): a pool's thread outlives the forward it was started in."""
+
+    def __init__(self) -> None:
+        self.module_stack: list[torch.nn.Module] = []
+        self.start_site: int | None = None
+        self.inherited: list[torch.nn.Module] = []
+        self._parent_stack: list[torch.nn.Module] = []  # the starting thread's own module_stack
+        self._parent_depth = 0  # its length when this thread started
+
+    def inheritance(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module], int]:
+        """What a thread started from this one inherits (read on this thread)."""
+        return list(self.modules()), self.module_stack, len(self.module_stack)
+
+    def adopt(self, inherited: tuple[list[torch.nn.Module], list[torch.nn.Module], int],
+              start_site: int | None) -> None:
+        self.inherited, self._parent_stack, self._parent_depth = inherited
+        self.start_site = start_site
+
+    def inherited_valid(self) -> bool:
+        if not self.inherited:
+            return False
+        depth = self._parent_depth
+        if depth == 0:  # the starting thread had inherited them too: cannot tell, kept
+            return True
+        try:
+            return len(self._parent_stack) >= depth and self._parent_stack[depth - 1] is self.inherited[-1]
+        except IndexError:  # the starting thread left a module meanwhile
+            return False
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The running modules, outermost first, the inherited ones included while valid."""
+        if self.inherited and self.inherited_valid():
+            return self.inherited + self.module_stack
+        return self.module_stack
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -129,8 +183,8 @@ class StorageTracker(TorchDispatchMode):
         # saved for backward (saved_tensors_hooks)
         self.saved_count: dict[int, int] = {}
         self.saved_owner: dict[int, SavedOwner] = {}
-        # module context (global forward hooks)
-        self.module_stack: list[torch.nn.Module] = []
+        # module context (global forward hooks), per thread
+        self.thread = ThreadState()
         self.top_modules: dict[int, tuple["weakref.ref[torch.nn.Module]", str]] = {}
         self._child_names: dict[int, dict[int, str]] = {}
         self._class_counts: dict[str, int] = {}
@@ -138,6 +192,9 @@ class StorageTracker(TorchDispatchMode):
         self.fallback_site: int | None = None  # the backward() line, while a backward runs
         self.errors = 0  # exceptions inside note(), swallowed
         self.last_error = ""
+        # Held while the books change or are read whole: watched threads write here at once, and
+        # a storage can die on any thread. Reentrant: a peak's breakdown runs inside note().
+        self.lock = threading.RLock()
 
     # ---- storages ----------------------------------------------------------------------------
 
@@ -149,12 +206,22 @@ class StorageTracker(TorchDispatchMode):
         key = int(storage._cdata)
         if key in self.live:
             return
+        with self.lock:
+            self._note(t, storage, key, site)
+
+    def _note(self, t: torch.Tensor, storage: Any, key: int, site: int | None) -> None:
+        if key in self.live:  # another thread noted it first
+            return
         size = int(storage.nbytes())
         device = str(t.device)
         if site is None:
             site = self.sites.current(skip=3)
-            if site == self.sites.no_user_frame and self.fallback_site is not None:
-                site = self.fallback_site
+            if site == self.sites.no_user_frame:
+                start_site = self.thread.start_site
+                if start_site is not None:
+                    site = start_site
+                elif self.fallback_site is not None:
+                    site = self.fallback_site
         try:
             tref: "weakref.ref[torch.Tensor] | None" = weakref.ref(t)
         except TypeError:
@@ -177,6 +244,10 @@ class StorageTracker(TorchDispatchMode):
                 self.on_new_peak()
 
     def _died(self, key: int, _ref: object) -> None:
+        with self.lock:
+            self._forget(key)
+
+    def _forget(self, key: int) -> None:
         record = self.live.pop(key, None)
         if record is None:
             return
@@ -191,8 +262,12 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.paused:
-            return out
+        if not self.paused:
+            self.note_outputs(out)
+        return out
+
+    def note_outputs(self, out: Any) -> None:
+        """Notes the storages of an operator's outputs (the dispatch mode of every thread)."""
         try:
             if isinstance(out, torch.Tensor):
                 self.note(out)
@@ -203,7 +278,6 @@ class StorageTracker(TorchDispatchMode):
         except Exception as exc:  # never break the program's operator
             self.errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-        return out
 
     # ---- saved for backward --------------------------------------------------------------------
 
@@ -211,10 +285,11 @@ class StorageTracker(TorchDispatchMode):
         key = storage_key(t)
         if key is None or self.paused:
             return t
-        self.saved_count[key] = self.saved_count.get(key, 0) + 1
-        if key not in self.saved_owner:
-            top, child, training = self.current_module()
-            self.saved_owner[key] = SavedOwner(top, child, training, self.iteration)
+        top, child, training = self.current_module()
+        with self.lock:
+            self.saved_count[key] = self.saved_count.get(key, 0) + 1
+            if key not in self.saved_owner:
+                self.saved_owner[key] = SavedOwner(top, child, training, self.iteration)
         return SavedRef(t, key, self)
 
     @staticmethod
@@ -222,49 +297,62 @@ class StorageTracker(TorchDispatchMode):
         return packed.tensor if isinstance(packed, SavedRef) else packed
 
     def _unsaved(self, key: int) -> None:
-        left = self.saved_count.get(key, 0) - 1
-        if left > 0:
-            self.saved_count[key] = left
-        else:
-            self.saved_count.pop(key, None)
-            self.saved_owner.pop(key, None)
+        with self.lock:
+            left = self.saved_count.get(key, 0) - 1
+            if left > 0:
+                self.saved_count[key] = left
+            else:
+                self.saved_count.pop(key, None)
+                self.saved_owner.pop(key, None)
 
     # ---- module context ------------------------------------------------------------------------
 
     def module_pre(self, module: torch.nn.Module, _args: Any) -> None:
-        if not self.module_stack:
+        state = self.thread
+        stack = state.module_stack
+        if not stack and not (state.inherited and state.inherited_valid()):
             ident = id(module)
             entry = self.top_modules.get(ident)
             if entry is None or entry[0]() is not module:
-                inner = _unwrapped(module)
-                name = type(inner).__name__
-                count = self._class_counts.get(name, 0) + 1
-                self._class_counts[name] = count
-                label = name if count == 1 else f"{name}#{count}"
-                self.top_modules[ident] = (weakref.ref(module), label)
-                self._child_names[ident] = {id(c): n for n, c in inner.named_children()}
-        self.module_stack.append(module)
+                with self.lock:
+                    self._add_top_module(module)
+        stack.append(module)
+
+    def _add_top_module(self, module: torch.nn.Module) -> None:
+        inner = _unwrapped(module)
+        name = type(inner).__name__
+        count = self._class_counts.get(name, 0) + 1
+        self._class_counts[name] = count
+        label = name if count == 1 else f"{name}#{count}"
+        self.top_modules[id(module)] = (weakref.ref(module), label)
+        self._child_names[id(module)] = {id(c): n for n, c in inner.named_children()}
 
     def module_post(self, module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        stack = self.module_stack
+        stack = self.thread.module_stack
         while stack:
             if stack.pop() is module:
                 break
 
     def current_module(self) -> tuple[str, str, bool]:
         """(top-level module, its direct child or "", training) of the running forward."""
-        stack = self.module_stack
+        stack = self.thread.modules()
         if not stack:
             return "(no module)", "", True  # training or not cannot be told
         top = stack[0]
         entry = self.top_modules.get(id(top))
-        label = entry[1] if entry is not None else type(top).__name__
+        label = entry[1] if entry is not None else type(_unwrapped(top)).__name__
         child = ""
         names = self._child_names.get(id(top), {})
         for module in stack[1:3]:  # under DataParallel / DDP the block is the wrapped module's child
             if id(module) in names:
                 child = names[id(module)]
                 break
+        else:
+            inner = _unwrapped(top)
+            if inner is not top and len(stack) > 2 and type(stack[1]) is type(inner):
+                # a replica of the wrapped model, run on its own thread (DataParallel makes new
+                # replicas every forward): its child by name
+                child = next((n for n, c in stack[1].named_children() if c is stack[2]), "")
         return label, child, bool(top.training)
 
     def modules(self) -> list[torch.nn.Module]:

@@ -27,6 +27,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
+from .._deps import require
 from .._lib import PyallocError, lib, library_path
 from ..core import config, configure, device_count, startup_error
 from ..core import snapshot as _pyalloc_snapshot
@@ -73,7 +74,7 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
     CUDA, when CUDA is already initialized, or when the configuration selects
     a backend other than ``cuda``.
     """
-    import torch
+    torch = require("torch", "pyalloc.install()")
 
     error = startup_error()  # a bad $PYALLOC_CONF is the user's to fix: say it now, not at the first malloc
     if error is not None and error.startswith("PYALLOC_CONF"):

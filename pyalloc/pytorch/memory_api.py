@@ -20,6 +20,7 @@ from collections import OrderedDict
 from types import ModuleType
 from typing import Any, Callable
 
+from .._deps import require
 from ..core import configure
 from ..core import memory_stats as _pyalloc_memory_stats
 from ..core import reset_accumulated_memory_stats as _pyalloc_reset_accumulated
@@ -208,7 +209,7 @@ _originals: dict[tuple[str, str], Any] = {}
 
 
 def _namespaces() -> list[tuple[str, ModuleType]]:
-    import torch.cuda.memory  # noqa: F401  (makes both modules importable by name)
+    require("torch.cuda.memory", "pyalloc's PyTorch memory API")  # makes both modules importable by name
 
     return [(name, sys.modules[name]) for name in _NAMESPACES]
 

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from .._deps import require
 from .._lib import PyallocError
 from .trace import ALLOC, FREE, MARK, Trace, TraceError, _SnapshotUnpickler, from_snapshot
 
@@ -442,6 +443,7 @@ def run(args: argparse.Namespace) -> int:
     from ..command import UsageError
 
     if args.meta:
+        require("torch", "pyalloc record --meta")
         from . import meta
 
         return meta.run(args)
@@ -466,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
         capacity = None
         output = Path(args.output)
     else:
+        require("torch", "pyalloc record MODEL")  # the built-in workloads are PyTorch models
         from . import models
 
         try:

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import core
+from .._deps import MissingDependency, available, missing_message, require
 from . import generators
 from .._lib import PyallocError
 from .replay import (
@@ -430,8 +431,7 @@ def build_report(runs: list[WorkloadRun], policies: list[str], args: argparse.Na
 
 def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: Path) -> None:
     """Memory over time, one panel per workload: live bytes and reserved bytes per policy."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "the stress plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -497,22 +497,53 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # type: ignore[import-untyped]
+class _NoBar:
+    """What the stress run uses of a tqdm bar, when tqdm is not installed."""
 
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+    def set_postfix_str(self, _text: str) -> None:
+        return None
+
+    def update(self, _n: int = 1) -> None:
+        return None
+
+
+def _progress_bar(total: int, disable: bool) -> Any:
+    """tqdm's bar on stderr; without tqdm (the base install), no bar and one line saying so."""
+    if disable:
+        return _NoBar()
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ModuleNotFoundError:
+        print(f"pyalloc stress: note: no progress bar: {missing_message('tqdm', 'the progress bar')}",
+              file=sys.stderr)
+        return _NoBar()
+    return tqdm(total=total, desc="pyalloc stress", unit="step", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     names = select_workloads(args.workloads)
     policies = select_policies(args.policies)
     curve_points = QUICK_CURVE_POINTS if args.quick else CURVE_POINTS
     out_dir = Path(args.out)
     json_path = Path(args.json) if args.json else out_dir / REPORT_NAME
-    plot_path = Path(args.plot) if args.plot else out_dir / PLOT_NAME
+    plot_path: Path | None = Path(args.plot) if args.plot else out_dir / PLOT_NAME
+    if not available("matplotlib"):
+        if args.plot:  # asked for by name: refused before the run, not after it
+            raise MissingDependency(missing_message("matplotlib", "pyalloc stress --plot"))
+        print(f"pyalloc stress: note: no plot: {missing_message('matplotlib', 'the plot')}", file=sys.stderr)
+        plot_path = None
 
     torch = None if args.no_device else cuda_device()
     runs: list[WorkloadRun] = []
     steps = len(names) * (1 + len(policies)) + (len(names) if torch is not None else 0)
-    with tqdm(total=steps, desc="pyalloc stress", unit="step", file=sys.stderr,
-              disable=args.no_progress) as bar:
+    with _progress_bar(steps, args.no_progress) as bar:
         for name in names:
             bar.set_postfix_str(f"{name}: load")
             run_ = WorkloadRun(load_workload(name, args.seed, args.quick))
@@ -543,9 +574,10 @@ def _run(args: argparse.Namespace) -> int:
         print(table)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    plot(runs, policies, curve_points, plot_path)
+    if plot_path is not None:
+        plot(runs, policies, curve_points, plot_path)
     if args.json != "-":
-        print(f"report: {json_path}\nplot:   {plot_path}\n"
+        print(f"report: {json_path}\nplot:   {plot_path or '(none: matplotlib is not installed)'}\n"
               f"({len(runs)} workloads, {report['seconds']:.1f} s)")
     if device_error is not None:
         print(f"pyalloc stress: error: {device_error}", file=sys.stderr)
