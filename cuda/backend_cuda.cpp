@@ -282,7 +282,7 @@ class CudaBackend final : public Backend {
     if (in.size() != sizeof ref) return malformed(device, "chunk");
     std::memcpy(ref, in.data(), sizeof ref);
     int fd = -1;
-    if (Status s = take_fd(ref[0], ref[1], &fd); !s.ok) return Status::failure("cuda device " + std::to_string(device) + ": " + s.message);
+    if (Status s = take_fd(ref[0], ref[1], /*may_reopen=*/false, &fd); !s.ok) return Status::failure("cuda device " + std::to_string(device) + ": " + s.message);
     CUmemGenericAllocationHandle handle = 0;
     Status status = in_context(device, [&](DeviceState&) { return status_of(device, import_chunk(api_, fd, &handle)); });
     close(fd);  // the driver holds its own reference

@@ -91,6 +91,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
     ),
     "pyalloc_capture_begin": (ctypes.c_int, [ctypes.c_int]),
+    "pyalloc_pool_take_cached": (ctypes.c_void_p, [ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
     "pyalloc_ipc_export": (
         ctypes.c_int,
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),

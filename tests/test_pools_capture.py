@@ -231,3 +231,34 @@ def test_a_capture_grows_by_new_granules_and_moves_none(allocator: Allocator) ->
     allocator.free(big)
     for p in pins:
         allocator.free(p)
+
+
+def test_the_ladder_releases_nothing_when_a_capture_begins_during_its_callbacks(allocator: Allocator) -> None:
+    """Steps 3 and 4 of the ladder run without the device lock; a capture may begin meanwhile
+    (another thread's beginAllocateToPool). What follows them must release nothing: I15 counts
+    any release, unmap or event call made during a capture, and pyalloc_check fails on one."""
+    held, pins = [], []
+    for _ in range(5):  # 40 MiB blocks between live pins: freed, none fits 120 MiB, each releasable
+        held.append(allocator.malloc(40 * MiB))
+        pins.append(allocator.malloc(3 * MiB))
+
+    device_frees_at_capture: list[int] = []
+
+    def free_and_begin_a_capture(device: int, needed: int) -> int:
+        for ptr in held:
+            allocator.free(ptr)
+        pyalloc.core.lib().pyalloc_capture_begin(0)  # as another thread's capture would, meanwhile
+        device_frees_at_capture.append(allocator.stats()["num_device_free"])
+        return 40 * MiB * len(held)
+
+    handle = pyalloc.register_pressure_callback(free_and_begin_a_capture)
+    try:
+        with pytest.raises(pyalloc.PyallocError, match="A CUDA graph capture is under way"):
+            pyalloc.malloc(120 * MiB, 0, 0)
+        pyalloc.check(0)  # I15: no release, unmap or event call during the capture
+        assert device_frees_at_capture  # the capture began inside the ladder
+    finally:
+        pyalloc.unregister_pressure_callback(handle)
+        pyalloc.core.lib().pyalloc_capture_end(0)
+    for p in pins:
+        allocator.free(p)

@@ -414,3 +414,27 @@ def test_patching_can_leave_pytorchs_history_functions_to_the_torch_facing_layer
     finally:
         pyalloc.unpatch_torch_memory_api()
     assert torch.cuda.memory.memory_stats is not memory_api.memory_stats
+
+
+def test_the_layer_turns_cudagraph_trees_off_when_inductor_is_imported() -> None:
+    """torch.compile(mode="reduce-overhead")'s cudagraph trees checkpoint the allocator's state
+    after every recording, which the torch-facing layer cannot do yet: install() sets
+    torch._inductor.config.triton.cudagraph_trees = False when that config is imported (not
+    before: importing it costs a second of start-up), and a program's own setting after wins."""
+    code = (
+        "import sys\n"
+        "from pyalloc.pytorch import install as i\n"
+        "assert 'torch._inductor.config' not in sys.modules\n"
+        "i._after_import('torch._inductor.config', i._without_cudagraph_trees)\n"
+        "import torch._inductor.config as c\n"
+        "print(c.triton.cudagraph_trees)\n"
+        "c.triton.cudagraph_trees = True\n"
+        "print(c.triton.cudagraph_trees)\n"
+        "i._after_import('json', lambda m: print('already imported:', m.__name__))\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["False", "True", "already imported: json"]

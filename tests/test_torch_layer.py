@@ -297,7 +297,9 @@ def test_use_on_oom_pools_serve_a_request_the_default_pools_cannot(device: None)
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory. Tried to allocate 24.00 MiB"):
         torch.ops.pyalloc.allocate(24 * MiB)
     torch.ops.pyalloc.pool_use_on_oom(0, *MEM_POOL, True)
-    p = torch.ops.pyalloc.allocate(24 * MiB)  # from the pool's cache
+    ooms = pyalloc.memory_stats()["num_ooms"]
+    p = torch.ops.pyalloc.allocate(24 * MiB)  # from the pool's cache: no second ladder, no growth
+    assert pyalloc.memory_stats()["num_ooms"] == ooms + 1  # the default pools' failure only
     assert _pool_of(p) == MEM_POOL
     torch.ops.pyalloc.free(p, 24 * MiB)
     torch.ops.pyalloc.pool_use_on_oom(0, *MEM_POOL, False)
@@ -338,15 +340,26 @@ def test_bad_pool_calls_are_errors_that_name_the_pool(device: None, capfd: pytes
     assert "releasePool of private pool (3, 0) on device 0, which was never made" in capfd.readouterr().err
 
 
-def test_a_capture_mark_keeps_the_cache_until_its_end(device: None) -> None:
+def test_a_route_is_a_capture_for_the_device_and_a_mark_alone_is_not(device: None) -> None:
     a = torch.ops.pyalloc.allocate(4 * MiB)
     torch.ops.pyalloc.free(a, 4 * MiB)
+    torch.ops.pyalloc.pool_begin(0, *GRAPH_POOL, 5)  # beginAllocateToPool, before cudaStreamBeginCapture
+    pyalloc.empty_cache()
+    assert _reserved() > 0  # capture mode: nothing released (Note [Capture])
     torch.ops.pyalloc.capture_mark(0, True)  # markCaptureBegin
+    torch.ops.pyalloc.pool_end(0, *GRAPH_POOL)  # a reset after a failed capture: a route's end, no mark's
     pyalloc.empty_cache()
-    assert _reserved() > 0
-    torch.ops.pyalloc.capture_mark(0, False)  # markCaptureEnd
-    pyalloc.empty_cache()
-    assert _reserved() == 0
+    assert _reserved() == 0  # the route's end ended capture mode
+    torch.ops.pyalloc.capture_mark(0, False)
+    torch.ops.pyalloc.pool_release(0, *GRAPH_POOL)
+
+
+def test_a_second_route_to_a_pool_is_refused(device: None) -> None:
+    torch.ops.pyalloc.pool_begin(0, *MEM_POOL, 0)
+    with pytest.raises(RuntimeError, match=r"already go to private pool \(0, 9\) \(beginAllocateToPool twice"):
+        torch.ops.pyalloc.pool_begin(0, *MEM_POOL, 0)
+    torch.ops.pyalloc.pool_end(0, *MEM_POOL)
+    torch.ops.pyalloc.pool_release(0, *MEM_POOL)
 
 
 # ---- sharing (Note [Sharing under PyTorch]) ------------------------------------------------

@@ -92,11 +92,12 @@ std::shared_ptr<void> Imports::open(int device, const std::string& handle) {
                 last != nullptr ? last : "pyalloc_ipc_import failed");
   }
   std::shared_ptr<void> mapped(base, [this, key, device](void* p) {
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      const auto it = open_.find(key);
-      if (it != open_.end() && it->second.expired()) open_.erase(it);
-    }
+    // Closed under the lock, so that an open of the same handle meanwhile
+    // maps it anew rather than racing this close (lock order: this, then
+    // pyalloc's device lock, as in open).
+    std::lock_guard<std::mutex> guard(mutex_);
+    const auto it = open_.find(key);
+    if (it != open_.end() && it->second.expired()) open_.erase(it);
     pyalloc_ipc_close(device, p);
   });
   open_[key] = mapped;

@@ -117,7 +117,7 @@ void* allocate_or_throw(size_t size, int device, void* stream) {
   if (pool == 0) {
     // torch.cuda.MemPool(use_on_oom=True): the pool's cache before an OOM.
     for (int fallback : pools.oom_fallbacks(device)) {
-      if (void* q = malloc_in(fallback, size, device, stream)) {
+      if (void* q = pyalloc_pool_take_cached(fallback, size, device, stream)) {
         History& history = History::instance();
         if (history.recording()) history.on_alloc(device, q, size, stream);
         return q;

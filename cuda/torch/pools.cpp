@@ -49,21 +49,26 @@ Pools& Pools::instance() {
 // ---- use counts ------------------------------------------------------------------------
 
 int Pools::new_pool_locked() {
-  // A pool let go that has since emptied is as good as new.
-  for (auto it = draining_.begin(); it != draining_.end();) {
+  // One pool let go is looked at per call (no walk of them all): if it has
+  // emptied since, it is as good as new.
+  if (!draining_.empty()) {
     size_t released = 0;
     size_t still = 0;
-    if (pyalloc_pool_empty_cache(*it, &released, &still) == PYALLOC_OK && still == 0) {
-      spare_.push_back(*it);
-      it = draining_.erase(it);
-    } else {
-      ++it;
+    if (pyalloc_pool_empty_cache(draining_.front(), &released, &still) == PYALLOC_OK && still == 0) {
+      spare_.push_back(draining_.front());
+      draining_.erase(draining_.begin());
     }
   }
   int pool = 0;
   if (!spare_.empty()) {
     pool = spare_.back();
     spare_.pop_back();
+  } else if (made_ >= kMadeBeforeReuse && !draining_.empty()) {
+    // Past this many, a pool let go with live blocks (a dead graph's outputs)
+    // serves the new one: its blocks come back to it when freed, which costs
+    // nothing but their attribution (pyalloc keeps at most 4096 pools).
+    pool = draining_.front();
+    draining_.erase(draining_.begin());
   } else {
     const std::string name = "torch-private-" + std::to_string(++made_);
     check_ok(pyalloc_pool_create(name.c_str(), &pool), "making a private pool");
@@ -84,10 +89,16 @@ Pools::Entry& Pools::entry_locked(int device, PoolKey key) {
 }
 
 void Pools::let_go_locked(int pool) {
-  check_ok(pyalloc_pool_hold(pool, 0), "letting a private pool go");
+  // Reached from releasePool, which destructors call (~MemPool, a graph's
+  // reset): a failure warns, it never throws.
   size_t released = 0;
   size_t still = 0;
-  check_ok(pyalloc_pool_empty_cache(pool, &released, &still), "emptying a private pool");
+  if (pyalloc_pool_hold(pool, 0) != PYALLOC_OK ||
+      pyalloc_pool_empty_cache(pool, &released, &still) != PYALLOC_OK) {
+    const char* last = pyalloc_last_error();
+    TORCH_WARN("pyalloc: letting private pool ", pool, " go failed: ", last != nullptr ? last : "unknown error");
+    return;
+  }
   (still == 0 ? spare_ : draining_).push_back(pool);
 }
 
@@ -109,7 +120,7 @@ void Pools::release(int device, PoolKey key) {
   if (--it->second.uses > 0) return;
   const bool routed = std::any_of(route_list_.begin(), route_list_.end(),
                                   [&](const Route& r) { return r.device == device && r.key == key; });
-  if (routed) {  // allocations still go to it: it stays held until endAllocateToPool
+  if (routed) {  // allocations still go to it: it stays held until end_route
     TORCH_WARN("pyalloc: private pool ", describe(key), " released while allocations are still routed to it");
     it->second.uses = 0;
     return;
@@ -140,7 +151,16 @@ void Pools::set_use_on_oom(int device, PoolKey key, bool on) {
 
 void Pools::begin_route(int device, PoolKey key, StreamFilter filter) {
   std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(std::none_of(route_list_.begin(), route_list_.end(),
+                           [&](const Route& r) { return r.device == device && r.key == key; }),
+              "pyalloc: allocations on device ", device, " already go to private pool ", describe(key),
+              " (beginAllocateToPool twice without endAllocateToPool)");
   Entry& e = entry_locked(device, key);
+  // While allocations are routed the device is in capture mode, as PyTorch's
+  // own allocator treats every route: the route begins before
+  // cudaStreamBeginCapture, so a free on another thread meanwhile records no
+  // event on the stream about to be captured (Note [Capture]).
+  check_ok(pyalloc_capture_begin(device), "entering capture mode");
   ++e.uses;
   route_list_.push_back(Route{device, key, e.pool, std::move(filter)});
   routes_.store(static_cast<int>(route_list_.size()), std::memory_order_relaxed);
@@ -154,11 +174,13 @@ void Pools::end_route(int device, PoolKey key) {
               device, ", to which no allocation was being routed");
   route_list_.erase(it);
   routes_.store(static_cast<int>(route_list_.size()), std::memory_order_relaxed);
-  // A pool released while routed (above) goes now.
+  if (pyalloc_capture_end(device) != PYALLOC_OK) {
+    const char* last = pyalloc_last_error();
+    TORCH_WARN("pyalloc: leaving capture mode on device ", device, " failed: ", last != nullptr ? last : "");
+  }
+  // A pool released while routed (release) goes now.
   const auto e = entries_.find({device, key});
-  const bool routed = std::any_of(route_list_.begin(), route_list_.end(),
-                                  [&](const Route& r) { return r.device == device && r.key == key; });
-  if (e != entries_.end() && e->second.uses == 0 && !routed) {
+  if (e != entries_.end() && e->second.uses == 0) {
     const int pool = e->second.pool;
     entries_.erase(e);
     let_go_locked(pool);
@@ -216,16 +238,10 @@ bool Pools::live_allocations_are(int device, PoolKey key, const std::unordered_s
   return walk.live == expected;
 }
 
-// ---- captures --------------------------------------------------------------------------
+// ---- captures ------------------------------------------------------------------------
 
-void Pools::capture_begin(int device) {
-  check_ok(pyalloc_capture_begin(device), "marking a capture's beginning");
-  captures_.fetch_add(1, std::memory_order_relaxed);
-}
+void Pools::capture_begin(int /*device*/) { marks_.fetch_add(1, std::memory_order_relaxed); }
 
-void Pools::capture_end(int device) {
-  captures_.fetch_sub(1, std::memory_order_relaxed);
-  check_ok(pyalloc_capture_end(device), "marking a capture's end");
-}
+void Pools::capture_end(int /*device*/) { marks_.fetch_sub(1, std::memory_order_relaxed); }
 
 }  // namespace pyalloc::torch_layer

@@ -19,9 +19,11 @@
 // above zero (Note [Held pools] in allocator/src/device/pools.cpp): its memory
 // stays where the graph's kernels saw it. At zero the pool is let go and its
 // free memory released; once it holds nothing at all, its pyalloc pool is
-// reused for the next private pool (pyalloc keeps at most 4096 pools per
-// process, and a program may make graphs without end). The capture marks
-// become pyalloc_capture_begin/end (Note [Capture]).
+// reused for the next private pool, and past 1024 pools made, one let go
+// with live blocks too (pyalloc keeps at most 4096 pools per process, and a
+// program may make graphs without end). While allocations are routed to a
+// pool, its device is in capture mode (pyalloc_capture_begin/end, Note
+// [Capture]), as PyTorch's own allocator treats every route.
 //
 // c10 only (no CUDA header): a stream is a void*, and the tests drive these
 // through torch.ops.pyalloc on a CPU build of PyTorch.
@@ -71,11 +73,17 @@ class Pools {
   PoolKey key_of(int pool);
   bool live_allocations_are(int device, PoolKey key, const std::unordered_set<void*>& expected);
 
-  // Captures marked on any device (markCaptureBegin/End): while any is, the
-  // torch-facing allocator asks for memory in CUDA's relaxed capture mode.
+  // markCaptureBegin/End. The device's capture mode spans the route
+  // (begin_route to end_route: PyTorch's own allocator treats a route so,
+  // and a graph reset after a failed capture ends the route but marks no
+  // end); the marks only count.
   void capture_begin(int device);
   void capture_end(int device);
-  bool capturing() const { return captures_.load(std::memory_order_relaxed) > 0; }
+  // Whether a route or a capture mark is open anywhere: the torch-facing
+  // allocator then asks for memory in CUDA's relaxed capture mode.
+  bool capturing() const {
+    return routes_.load(std::memory_order_relaxed) > 0 || marks_.load(std::memory_order_relaxed) > 0;
+  }
 
  private:
   struct Entry {
@@ -103,8 +111,9 @@ class Pools {
   std::vector<int> spare_;          // let go and empty: reused first
   std::vector<Route> route_list_;
   std::atomic<int> routes_{0};
-  std::atomic<int> captures_{0};
+  std::atomic<int> marks_{0};
   int made_ = 0;
+  static constexpr int kMadeBeforeReuse = 1024;  // pools made before one let go with live blocks is reused
 };
 
 }  // namespace pyalloc::torch_layer

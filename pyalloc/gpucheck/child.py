@@ -167,6 +167,9 @@ def check_graphs(cfg: dict[str, Any]) -> Figures:
     del pooled, pool, graph, out
     torch.cuda.empty_cache()
     figures["reserved_after_graph"] = torch.cuda.memory_reserved()
+    if figures["reserved_after_graph"] >= figures["reserved_with_graph"]:
+        raise CheckFailed(f"the graph's pool was not released with it: {figures['reserved_with_graph']} bytes "
+                          f"reserved with the graph, {figures['reserved_after_graph']} after it and empty_cache")
 
     compiled = torch.compile(lambda x: model(x).relu().sum(dim=1), mode="reduce-overhead")
     worst = 0.0

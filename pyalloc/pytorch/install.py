@@ -21,11 +21,14 @@ and stay.
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
+import importlib.util
 import os
+import sys
 import threading
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from .._deps import require
 from .._lib import PyallocError, lib, library_path
@@ -113,6 +116,7 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
             try:
                 layer.install_cuda_allocator()
                 _set_installed(layer)
+                _after_import("torch._inductor.config", _without_cudagraph_trees)
             except layer.LayerError as e:
                 warnings.warn(
                     f"{e}. Falling back to PyTorch's plain pluggable allocator: a failed allocation "
@@ -131,6 +135,48 @@ def install(conf: str | None = None, *, patch_torch: bool = True) -> None:
 
         if patch_torch and _patch_enabled_by_env():
             patch_torch_memory_api(keep=_kept_by_torch())
+
+
+def _without_cudagraph_trees(inductor_config: ModuleType) -> None:
+    """torch.compile(mode="reduce-overhead") without cudagraph trees.
+
+    The trees checkpoint their private pool's allocator state after every recording
+    (``torch._C._cuda_getCheckpointState``) and restore it when a tree branches, which the
+    torch-facing layer cannot do yet (docs/torch-layer.md): with trees, the first recorded graph
+    would raise. Without them inductor captures each compiled graph with ``torch.cuda.graph`` into
+    a private pool, which the layer serves (Note [Private pools under PyTorch]). Set at the
+    config's import, so that a program's own setting afterwards still wins.
+    """
+    inductor_config.triton.cudagraph_trees = False
+
+
+def _after_import(name: str, apply: Callable[[ModuleType], None]) -> None:
+    """Runs ``apply`` on module ``name`` now if it is imported, else once it is (importing it
+    here would cost a second of start-up for programs that never compile)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        apply(module)
+        return
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            loader: Any = spec.loader
+            run = loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                run(module)
+                apply(module)
+
+            loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
 
 
 def _kept_by_torch() -> frozenset[str]:

@@ -181,6 +181,11 @@ PYALLOC_API int pyalloc_pool_hold(int pool_id, int held);
  * held or not; writes the bytes released and the bytes the pool still
  * reserves (segments with live blocks). Either pointer may be NULL. */
 PYALLOC_API int pyalloc_pool_empty_cache(int pool_id, size_t* released, size_t* still_reserved);
+/* A cached free block of user pool `pool_id` that fits `size` on `device`
+ * and `stream`, allocated as pyalloc_malloc would; NULL when none does.
+ * Nothing grows, nothing is released, no OOM is counted (torch.cuda.MemPool's
+ * use_on_oom: a pool's cache tried before an out-of-memory error). */
+PYALLOC_API void* pyalloc_pool_take_cached(int pool_id, size_t size, int device, void* stream);
 /* A CUDA stream capture began / ended on `device` (captures nest). Between
  * the two the device serves requests from its cache and by growing only: it
  * queries no event, synchronizes nothing, releases and remaps no memory, and

@@ -520,6 +520,19 @@ int pyalloc_ipc_close(int device, void* base) {
   });
 }
 
+void* pyalloc_pool_take_cached(int pool_id, size_t size, int device, void* stream) {
+  return guarded<void*>(nullptr, [&]() -> void* {
+    if (pool_id < 1 || pool_id > pyalloc::pool_count()) {
+      set_error("pyalloc_pool_take_cached: no user pool has id " + std::to_string(pool_id));
+      return nullptr;
+    }
+    if (size == 0 || size > pyalloc::kMaxRequest) return nullptr;
+    DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_pool_take_cached");
+    if (d == nullptr) return nullptr;
+    return d->take_cached(pool_id, size, reinterpret_cast<StreamId>(stream));
+  });
+}
+
 int pyalloc_capture_begin(int device) {
   return guarded<int>(PYALLOC_EINVAL, [&] {
     DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_capture_begin");

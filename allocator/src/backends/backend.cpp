@@ -25,10 +25,11 @@ Status Backend::segment_import(int, const std::string&, uintptr_t*, size_t*) { r
 Status Backend::phys_import(int, const std::string&, size_t, PhysHandle*) { return cannot_share(*this); }
 
 // A copy of descriptor `fd` of process `pid` in this process: pidfd_getfd
-// (Linux 5.6; it needs the right to ptrace `pid`), else /proc/pid/fd/N
-// reopened (a memfd reopens as the same file; needs only the right to read
-// the process's /proc entry).
-Status take_fd(int pid, int fd, int* out) {
+// (Linux 5.6; it needs the right to ptrace `pid`: under Yama's
+// ptrace_scope=1 only an ancestor has it), else, where `may_reopen` (a
+// memfd, which reopens as the same file), /proc/pid/fd/N reopened (needs
+// only the right to read the process's /proc entry).
+Status take_fd(int pid, int fd, bool may_reopen, int* out) {
   std::string why;
 #if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
   const long pidfd = syscall(SYS_pidfd_open, pid, 0);
@@ -40,11 +41,16 @@ Status take_fd(int pid, int fd, int* out) {
       *out = static_cast<int>(copy);
       return Status::success();
     }
-    why = std::string("pidfd_getfd: ") + std::strerror(err);
+    why = std::string("pidfd_getfd: ") + std::strerror(err) +
+          (err == EPERM ? " (this process may not ptrace the exporter: see /proc/sys/kernel/yama/ptrace_scope)" : "");
   } else {
     why = std::string("pidfd_open: ") + std::strerror(errno);
   }
 #endif
+  if (!may_reopen) {
+    return Status::failure("cannot take descriptor " + std::to_string(fd) + " of process " + std::to_string(pid) +
+                           " (" + why + "): is the exporting process alive, and of this user?");
+  }
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   const int reopened = open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (reopened >= 0) {

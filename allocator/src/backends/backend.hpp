@@ -115,7 +115,8 @@ class Backend {
 
 // A copy of descriptor `fd` of process `pid` in this process (backend.cpp),
 // for imports of memory exported as file descriptors.
-Status take_fd(int pid, int fd, int* out);
+// `may_reopen`: the descriptor is a file that reopens as itself (a memfd).
+Status take_fd(int pid, int fd, bool may_reopen, int* out);
 
 // Factories. Each returns nullptr and fills *error when the backend cannot
 // start (e.g. cuda without a driver).

@@ -131,7 +131,7 @@ class HostBackend final : public Backend {
     if (in.size() != sizeof ref) return Status::failure("host backend: a shared chunk's description is malformed");
     std::memcpy(&ref, in.data(), sizeof ref);
     int fd = -1;
-    if (Status s = take_fd(ref.pid, ref.fd, &fd); !s.ok) return Status::failure("host backend: " + s.message);
+    if (Status s = take_fd(ref.pid, ref.fd, /*may_reopen=*/true, &fd); !s.ok) return Status::failure("host backend: " + s.message);
     *out = PhysHandle{static_cast<uint64_t>(fd), size};
     return Status::success();
   }

@@ -72,7 +72,9 @@
 //       from the fast path
 //   I15 a held pool (Note [Held pools] in device/pools.cpp) has no arena; a
 //       pending free is deferred (Note [Capture]) only while a capture is
-//       under way, and every call is diverted from the fast path  <=>  one is
+//       under way, and every call is diverted from the fast path  <=>  one is;
+//       no driver call that breaks a capture (a release, an unmap, an event
+//       recorded, queried or synchronized) was ever made during one
 #pragma once
 
 #include <cstddef>

@@ -293,6 +293,7 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi,
   Block* middle = carve_free(block, lo, hi);
   for (uintptr_t va = lo; va < hi; va += g) {
     PhysHandle& slot = arena->phys[(va - arena->base) / g];
+    breaks_capture();
     backend_->unmap(device_, va, g);
     trace_.record(TraceAction::kSegmentUnmap, va, g, arena->stream);
     if (keep != nullptr) {
@@ -315,6 +316,7 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi,
 bool DeviceAllocator::synchronize_stream(const Segment* arena) {
   EventHandle event = 0;
   if (!succeeded(backend_->event_record(device_, arena->stream, &event))) return false;
+  breaks_capture();
   backend_->event_synchronize(device_, event);
   backend_->event_release(device_, event);
   return true;
@@ -504,7 +506,7 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
 // segment needs, or more when memory_fraction's limit was lowered below what
 // is reserved: enough to bring the segment under it.
 Block* DeviceAllocator::stitch(Pool& pool, size_t rounded, StreamId stream) {
-  if (vmm_ == VmmMode::kOff) return nullptr;
+  if (vmm_ == VmmMode::kOff || capturing_ > 0) return nullptr;  // Note [Capture]
   if (pool.in_arenas) return grow_arena(pool, rounded, stream, /*stitch=*/true);
   const size_t size = segment_size_for(pool, rounded);
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
@@ -517,7 +519,7 @@ Block* DeviceAllocator::stitch(Pool& pool, size_t rounded, StreamId stream) {
 // Gives back the granules wholly inside free blocks, and the reservations
 // of arenas left with nothing mapped, until `bytes` (0: all).
 size_t DeviceAllocator::release_arena_memory(size_t bytes) {
-  if (granule_ == 0) return 0;  // no arena was ever made
+  if (granule_ == 0 || capturing_ > 0) return 0;  // no arena was ever made; Note [Capture]
   const size_t wanted = bytes == 0 ? SIZE_MAX : (bytes + granule_ - 1) / granule_;
   const size_t released = unmap_free_granules(wanted, 0, 0, nullptr) * granule_;
   std::vector<Segment*> empty;

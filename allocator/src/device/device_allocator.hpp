@@ -128,6 +128,10 @@ class DeviceAllocator {
   // returns the bytes released and writes what the pool still reserves.
   size_t release_pool(int pool_id, size_t* still_reserved);
   void begin_capture();
+  // A cached block of user pool `pool_id` that fits, taken; nullptr when none
+  // does (nothing grows, nothing is released: torch.cuda.MemPool's
+  // use_on_oom).
+  void* take_cached(int pool_id, size_t size, StreamId stream);
   // False when no capture was begun.
   bool end_capture();
   bool capturing() const;
@@ -326,6 +330,7 @@ class DeviceAllocator {
   // (Note [Iteration plans] in policy/plan.cpp).
   void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void* malloc_capturing(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
+  void unmap_import(uintptr_t base);
   void defer_free(Block* block);
   Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
@@ -374,8 +379,16 @@ class DeviceAllocator {
   size_t granule_ = 0;   // the backend's mapping granularity, asked on first use
 
   int capturing_ = 0;  // captures under way (Note [Capture]); kDivertCapture while > 0
+  // Driver calls that break a capture made while one was under way: always 0
+  // (I15); counted where such calls are made (breaks_capture()).
+  uint64_t capture_violations_ = 0;
+  void breaks_capture() {
+    if (capturing_ > 0) ++capture_violations_;
+  }
+  std::vector<uintptr_t> closing_;  // imports closed during a capture, unmapped at its end
 
   struct Import {  // another process's memory mapped here (Note [Sharing blocks])
+    int refs = 1;                     // imports of it not yet closed
     size_t size = 0;
     size_t granule = 0;               // granules: each chunk's size
     std::vector<PhysHandle> chunks;   // empty for a plain segment

@@ -161,14 +161,28 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
     }
     imported.granule = h.granule;
   }
-  imports_.emplace(*base, std::move(imported));
+  // The driver maps a handle once per process: an import of one already
+  // mapped here answers the same address, and is counted (ipc_close).
+  const auto [it, fresh] = imports_.emplace(*base, std::move(imported));
+  if (!fresh) ++it->second.refs;
   return true;
 }
 
 bool DeviceAllocator::ipc_close(uintptr_t base) {
   Lock lock(mutex_);
   const auto it = imports_.find(base);
-  if (it == imports_.end()) return false;
+  if (it == imports_.end() || it->second.refs == 0) return false;
+  if (--it->second.refs > 0) return true;
+  if (capturing_ > 0) {  // unmapping synchronizes: at the capture's end (Note [Capture])
+    closing_.push_back(base);
+    return true;
+  }
+  unmap_import(base);
+  return true;
+}
+
+void DeviceAllocator::unmap_import(uintptr_t base) {
+  const auto it = imports_.find(base);
   const Import& imported = it->second;
   if (imported.chunks.empty()) {
     backend_->segment_close(device_, base, imported.size);
@@ -180,7 +194,6 @@ bool DeviceAllocator::ipc_close(uintptr_t base) {
     backend_->release_reservation(device_, base, imported.size);
   }
   imports_.erase(it);
-  return true;
 }
 
 }  // namespace pyalloc

@@ -42,7 +42,10 @@
 //     whose events must be recorded on those streams; a block in an arena,
 //     which may part shared granules) is deferred: the block stays pending,
 //     out of every free set, until end_capture records its events (after the
-//     capture, an event is no longer part of the graph) and reclaims it.
+//     capture, an event is no longer part of the graph) and reclaims it; an
+//     import of another process's memory closed meanwhile is unmapped then.
+// The calls that would break a capture are counted where they are made
+// (breaks_capture); pyalloc_check fails if any was made during one (I15).
 // A free of a plain segment's block used on its own stream only is the
 // cache's business and goes on as always: that is how a graph reuses the
 // memory its capture freed.
@@ -111,8 +114,22 @@ bool DeviceAllocator::end_capture() {
     pending.deferred = false;
   }
   reclaim_pending(false);  // the deferred frees that needed no event finish now
+  for (uintptr_t base : closing_) unmap_import(base);
+  closing_.clear();
   if (cached_free_bytes_ > max_cached_) enforce_max_cached();
   return true;
+}
+
+void* DeviceAllocator::take_cached(int pool_id, size_t size, StreamId stream) {
+  Lock lock(mutex_);
+  if (divert_ & kDivertRetired) return nullptr;
+  if (divert_ & kDivertSlivers) drop_sliver_indexes(false);
+  const size_t rounded = round_size(size);
+  Pool& pool = select_pool(rounded, pool_id);
+  Block* block = pool.free_blocks.best_fit(stream, rounded);
+  if (block == nullptr) return nullptr;
+  if (pool.in_arenas) block = align_to_granule(block, rounded);
+  return take(pool, block, size, rounded);
 }
 
 bool DeviceAllocator::capturing() const {

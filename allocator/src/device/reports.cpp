@@ -164,6 +164,10 @@ bool DeviceAllocator::check(std::string* error) {
       if (p.deferred) return fail("I15", "a free is deferred for a capture but none is under way");
     }
   }
+  if (capture_violations_ != 0) {
+    return fail("I15", std::to_string(capture_violations_) + " driver calls that break a capture (a release, an "
+                       "unmap, an event recorded, queried or synchronized) were made while one was under way");
+  }
   if ((capturing_ > 0) != ((divert_ & kDivertCapture) != 0)) {
     return fail("I15", capturing_ > 0 ? "a capture is under way but the fast path is not diverted"
                                       : "the fast path is diverted for a capture but none is under way");

@@ -305,6 +305,7 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
   theirs->state = BlockState::kFree;
   theirs = insert_coalesced(theirs);
 
+  breaks_capture();
   backend_->unmap(device_, lo, g);
   trace_.record(TraceAction::kSegmentUnmap, lo, g, arena->stream);
   arena->phys[slot] = PhysHandle{};

@@ -179,6 +179,7 @@ bool DeviceAllocator::succeeded(const Status& s) {
 // ---- frees pending on other streams (record_stream) -----------------------------------
 
 __attribute__((noinline, cold)) void DeviceAllocator::make_pending(Block* block) {
+  if (!block->uses.empty()) breaks_capture();  // records events
   PendingFree pending{block, {}, false};
   record_pending_events(&pending);
   block->state = BlockState::kPendingFree;
@@ -207,6 +208,7 @@ size_t DeviceAllocator::reclaim_pending(bool synchronize) {
   if (capturing_ > 0) return 0;  // an event query would break the capture (Note [Capture])
   size_t reclaimed = 0;
   for (auto it = pending_.begin(); it != pending_.end();) {
+    if (!it->events.empty()) breaks_capture();
     bool done = !it->stuck;
     for (EventHandle e : it->events) {
       if (synchronize) {
@@ -233,7 +235,7 @@ size_t DeviceAllocator::reclaim_pending(bool synchronize) {
 }
 
 void DeviceAllocator::synchronize_pending() {
-  if (pending_.empty()) return;
+  if (pending_.empty() || capturing_ > 0) return;  // Note [Capture]
   ++stats_.num_sync_all_streams;
   reclaim_pending(true);
 }
@@ -241,6 +243,7 @@ void DeviceAllocator::synchronize_pending() {
 // ---- giving memory back -----------------------------------------------------------------
 
 size_t DeviceAllocator::release_free_segments(size_t bytes) {
+  if (capturing_ > 0) return 0;  // Note [Capture]: steps 3 and 4 may see a capture begin
   std::vector<Segment*> candidates;
   for (auto& entry : segments_) {
     const Segment* seg = entry.second;
@@ -268,6 +271,7 @@ void DeviceAllocator::release_segment(Segment* segment) {
   stats_.reserved_bytes.decrease(t, static_cast<int64_t>(segment->size));
   ++stats_.num_device_free;
   trace_.record(TraceAction::kSegmentFree, segment->base, segment->size, segment->stream);
+  breaks_capture();
   backend_->segment_free(device_, segment->base, segment->size);
   reserved_changed();
   segments_.erase(segment->base);
@@ -282,6 +286,7 @@ size_t DeviceAllocator::release_cached_memory(size_t bytes) {
 }
 
 __attribute__((noinline, cold)) void DeviceAllocator::enforce_max_cached() {
+  if (capturing_ > 0) return;  // Note [Capture]; end_capture enforces it
   // Releasing, oldest first, at least the excess brings the cache back under
   // the cap, as far as the cache is releasable (a free block that shares a
   // granule or segment with a live one stays).
