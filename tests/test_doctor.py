@@ -327,16 +327,19 @@ for step in range(3):
     assert checkpoint == 256 * 8 * 4  # all but the largest block's
 
 
+class Net(torch.nn.Module):
+    """A body and a head: what a DataParallel-wrapped model looks like to the doctor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
 def test_activations_under_data_parallel_are_owned_by_the_wrapped_model() -> None:
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU())
-            self.head = torch.nn.Linear(64, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.body(x))
-
     model = torch.nn.DataParallel(Net())  # without GPUs it runs the module in this thread
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pyalloc.doctor(print_report=False) as d:
@@ -598,15 +601,6 @@ def test_replicas_run_on_threads_are_measured_as_on_the_main_thread(tmp_path: Pa
 def test_activations_saved_by_replicas_on_their_threads_belong_to_the_wrapped_model() -> None:
     import copy
     import threading
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU())
-            self.head = torch.nn.Linear(64, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.body(x))
 
     class ThreadedDataParallel(torch.nn.DataParallel):  # type: ignore[type-arg]
         """DataParallel's forward without GPUs: new replicas every forward (cpu and meta here),
