@@ -202,6 +202,50 @@ def test_a_budget_never_reached_drops_nothing_and_records_no_operator(baselines)
     assert st["step_saved_bytes_peak"] == peak  # still counted: the budget is checked
 
 
+def test_a_budget_never_reached_installs_no_saved_tensor_hook_once_settled(baselines) -> None:
+    """Note [Idle steps]: after the profiled step and one counted step, the steps run with no
+    saved-tensor hook; another batch shape has the next step profiled again; exact throughout."""
+    grads, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)  # the baseline's input
+    x = make_input()
+    hooks_seen: list[bool] = []
+    model[0].register_forward_pre_hook(
+        lambda *a: hooks_seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None))
+    session = offload(budget=peak * 10, pressure_callback=False)
+    for seed in range(STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+    assert hooks_seen == [True, True, False, False, False]  # profiled, counted, then idle
+    st = session.stats()
+    assert st["idle_steps_total"] == 3 and st["profile_steps_total"] == 1 and st["drops_total"] == 0
+    shorter = x[:8].contiguous()
+    reference = make_model()
+    for _ in range(3):  # idle, but another shape: then profiled again, counted, idle
+        with session:
+            got = _step(model, shorter, 1)
+        _assert_bitwise_equal(_step(reference, shorter, 1), got)
+    assert hooks_seen[STEPS:] == [False, True, True]
+    assert session.stats()["profile_steps_total"] == 2
+
+
+def test_idle_steps_are_counted_again_every_few_steps(baselines, monkeypatch) -> None:
+    from pyalloc.offloading import session as session_module
+
+    monkeypatch.setattr(session_module, "IDLE_CHECK_EVERY", 2)
+    _, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model, x = make_model(), make_input()
+    session = offload(budget=peak * 10, pressure_callback=False)
+    for seed in range(8):  # profiled, counted, idle, idle, counted, idle, idle, counted
+        with session:
+            _step(model, x, seed)
+    st = session.stats()
+    assert st["planned_steps_total"] == 7 and st["idle_steps_total"] == 4
+    assert st["step_saved_bytes_peak"] == peak
+
+
 def test_a_step_unlike_the_profile_keeps_its_saves_and_is_profiled_again(baselines) -> None:
     make_model, make_input = MODELS["gpt"]
     model = make_model()

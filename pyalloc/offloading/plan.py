@@ -35,6 +35,18 @@ Note [Planned recompute]
     replacing the profiled ones, then settles. Saves are identified across steps by their order
     in the step and checked by shape and dtype: a step that differs from the profile keeps what
     it saves from there on and has the next step profiled again.
+
+Note [Idle steps]
+    A budget that the profiled step never reached gives a plan that drops nothing. A planned step
+    would still count every save (a saved-tensor hook call each) to check the budget; an idle
+    step instead installs no saved-tensor hook at all, only a pre-forward hook on the outermost
+    modules the profile saw, which compares their inputs' shapes and dtypes with the profile's
+    (one hook call a step). Steps run idle once the search has settled on the empty plan and the
+    last counted step held at most the budget less ``BUDGET_SLACK``; every ``IDLE_CHECK_EVERY``
+    steps (session.py) one step is counted again. Another input shape ends idling: the next step
+    is profiled again, as a planned step that diverges would have it; a counted step over the
+    budget + 5% does the same. The step that changed shape runs unplanned, as a diverging planned
+    step keeps every save from where it differs.
 """
 
 from __future__ import annotations
@@ -115,6 +127,7 @@ class CallInfo:
     input_activation: list[bool] = field(default_factory=list)
     input_nbytes: list[int] = field(default_factory=list)
     input_producers: list[int] = field(default_factory=list)  # call whose output it is, or -1
+    input_signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # shape and dtype per input
     mutates_input: bool = False
     out_key: ProfileKey | None = None  # a single tensor output's storage
     out_nbytes: int = 0
@@ -173,6 +186,10 @@ class Profile:
         self._seen.clear()  # the plan keeps the calls and saves, not these lookups
         self._outputs.clear()
 
+    def roots(self) -> list[CallInfo]:
+        """The step's outermost module calls (the model itself, usually)."""
+        return [c for c in self.calls if c.parent < 0]
+
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         # Not inside torch.compile's tracing: what a compiled region saves is kept (its modules
         # are not seen, so nothing there is planned).
@@ -191,6 +208,7 @@ class Profile:
             call.input_activation.append(is_activation(t))
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
+        call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         self.calls.append(call)
         self._open.append((call, time.thread_time() - self._overhead(), inputs, [t._version for t in inputs]))
 
@@ -626,6 +644,7 @@ class PlanSearch:
         self.plan = make_plan(profile, budget)
         self.trials: list[tuple[Plan, int]] = []
         self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured
+        self.last_peak = -1  # the last planned step's measured peak
         self.fitted: int | None = None  # the largest target whose plan kept the budget
         self.overshot: int | None = None  # the smallest target whose plan did not
         self.settled = False
@@ -637,6 +656,7 @@ class PlanSearch:
     def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None) -> bool:
         """Takes a planned step's measured peak and re-run seconds per call (by key); returns
         whether the plan changed."""
+        self.last_peak = peak
         if self.settled:
             return False
         plan = self.plan
@@ -672,6 +692,12 @@ class PlanSearch:
         changed = self.trials[best][0] is not self.plan
         self.plan = self.trials[best][0]
         return changed
+
+    @property
+    def idle(self) -> bool:
+        """Settled on a plan that drops nothing, and the last counted step held at most the
+        budget less ``BUDGET_SLACK``: steps may run idle (Note [Idle steps])."""
+        return self.settled and self.plan.empty and 0 <= self.last_peak <= self.budget * (1 - BUDGET_SLACK)
 
     @property
     def below_floor(self) -> bool:

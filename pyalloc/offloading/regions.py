@@ -24,7 +24,7 @@ from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage
 if TYPE_CHECKING:
     from .plan import CallInfo
 
-__all__ = ["KeptSave", "PlannedStep", "SavedBytes"]
+__all__ = ["IdleStep", "KeptSave", "PlannedStep", "SavedBytes"]
 
 
 class SavedBytes:
@@ -476,3 +476,40 @@ class PlannedStep:
     def _diverge(self) -> None:
         """The step no longer matches the profile: keep every save from here on."""
         self.diverged = True
+
+
+class IdleStep:
+    """A step under a plan that drops nothing, once a counted step stayed well under the budget:
+    no saved-tensor hook at all (nothing is recorded per operator or per save), only a
+    pre-forward hook on the step's outermost modules that compares their inputs' shapes and
+    dtypes with the profile's. Another shape (a new batch size) makes the step ``diverged``: the
+    next step is profiled again. See Note [Idle steps] in plan.py."""
+
+    def __init__(self, roots: "list[CallInfo]") -> None:
+        self.diverged = False
+        self._roots: dict[int, tuple[weakref.ref[torch.nn.Module], list[Any]]] = {}
+        for call in roots:
+            m = call.module()
+            if m is not None:
+                self._roots.setdefault(id(m), (call.module, []))[1].append(call.input_signature)
+        self._ordinals: dict[int, int] = {}
+        self._thread = threading.get_ident()
+
+    def install(self, stack: contextlib.ExitStack) -> None:
+        for ref, _ in self._roots.values():
+            m = ref()
+            if m is not None:
+                stack.callback(m.register_forward_pre_hook(self._pre).remove)
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+            return
+        ordinal = self._ordinals.get(id(module), 0)
+        self._ordinals[id(module)] = ordinal + 1
+        expected = self._roots[id(module)][1]
+        if ordinal >= len(expected) or expected[ordinal] != tuple((tuple(t.shape), t.dtype)
+                                                                  for t in tensor_leaves(args)):
+            self.diverged = True
+
+    def close(self) -> None:
+        self._ordinals.clear()

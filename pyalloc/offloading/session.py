@@ -36,7 +36,7 @@ from . import cost
 from .args import TensorMap
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
 from .plan import OUTPUT, Plan, PlanSearch, Profile
-from .regions import PlannedStep
+from .regions import IdleStep, PlannedStep
 from .saved import DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
 
@@ -52,6 +52,9 @@ the ones further back later, and a longer scan would cost each unpack time linea
 MAX_REPLAY_CHAIN = 400
 """Hard stop for a replay chain (cost.MAX_REPLAY_DEPTH, the estimate's limit, may be exceeded when
 ancestors are evicted later)."""
+
+IDLE_CHECK_EVERY = 50
+"""Idle steps (Note [Idle steps] in plan.py) between two steps whose saves are counted again."""
 
 POLICIES = ("plan", "dtr")
 """``plan``: profile the first step, then drop and recompute by module along a plan (Note
@@ -135,7 +138,8 @@ class ActivationOffload:
         self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
         self._profile: Profile | None = None  # the step being profiled (policy "plan")
         self._search: PlanSearch | None = None  # the plans for the last profile
-        self._planned: PlannedStep | None = None  # the step running under the plan
+        self._planned: PlannedStep | IdleStep | None = None  # the step running under the plan
+        self._idle_run = 0  # idle steps since the last counted one
         self._floor_warned = False
         self._overhead_s = 0.0  # time in the session's own bookkeeping (DTR), not the model's
         self._new_step()
@@ -145,7 +149,7 @@ class ActivationOffload:
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
-            "step_saved_bytes_peak")}
+            "step_saved_bytes_peak", "idle_steps_total")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -217,7 +221,8 @@ class ActivationOffload:
         try:
             self._recording = False
             if self.policy == "plan" and self._plan is not None:
-                self._planned = PlannedStep(self, self._plan, self._cuda)
+                self._planned = IdleStep(self._search.profile.roots()) if self._idle() \
+                    else PlannedStep(self, self._plan, self._cuda)
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
@@ -254,6 +259,11 @@ class ActivationOffload:
             return
         run.close()
         st["planned_steps_total"] += 1
+        if isinstance(run, IdleStep):
+            st["idle_steps_total"] += 1
+            if run.diverged:
+                self._search = None  # another shape: profile the next step again
+            return
         st["saved_tensors_total"] += run.seq
         st["drops_total"] += run.dropped
         st["dropped_bytes_total"] += run.dropped_bytes
@@ -266,12 +276,24 @@ class ActivationOffload:
             return
         if search.measured(peak, run.rerun_seconds):
             st["replans_total"] += 1
+        if search.settled and search.plan.empty and peak > search.limit:
+            self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
+            return
         if search.below_floor and not self._floor_warned:
             self._floor_warned = True
             warnings.warn(f"pyalloc.offload: the budget of {self.budget} bytes is below the floor of "
                           f"{search.floor_bytes} bytes of saved activations (what no module re-run can "
                           f"free: inputs kept for recompute, saves outside recomputable modules, one "
                           f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
+
+    def _idle(self) -> bool:
+        """Whether the coming step may run with no saved-tensor hook (Note [Idle steps])."""
+        search = self._search
+        if search is None or not search.idle or self._idle_run >= IDLE_CHECK_EVERY:
+            self._idle_run = 0
+            return False
+        self._idle_run += 1
+        return True
 
     @property
     def _plan(self) -> Plan | None:
