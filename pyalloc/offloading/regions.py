@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .calls import autocast_state
+from .ops import RerunMismatch, SelectiveRerun, StopRerun
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 
 if TYPE_CHECKING:
+    from .ops import Recipe
     from .plan import CallInfo
 
 __all__ = ["IdleStep", "KeptSave", "PlannedStep", "SavedBytes"]
@@ -121,8 +123,10 @@ class _Rerun:
         except Exception:
             pass
 
-    def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None) -> Any:
-        """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves."""
+    def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None,
+            mode: SelectiveRerun | None = None) -> Any:
+        """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves;
+        ``mode``: a selective re-run's (Note [Selective re-runs] in ops.py)."""
         for t, v in self.versions:
             if t._version != v:
                 from .session import OffloadError
@@ -148,6 +152,8 @@ class _Rerun:
                     modes.enter_context(torch.autocast(dev, dtype=dtype))
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
                 modes.enter_context(torch.enable_grad())
+                if mode is not None:
+                    modes.enter_context(mode)
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
@@ -157,12 +163,12 @@ class _Rerun:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-        st = step.session._stats
-        seconds = time.thread_time() - t0
-        st["replays_total"] += 1
-        st["recompute_seconds_total"] += seconds
-        key = self.key
-        step.rerun_seconds[key] = step.rerun_seconds.get(key, 0.0) + seconds
+            st = step.session._stats
+            seconds = time.thread_time() - t0
+            st["replays_total"] += 1
+            st["recompute_seconds_total"] += seconds
+            times = step.selective_seconds if mode is not None else step.rerun_seconds
+            times[self.key] = times.get(self.key, 0.0) + seconds
         return out
 
 
@@ -178,20 +184,44 @@ class Region(_Rerun):
     """A planned region call: its dropped saves, refilled by one re-run in backward."""
 
     def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
-                 kwargs: dict) -> None:
+                 kwargs: dict, recipe: "Recipe | None" = None) -> None:
         super().__init__(step, module, args, kwargs)
         self.key = key
         self.first_seq = step.seq
         self.wanted: dict[int, weakref.ref[RegionSlot]] = {}
         self.done = False
+        self.recipe = recipe  # a selective region's (Note [Selective re-runs] in ops.py)
+        self.sources: dict[int, Any] = {}  # save index in the call -> what the forward kept (KeptSave or tensor)
 
     def materialize(self) -> None:
         captured: list[torch.Tensor] = []
+        mode: SelectiveRerun | None = None
+        if self.recipe is not None:
+            sources = {i: h.tensor if isinstance(h, KeptSave) else h for i, h in self.sources.items()}
+            if len(sources) == len(self.recipe.source_saves):
+                mode = SelectiveRerun(self.recipe, sources)
+        last_wanted = max(self.wanted, default=-1)
 
         def capture(t: torch.Tensor) -> None:
+            if mode is None:
+                captured.append(t.detach())
+                return
+            mode.paused = True  # detach is an operator: not the module's
             captured.append(t.detach())
+            mode.paused = False
+            if len(captured) > last_wanted:
+                mode.done = True  # every dropped save is in: stop at the next operator
 
-        self.run(self.args, self.kwargs, capture)
+        try:
+            self.run(self.args, self.kwargs, capture, mode)
+        except StopRerun:
+            pass
+        except RerunMismatch:  # another code path than the profile's: re-run whole
+            captured.clear()
+            mode = None
+            self.step.session._stats["selective_fallbacks_total"] += 1
+            self.run(self.args, self.kwargs, capture)
+        self.sources = {}
         self.done = True
         for index, ref in self.wanted.items():
             slot = ref()
@@ -365,6 +395,7 @@ class PlannedStep:
         self.dropped = 0
         self.dropped_bytes = 0
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
+        self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []
@@ -402,7 +433,8 @@ class PlannedStep:
         record: Region | Output | None = None
         if not self.diverged:
             if key in self.plan.regions:
-                record = Region(self, key, module, args, kwargs)
+                recipe = self.plan.recipes.get(key)
+                record = Region(self, key, module, args, kwargs, recipe[0] if recipe is not None else None)
                 self._regions.append(record)
             elif key in self.plan.outputs:
                 links = self._links(tensor_leaves((args, kwargs)))
@@ -458,9 +490,11 @@ class PlannedStep:
                 self._count_drop(t)
                 return OutputSlot(record, t)
             self._diverge()
-        if is_activation(t):
-            return KeptSave(self.bytes, t)
-        return t
+        kept: Any = KeptSave(self.bytes, t) if is_activation(t) else t
+        region = self._regions[-1] if self._regions else None
+        if region is not None and region.recipe is not None and seq - region.first_seq in region.recipe.source_saves:
+            region.sources[seq - region.first_seq] = kept  # the re-run takes it instead of computing it
+        return kept
 
     def unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, KeptSave):

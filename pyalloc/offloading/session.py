@@ -149,7 +149,7 @@ class ActivationOffload:
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
-            "step_saved_bytes_peak", "idle_steps_total")}
+            "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -229,6 +229,7 @@ class ActivationOffload:
                     self._profile = Profile(lambda: self._overhead_s)
                     self._profile.start()
                     stack.callback(self._profile.stop)
+                    stack.enter_context(self._profile.recorder)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
                 self._recording = self.recompute
                 if self.recompute and self._mode_stack is None:
@@ -274,7 +275,7 @@ class ActivationOffload:
         if run.diverged:
             self._search = None  # profile the next step again
             return
-        if search.measured(peak, run.rerun_seconds):
+        if search.measured(peak, run.rerun_seconds, run.selective_seconds):
             st["replans_total"] += 1
         if search.settled and search.plan.empty and peak > search.limit:
             self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
@@ -397,10 +398,13 @@ class ActivationOffload:
         if self._profile is None:
             return self._pack_tracked(t)
         t0 = time.thread_time()
-        self._profile.note_pack(t)
+        profile = self._profile
+        profile.busy = True  # the session's operators (swap copies) are not the model's
         try:
+            profile.note_pack(t)
             return self._pack_tracked(t)
         finally:  # evictions included: the profile's module times must not count them
+            profile.busy = False
             self._overhead_s += time.thread_time() - t0
 
     def _pack_tracked(self, t: torch.Tensor) -> Any:

@@ -1,0 +1,309 @@
+"""Selective re-runs: the aten operators of a profiled step, and a region re-run that computes
+only what its dropped saves need (issue 20).
+
+Note [Selective re-runs]
+    Re-running a whole module to refill the saves dropped inside it (``torch.utils.checkpoint``'s
+    way) runs its matrix products again, though most of the bytes a transformer block or a
+    bottleneck saves are made by cheap operators (layer norm, GELU, softmax, dropout's product,
+    batch norm, ReLU). A *selective* region keeps some of the saves made inside the module (the
+    outputs of the expensive operators, typically) and drops the rest; its re-run in backward
+    runs the module's forward again under :class:`SelectiveRerun`, a ``TorchDispatchMode`` that
+    goes operator by operator along a :class:`Recipe`:
+
+    - COMPUTE: the operator makes (part of) a dropped save, or something one needs;
+    - SOURCE: the operator made a storage the forward kept (a save of the region that the plan
+      keeps, held by the region until its re-run): its output is that storage again, not
+      computed;
+    - FAKE: nothing dropped needs it: its output is an uninitialised tensor of the same shape
+      and strides, never read by a computed operator;
+    - SKIP: an in-place operator on a storage that is a source, or that nothing needs: not run.
+
+    Views always run (they cost nothing and make the shapes later operators expect). The re-run
+    stops (an exception the region catches) once the last dropped save is captured, so the rest
+    of the module is not run at all. Exactness: a computed operator reads what the forward's
+    read (sources are the forward's own storages, at their final version, which is the one a
+    save holds), and random operators are computed up to the last one a dropped save needs,
+    with the RNG state restored at the start, so they draw what the forward drew; a skipped
+    random operator is never followed by a computed one.
+
+    The operators are recorded once, in the profiled step (:class:`OpRecorder`), with their
+    storages (told apart as the profile tells them: Profile._key), in-place writes, outputs'
+    geometry and time; :func:`make_recipe` turns a module call and a set of dropped storages
+    into a recipe and its cost. In planned steps the forward runs with no mode at all: only the
+    re-run pays Python per operator. If the re-run's operators do not match the recipe (another
+    code path), the region re-runs whole instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from .plan import ProfileKey
+
+__all__ = ["COMPUTE", "FAKE", "SKIP", "SOURCE", "OpInfo", "OpRecorder", "Recipe", "RerunMismatch",
+           "SelectiveRerun", "StopRerun", "CallOps"]
+
+COMPUTE, SOURCE, FAKE, SKIP = 0, 1, 2, 3
+
+DISPATCH_SECONDS = 20e-6
+"""Estimated cost of one operator of a selective re-run beyond its own compute: the module's
+Python around it and the trip through a Python ``TorchDispatchMode`` (measured on CPU: a GPT
+block's forward of 76 operators takes 1.5 ms longer under a mode that only passes each
+operator on). Re-runs are measured by the plan search afterwards; this orders candidates
+before that."""
+
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, torch.device]
+
+
+@dataclass
+class OpInfo:
+    """One aten operator of the profiled step's forward."""
+
+    func: Any  # torch._ops.OpOverload
+    reads: tuple["ProfileKey", ...]  # storages of its tensor arguments
+    writes: tuple["ProfileKey", ...]  # storages it made (outputs that are no view) or mutated
+    outputs: list[tuple["ProfileKey", Geometry] | None]  # per output leaf; None: not a tensor
+    mutated: list[int]  # positions (in the flattened arguments) of the arguments it writes
+    view: bool  # outputs alias inputs and nothing is written: metadata only
+    random: bool
+    seconds: float = 0.0
+
+    @property
+    def opaque(self) -> bool:
+        """It returns something other than tensors (a number, a bool): never faked."""
+        return any(o is None for o in self.outputs)
+
+
+def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
+    """Positions, among the flattened ``(args, kwargs)`` leaves, of the tensors ``func`` writes."""
+    schema = func._schema
+    written = [a for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if not written:
+        return []
+    leaves, _ = tree_flatten((args, kwargs))
+    targets = []
+    for a in written:
+        idx = next(i for i, b in enumerate(schema.arguments) if b is a)
+        value = args[idx] if idx < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, torch.Tensor):
+                targets.append(id(v))
+    return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and id(x) in targets]
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the aten operators run while ``active()`` says so (the profiled step's forward,
+    inside a module call), keyed by ``key`` (Profile._key)."""
+
+    def __init__(self, key: Callable[[torch.Tensor], "ProfileKey"], active: Callable[[], bool]) -> None:
+        super().__init__()
+        self._key = key
+        self._active = active
+        self.ops: list[OpInfo] = []
+        self.overhead_s = 0.0  # this mode's own time, not the model's
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if not self._active():
+            return func(*args, **kwargs)
+        t0 = time.thread_time()
+        leaves, _ = tree_flatten((args, kwargs))
+        reads = tuple(self._key(x) for x in leaves if isinstance(x, torch.Tensor))
+        mutated = _mutated_positions(func, args, kwargs)
+        t1 = time.thread_time()
+        out = func(*args, **kwargs)
+        t2 = time.thread_time()
+        outs, _ = tree_flatten(out)
+        writes = [reads[sum(1 for x in leaves[:i] if isinstance(x, torch.Tensor))] for i in mutated]
+        outputs: list[tuple[ProfileKey, Geometry] | None] = []
+        view = not mutated
+        for o in outs:
+            if not isinstance(o, torch.Tensor):
+                outputs.append(None)
+                continue
+            k = self._key(o)
+            outputs.append((k, (tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype, o.device)))
+            if k not in reads:
+                view = False
+                writes.append(k)
+        if not outs:
+            view = False
+        self.ops.append(OpInfo(func, reads, tuple(dict.fromkeys(writes)), outputs, mutated,
+                               view and all(o is not None for o in outputs),
+                               torch.Tag.nondeterministic_seeded in func.tags, t2 - t1))
+        self.overhead_s += (t1 - t0) + (time.thread_time() - t2)
+        return out
+
+
+@dataclass
+class Recipe:
+    """How to re-run one module call selectively (Note [Selective re-runs])."""
+
+    funcs: list[Any]  # the call's operators in order, to check the re-run against
+    actions: list[int]  # per operator: COMPUTE, SOURCE, FAKE or SKIP
+    geometry: list[list[Geometry | None]]  # per operator: its outputs' geometry (SOURCE, FAKE)
+    mutated: list[list[int]]  # per operator: flattened argument positions it writes (SKIP)
+    sources: dict[int, int] = field(default_factory=dict)  # operator -> the save (index in the call) whose storage it made
+    source_saves: frozenset[int] = frozenset()  # saves (index in the call) the region holds until its re-run
+    seconds: float = 0.0  # estimated re-run time
+    op_seconds: float = 0.0  # of which the computed operators' own
+    transient: int = 0  # bytes the re-run makes: dropped saves and temporaries
+
+
+class StopRerun(Exception):
+    """Raised inside a selective re-run once every dropped save is captured."""
+
+
+class RerunMismatch(Exception):
+    """The re-run's operators are not the recipe's: re-run the module whole instead."""
+
+
+class CallOps:
+    """The operators of one module call, with the tables every recipe for it shares."""
+
+    def __init__(self, ops: list[OpInfo], saves: list["ProfileKey"], created: Callable[["ProfileKey"], bool],
+                 glue_seconds: float) -> None:
+        """``saves``: the storages the call's saves hold, in order (each at its final version,
+        as autograd requires); ``created(k)``: whether the call made storage ``k`` (else it
+        comes from outside: an input, a parameter); ``glue_seconds``: the call's own Python."""
+        self.ops = ops
+        self.glue_seconds = glue_seconds
+        self.writers: dict[ProfileKey, list[int]] = {}
+        for j, op in enumerate(ops):
+            for k in op.writes:
+                self.writers.setdefault(k, []).append(j)
+        self.created = {k for k in self.writers if created(k)}
+        early_read = {k for j, op in enumerate(ops) for k in op.reads
+                      if k in self.created and j < self.writers[k][-1] and j not in self.writers[k]}
+        self.saved_at: dict[ProfileKey, int] = {}
+        for i, k in enumerate(saves):
+            self.saved_at.setdefault(k, i)
+        # storages a re-run can take from the forward: made here, saved here, read only once final
+        self.keepable = {k for k in self.created if k in self.saved_at and k not in early_read}
+
+    def recipe(self, drops: set["ProfileKey"]) -> Recipe | None:
+        """The recipe that regenerates ``drops`` (storages saved in the call), or None when it
+        cannot (a dropped storage no operator made) or would save nothing over a whole re-run."""
+        ops, n = self.ops, len(self.ops)
+        if any(k not in self.created for k in drops):
+            return None
+        forced: set[ProfileKey] = set()  # storages random operators write: computed, not taken
+        for _ in range(8):
+            available = self.keepable - drops - forced
+            need = set(drops)
+            needed: set[int] = set()
+            for j in range(n - 1, -1, -1):
+                op = ops[j]
+                if op.view:
+                    continue
+                if op.opaque or any(k in need for k in op.writes):
+                    needed.add(j)
+                    for k in op.reads:
+                        if k in self.created and k not in available:
+                            need.add(k)
+                    for k in op.writes:  # every writer of a needed storage runs
+                        if k in self.created and k not in available:
+                            need.add(k)
+            last_random = max((j for j in needed if ops[j].random), default=-1)
+            more = {k for j in range(last_random) if ops[j].random and j not in needed for k in ops[j].writes}
+            if not more - forced:
+                break
+            forced |= more
+        else:
+            return None
+        used_sources = {k for j in needed for k in ops[j].reads if k in available}
+        last = max(needed, default=-1)
+        actions = [FAKE] * n
+        sources: dict[int, int] = {}
+        op_seconds = 0.0
+        transient = 0
+        for j, op in enumerate(ops):
+            if op.view or j in needed:
+                actions[j] = COMPUTE
+                if not op.view:
+                    op_seconds += op.seconds
+                    transient += sum(_nbytes(o[1]) for o in op.outputs if o is not None and o[0] in op.writes)
+            elif op.mutated:
+                actions[j] = SKIP
+            else:
+                made = [o[0] for o in op.outputs if o is not None and o[0] in used_sources]
+                if made:
+                    if len(op.outputs) != 1 or self.writers[made[0]][0] != j:
+                        return None  # a source made by a multi-output operator, or in place
+                    actions[j] = SOURCE
+                    sources[j] = self.saved_at[made[0]]
+        if all(a == COMPUTE for a in actions[:last + 1]):
+            return None  # every operator up to the last dropped save runs: a whole re-run does that
+        dispatched = last + 1
+        seconds = op_seconds + dispatched * DISPATCH_SECONDS
+        return Recipe([op.func for op in ops], actions, [[o[1] if o is not None else None for o in op.outputs]
+                                                         for op in ops],
+                      [op.mutated for op in ops], sources, frozenset(sources.values()), seconds, op_seconds,
+                      transient)
+
+
+def _nbytes(g: Geometry) -> int:
+    shape, stride, _, dtype, _ = g
+    span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+    return span * dtype.itemsize
+
+
+def _alias(source: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """A tensor on ``source``'s storage with ``geometry``, no view of it (autograd sets the
+    history of an operator's output on it)."""
+    shape, stride, offset, dtype, device = geometry
+    out = torch.empty(0, dtype=dtype, device=device)
+    return out.set_(source.untyped_storage(), offset, shape, stride)
+
+
+class SelectiveRerun(TorchDispatchMode):
+    """Runs a module's forward again along a :class:`Recipe`; Note [Selective re-runs].
+    ``sources``: save index in the call -> the tensor the forward saved."""
+
+    def __init__(self, recipe: Recipe, sources: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.sources = sources
+        self.index = 0
+        self.done = False  # set by the capture hook once every dropped save is in
+        self.paused = False  # while the capture hook runs its own operators
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        if self.done:
+            raise StopRerun()
+        r = self.recipe
+        j = self.index
+        if j >= len(r.funcs) or r.funcs[j] is not func:
+            raise RerunMismatch(f"operator {j} is {func}, the profile's was "
+                                f"{r.funcs[j] if j < len(r.funcs) else 'none'}")
+        self.index = j + 1
+        action = r.actions[j]
+        if action == COMPUTE:
+            return func(*args, **kwargs)
+        if action == SKIP:
+            leaves, _ = tree_flatten((args, kwargs))
+            written = [leaves[i] for i in r.mutated[j]]
+            return written[0] if len(written) == 1 else tuple(written)
+        geometry = r.geometry[j]
+        if action == SOURCE:
+            out = _alias(self.sources[r.sources[j]], geometry[0])  # type: ignore[arg-type]
+            flat = [out]
+        else:
+            flat = [torch.empty_strided(g[0], g[1], dtype=g[3], device=g[4]) for g in geometry]  # type: ignore[index]
+        # the structure of the real result: one tensor, or a tuple/list of them
+        schema_returns = func._schema.returns
+        if len(schema_returns) == 1 and str(schema_returns[0].type) == "Tensor":
+            return flat[0]
+        if len(schema_returns) == 1:  # Tensor[]
+            return flat
+        return tuple(flat)
