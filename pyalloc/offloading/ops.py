@@ -37,6 +37,7 @@ Note [Selective re-runs]
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -52,6 +53,10 @@ __all__ = ["COMPUTE", "FAKE", "SKIP", "SOURCE", "OpInfo", "OpRecorder", "Recipe"
 
 COMPUTE, SOURCE, FAKE, SKIP = 0, 1, 2, 3
 
+REPLAY_SECONDS = 15e-6
+"""Estimated cost of one replayed operator beyond its own compute (its arguments viewed again,
+the call from Python)."""
+
 DISPATCH_SECONDS = 20e-6
 """Estimated cost of one operator of a selective re-run beyond its own compute: the module's
 Python around it and the trip through a Python ``TorchDispatchMode`` (measured on CPU: a GPT
@@ -60,6 +65,16 @@ operator on). Re-runs are measured by the plan search afterwards; this orders ca
 before that."""
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, torch.device]
+
+
+@dataclass
+class TensorArg:
+    """A tensor argument of a recorded operator: its storage, geometry, and the tensor itself
+    (weakly: a parameter or buffer is found again through it)."""
+
+    key: "ProfileKey"
+    geometry: "Geometry"
+    ref: "weakref.ref[torch.Tensor]"
 
 
 @dataclass
@@ -74,6 +89,8 @@ class OpInfo:
     view: bool  # outputs alias inputs and nothing is written: metadata only
     random: bool
     seconds: float = 0.0
+    spec: Any = None  # the pytree spec of (args, kwargs)
+    leaves: list[Any] = field(default_factory=list)  # per leaf: a constant, or a TensorArg
 
     @property
     def opaque(self) -> bool:
@@ -98,6 +115,10 @@ def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
     return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and id(x) in targets]
 
 
+def _geometry(t: torch.Tensor) -> Geometry:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+
+
 class OpRecorder(TorchDispatchMode):
     """Records the aten operators run while ``active()`` says so (the profiled step's forward,
     inside a module call), keyed by ``key`` (Profile._key)."""
@@ -114,8 +135,10 @@ class OpRecorder(TorchDispatchMode):
         if not self._active():
             return func(*args, **kwargs)
         t0 = time.thread_time()
-        leaves, _ = tree_flatten((args, kwargs))
-        reads = tuple(self._key(x) for x in leaves if isinstance(x, torch.Tensor))
+        leaves, spec = tree_flatten((args, kwargs))
+        recorded = [TensorArg(self._key(x), _geometry(x), weakref.ref(x)) if isinstance(x, torch.Tensor) else x
+                    for x in leaves]
+        reads = tuple(x.key for x in recorded if isinstance(x, TensorArg))
         mutated = _mutated_positions(func, args, kwargs)
         t1 = time.thread_time()
         out = func(*args, **kwargs)
@@ -129,7 +152,7 @@ class OpRecorder(TorchDispatchMode):
                 outputs.append(None)
                 continue
             k = self._key(o)
-            outputs.append((k, (tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype, o.device)))
+            outputs.append((k, _geometry(o)))
             if k not in reads:
                 view = False
                 writes.append(k)
@@ -137,7 +160,7 @@ class OpRecorder(TorchDispatchMode):
             view = False
         self.ops.append(OpInfo(func, reads, tuple(dict.fromkeys(writes)), outputs, mutated,
                                view and all(o is not None for o in outputs),
-                               torch.Tag.nondeterministic_seeded in func.tags, t2 - t1))
+                               torch.Tag.nondeterministic_seeded in func.tags, t2 - t1, spec, recorded))
         self.overhead_s += (t1 - t0) + (time.thread_time() - t2)
         return out
 
@@ -154,7 +177,34 @@ class Recipe:
     source_saves: frozenset[int] = frozenset()  # saves (index in the call) the region holds until its re-run
     seconds: float = 0.0  # estimated re-run time
     op_seconds: float = 0.0  # of which the computed operators' own
+    replay: "list[ReplayStep] | None" = None  # the computed operators alone (Note [Operator replay])
+    drops: dict[int, tuple["ProfileKey", Geometry]] = field(default_factory=dict)  # dropped save -> storage, geometry
+    source_keys: dict[int, "ProfileKey"] = field(default_factory=dict)  # source save -> its storage
+    input_geometry: list[Geometry] = field(default_factory=list)  # the call's tensor inputs, as profiled
     transient: int = 0  # bytes the re-run makes: dropped saves and temporaries
+
+
+class _Ref:
+    """A tensor argument of a replayed operator: ``kind`` "s" (a storage the replay made, or a
+    source), "i" (the call's input at ``where``), "a" (the module's parameter or buffer named
+    ``where``), and the geometry to view it with."""
+
+    __slots__ = ("kind", "where", "geometry")
+
+    def __init__(self, kind: str, where: Any, geometry: Geometry) -> None:
+        self.kind, self.where, self.geometry = kind, where, geometry
+
+
+@dataclass
+class ReplayStep:
+    """One operator of a replay: the function, its arguments (constants and _Refs), the storage
+    each output makes, and the module buffers it writes (put back afterwards)."""
+
+    func: Any
+    spec: Any
+    leaves: list[Any]
+    outputs: list["ProfileKey | None"]
+    restore: list[int]
 
 
 class StopRerun(Exception):
@@ -169,12 +219,19 @@ class CallOps:
     """The operators of one module call, with the tables every recipe for it shares."""
 
     def __init__(self, ops: list[OpInfo], saves: list["ProfileKey"], created: Callable[["ProfileKey"], bool],
-                 glue_seconds: float) -> None:
+                 glue_seconds: float, inputs: dict["ProfileKey", int] | None = None,
+                 attrs: dict[tuple[int, str], str] | None = None, save_geometry: list[Geometry] | None = None,
+                 input_geometry: list[Geometry] | None = None) -> None:
         """``saves``: the storages the call's saves hold, in order (each at its final version,
         as autograd requires); ``created(k)``: whether the call made storage ``k`` (else it
         comes from outside: an input, a parameter); ``glue_seconds``: the call's own Python."""
         self.ops = ops
         self.glue_seconds = glue_seconds
+        self.saves = saves
+        self.inputs = inputs or {}  # the call's tensor inputs: storage -> position
+        self.attrs = attrs or {}  # storages (address, device) of the module's parameters and buffers -> name
+        self.save_geometry = save_geometry
+        self.input_geometry = input_geometry or []
         self.writers: dict[ProfileKey, list[int]] = {}
         for j, op in enumerate(ops):
             for k in op.writes:
@@ -241,12 +298,55 @@ class CallOps:
                     sources[j] = self.saved_at[made[0]]
         if all(a == COMPUTE for a in actions[:last + 1]):
             return None  # every operator up to the last dropped save runs: a whole re-run does that
+        replay = self._replay(sorted(needed), available)
         dispatched = last + 1
-        seconds = op_seconds + dispatched * DISPATCH_SECONDS
+        seconds = op_seconds + (len(replay) * REPLAY_SECONDS if replay is not None else dispatched * DISPATCH_SECONDS)
+        drop_saves = {i: (k, self.save_geometry[i]) for i, k in enumerate(self.saves)
+                      if k in drops and self.save_geometry is not None}
+        source_keys = {i: self.saves[i] for i in sources.values()}
+        source_keys.update({self.saved_at[k]: k for k in used_sources})
         return Recipe([op.func for op in ops], actions, [[o[1] if o is not None else None for o in op.outputs]
                                                          for op in ops],
-                      [op.mutated for op in ops], sources, frozenset(sources.values()), seconds, op_seconds,
-                      transient)
+                      [op.mutated for op in ops], sources, frozenset(source_keys), seconds=seconds,
+                      op_seconds=op_seconds, transient=transient, replay=replay, drops=drop_saves,
+                      source_keys=source_keys, input_geometry=self.input_geometry)
+
+    def _replay(self, needed: list[int], available: set["ProfileKey"]) -> "list[ReplayStep] | None":
+        """The needed operators as replay steps, or None when one reads a tensor the replay
+        cannot find again (neither made here, a source, an input of the call, nor a parameter
+        or buffer of the module) or writes one it must not (a source, an input)."""
+        if self.save_geometry is None:
+            return None
+        steps = []
+        for j in needed:
+            op = self.ops[j]
+            if op.spec is None:
+                return None
+            leaves: list[Any] = []
+            restore = []
+            for pos, x in enumerate(op.leaves):
+                if not isinstance(x, TensorArg):
+                    leaves.append(x)
+                    continue
+                written = pos in op.mutated
+                if x.key in self.created:
+                    if x.key in available and written:
+                        return None
+                    leaves.append(_Ref("s", x.key, x.geometry))
+                elif x.key in self.inputs and not written:
+                    leaves.append(_Ref("i", self.inputs[x.key], x.geometry))
+                else:  # a parameter or buffer (or a view of one, weight.t()): found by its storage,
+                    # which lives as long as the module does
+                    name = self.attrs.get((x.key[0], x.key[1]))
+                    if name is None:
+                        return None
+                    leaves.append(_Ref("a", name, x.geometry))
+                    if written or name.startswith("b:"):  # batch norm writes its running
+                        restore.append(pos)  # statistics with no write in its schema
+            steps.append(ReplayStep(op.func, op.spec, leaves,
+                                    [o[0] if o is not None and o[0] in op.writes else None for o in op.outputs],
+                                    restore))
+        return steps
 
 
 def _nbytes(g: Geometry) -> int:
@@ -261,6 +361,42 @@ def _alias(source: torch.Tensor, geometry: Geometry) -> torch.Tensor:
     shape, stride, offset, dtype, device = geometry
     out = torch.empty(0, dtype=dtype, device=device)
     return out.set_(source.untyped_storage(), offset, shape, stride)
+
+
+def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[torch.Tensor],
+               attr: Callable[[str], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Runs a recipe's replay (Note [Operator replay]); returns the dropped saves by index."""
+    assert recipe.replay is not None
+    storages: dict[ProfileKey, Any] = {}
+    for i, t in sources.items():  # the sources' storages, by the key of what made them
+        storages[recipe.source_keys[i]] = t.untyped_storage()
+
+    def resolve(x: Any) -> Any:
+        if not isinstance(x, _Ref):
+            return x
+        if x.kind == "s":
+            return _view(storages[x.where], x.geometry)
+        base = inputs[x.where] if x.kind == "i" else attr(x.where)
+        return _view(base.untyped_storage(), x.geometry)
+
+    with torch.no_grad():
+        for step in recipe.replay:
+            leaves = [resolve(x) for x in step.leaves]
+            saved = [(leaves[p], leaves[p].clone()) for p in step.restore]
+            args, kwargs = tree_unflatten(leaves, step.spec)
+            out = step.func(*args, **kwargs)
+            for t, before in saved:
+                t.copy_(before)
+            outs, _ = tree_flatten(out)
+            for key, o in zip(step.outputs, outs):
+                if key is not None and isinstance(o, torch.Tensor):
+                    storages[key] = o.untyped_storage()
+        return {i: _view(storages[key], g) for i, (key, g) in recipe.drops.items()}
+
+
+def _view(storage: Any, geometry: Geometry) -> torch.Tensor:
+    shape, stride, offset, dtype, device = geometry
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
 
 class SelectiveRerun(TorchDispatchMode):

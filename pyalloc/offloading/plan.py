@@ -76,9 +76,11 @@ TRIES_PER_ROUND = 40
 """Candidates the greedy tries per round and search (closing, densest) once it has one that
 works: a try costs O(storages), and deep models have hundreds of candidates that look alike."""
 
-MAX_SELECTIVE_OPS = 512
-"""Module calls with more aten operators than this get no selective variants (planning cost is
-linear in the operators per variant; a block of a transformer runs about 60)."""
+MAX_SELECTIVE_OPS = 160
+"""Module calls with more aten operators than this get no selective variants: a block of a
+transformer runs about 75. A whole model's variant would refill all its dropped saves at once in
+backward (a high peak), and a chosen region can only be replaced by a larger one, so the greedy
+that took it could not refine it."""
 
 MAX_VARIANTS = 6
 """Selective variants per region: prefixes of its storages in order of bytes per second."""
@@ -139,6 +141,7 @@ class CallInfo:
     input_nbytes: list[int] = field(default_factory=list)
     input_producers: list[int] = field(default_factory=list)  # call whose output it is, or -1
     input_signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # shape and dtype per input
+    input_geometry: list[Any] = field(default_factory=list)  # shape, stride, offset, dtype, device per input
     mutates_input: bool = False
     out_key: ProfileKey | None = None  # a single tensor output's storage
     out_nbytes: int = 0
@@ -161,6 +164,8 @@ class PackInfo:
     producer: int  # the module call whose output it is (a view of), or -1
     version: int
     signature: tuple[tuple[int, ...], torch.dtype]
+    stride: tuple[int, ...] = ()
+    offset: int = 0
 
 
 class Profile:
@@ -273,6 +278,7 @@ class Profile:
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
         call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        call.input_geometry = [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device) for t in inputs]
         self.calls.append(call)
         self._open.append((call, self._clock(), inputs, [t._version for t in inputs]))
 
@@ -333,7 +339,8 @@ class Profile:
         key = self._key(t)
         inner = self._open[-1][0].index if self._open else -1
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), is_activation(t), inner,
-                                   self._producer(t, key), t._version, (tuple(t.shape), t.dtype)))
+                                   self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
+                                   tuple(t.stride()), t.storage_offset()))
 
 
 @dataclass
@@ -456,8 +463,18 @@ class _Planner:
             first = self.first_touch.get(k)
             return first is not None and first[1] and first_op <= first[0] < call.end_op
 
-        table = CallOps(ops, [self.packs[seq].key for seq in range(call.first_pack, call.end_pack)], created,
-                        max(0.0, call.seconds - sum(op.seconds for op in ops)))
+        module = call.module()
+        attrs: dict[tuple[int, str], str] = {}
+        if module is not None:
+            attrs.update((storage_key(t), "b:" + name) for name, t in module.named_buffers())
+            attrs.update((storage_key(t), "p:" + name) for name, t in module.named_parameters())
+        packs = self.packs[call.first_pack:call.end_pack]
+        inputs: dict[ProfileKey, int] = {}
+        for i, k in enumerate(call.input_keys):
+            inputs.setdefault(k, i)
+        table = CallOps(ops, [p.key for p in packs], created, max(0.0, call.seconds - sum(op.seconds for op in ops)),
+                        inputs, attrs, [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device(p.key[1]))
+                                        for p in packs], call.input_geometry)
         alone: dict[ProfileKey, float] = {}
         for k in full.drops:
             r = table.recipe({k})

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .calls import autocast_state
-from .ops import RerunMismatch, SelectiveRerun, StopRerun
+from .ops import RerunMismatch, SelectiveRerun, StopRerun, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 
 if TYPE_CHECKING:
@@ -199,6 +199,8 @@ class Region(_Rerun):
         if self.recipe is not None:
             sources = {i: h.tensor if isinstance(h, KeptSave) else h for i, h in self.sources.items()}
             if len(sources) == len(self.recipe.source_saves):
+                if self._replay(sources):
+                    return
                 mode = SelectiveRerun(self.recipe, sources)
         last_wanted = max(self.wanted, default=-1)
 
@@ -237,6 +239,57 @@ class Region(_Rerun):
         self.wanted = {}
         self.release()  # the inputs are no longer needed: let them go with their last use
         self.args, self.kwargs, self.versions = (), {}, []
+
+
+    def _replay(self, sources: dict[int, torch.Tensor]) -> bool:
+        """Refills the dropped saves by replaying the recipe's operators alone (Note [Operator
+        replay] in ops.py); False when it cannot (no replay, inputs viewed otherwise)."""
+        recipe = self.recipe
+        assert recipe is not None
+        inputs = tensor_leaves(self.args)
+        if recipe.replay is None or [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+                                     for t in inputs] != recipe.input_geometry:
+            return False
+        for t, v in self.versions:
+            if t._version != v:
+                from .session import OffloadError
+
+                raise OffloadError(f"an input of {type(self.module).__name__} was modified in place after "
+                                   "the call: its dropped activations cannot be recomputed")
+        module = self.module
+
+        def attr(name: str) -> torch.Tensor:
+            return module.get_parameter(name[2:]) if name[0] == "p" else module.get_buffer(name[2:])
+
+        step = self.step
+        t0 = time.thread_time()
+        cpu_now = torch.get_rng_state()
+        cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda_rng]
+        try:
+            torch.set_rng_state(self.cpu_rng)
+            for d, state in self.cuda_rng:
+                torch.cuda.set_rng_state(state, d)
+            filled = run_replay(recipe, sources, inputs, attr)
+        finally:
+            torch.set_rng_state(cpu_now)
+            for d, state in cuda_now:
+                torch.cuda.set_rng_state(state, d)
+            seconds = time.thread_time() - t0
+            st = step.session._stats
+            st["replays_total"] += 1
+            st["recompute_seconds_total"] += seconds
+            step.selective_seconds[self.key] = step.selective_seconds.get(self.key, 0.0) + seconds
+        for index, ref in self.wanted.items():
+            slot = ref()
+            if slot is not None:
+                slot.fill(filled[index])
+                step.session._stats["recomputed_tensors_total"] += 1
+        self.wanted = {}
+        self.sources = {}
+        self.done = True
+        self.release()
+        self.args, self.kwargs, self.versions = (), {}, []
+        return True
 
 
 class RegionSlot(_Counted):
