@@ -116,7 +116,7 @@ def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
 
 
 def _geometry(t: torch.Tensor) -> Geometry:
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+    return (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype, t.device)
 
 
 class OpRecorder(TorchDispatchMode):
@@ -181,6 +181,7 @@ class Recipe:
     drops: dict[int, tuple["ProfileKey", Geometry]] = field(default_factory=dict)  # dropped save -> storage, geometry
     source_keys: dict[int, "ProfileKey"] = field(default_factory=dict)  # source save -> its storage
     input_geometry: list[Geometry] = field(default_factory=list)  # the call's tensor inputs, as profiled
+    replay_index: dict[int, int] = field(default_factory=dict)  # operator -> its replay step
     transient: int = 0  # bytes the re-run makes: dropped saves and temporaries
 
 
@@ -309,7 +310,8 @@ class CallOps:
                                                          for op in ops],
                       [op.mutated for op in ops], sources, frozenset(source_keys), seconds=seconds,
                       op_seconds=op_seconds, transient=transient, replay=replay, drops=drop_saves,
-                      source_keys=source_keys, input_geometry=self.input_geometry)
+                      source_keys=source_keys, input_geometry=self.input_geometry,
+                      replay_index={j: i for i, j in enumerate(sorted(needed))} if replay is not None else {})
 
     def _replay(self, needed: list[int], available: set["ProfileKey"]) -> "list[ReplayStep] | None":
         """The needed operators as replay steps, or None when one reads a tensor the replay
@@ -394,6 +396,21 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
         return {i: _view(storages[key], g) for i, (key, g) in recipe.drops.items()}
 
 
+def _same_arguments(step: ReplayStep, args: tuple, kwargs: dict) -> bool:
+    """Whether an operator's live arguments are the ones its replay step would pass: the same
+    constants, tensors of the same geometry."""
+    leaves, _ = tree_flatten((args, kwargs))
+    if len(leaves) != len(step.leaves):
+        return False
+    for live, recorded in zip(leaves, step.leaves):
+        if isinstance(recorded, _Ref):
+            if not isinstance(live, torch.Tensor) or _geometry(live)[:4] != recorded.geometry[:4]:
+                return False
+        elif isinstance(live, torch.Tensor) or type(live) is not type(recorded) or live != recorded:
+            return False
+    return True
+
+
 def _view(storage: Any, geometry: Geometry) -> torch.Tensor:
     shape, stride, offset, dtype, device = geometry
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
@@ -403,10 +420,12 @@ class SelectiveRerun(TorchDispatchMode):
     """Runs a module's forward again along a :class:`Recipe`; Note [Selective re-runs].
     ``sources``: save index in the call -> the tensor the forward saved."""
 
-    def __init__(self, recipe: Recipe, sources: dict[int, torch.Tensor]) -> None:
+    def __init__(self, recipe: Recipe, sources: dict[int, torch.Tensor], verify: bool = False) -> None:
         super().__init__()
         self.recipe = recipe
         self.sources = sources
+        self.verify = verify  # compare the computed operators' arguments with the replay's
+        self.stale = False  # they differed: the replay would not compute what the module does
         self.index = 0
         self.done = False  # set by the capture hook once every dropped save is in
         self.paused = False  # while the capture hook runs its own operators
@@ -425,6 +444,9 @@ class SelectiveRerun(TorchDispatchMode):
         self.index = j + 1
         action = r.actions[j]
         if action == COMPUTE:
+            if self.verify and j in r.replay_index and r.replay is not None \
+                    and not _same_arguments(r.replay[r.replay_index[j]], args, kwargs):
+                self.stale = True
             return func(*args, **kwargs)
         if action == SKIP:
             leaves, _ = tree_flatten((args, kwargs))

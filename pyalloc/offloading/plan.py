@@ -340,7 +340,7 @@ class Profile:
         inner = self._open[-1][0].index if self._open else -1
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), is_activation(t), inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
-                                   tuple(t.stride()), t.storage_offset()))
+                                   tuple(t.stride()), int(t.storage_offset())))
 
 
 @dataclass
@@ -867,7 +867,7 @@ class PlanSearch:
     @property
     def below_floor(self) -> bool:
         """Settled, and no plan kept the budget."""
-        return self.settled and all(peak > self.limit for _, peak in self.trials)
+        return self.settled and bool(self.trials) and all(peak > self.limit for _, peak in self.trials)
 
     @property
     def floor_bytes(self) -> int:

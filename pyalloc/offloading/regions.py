@@ -199,9 +199,10 @@ class Region(_Rerun):
         if self.recipe is not None:
             sources = {i: h.tensor if isinstance(h, KeptSave) else h for i, h in self.sources.items()}
             if len(sources) == len(self.recipe.source_saves):
-                if self._replay(sources):
+                verify = self.step.verify and self.recipe.replay is not None
+                if not verify and self._replay(sources):
                     return
-                mode = SelectiveRerun(self.recipe, sources)
+                mode = SelectiveRerun(self.recipe, sources, verify)
         last_wanted = max(self.wanted, default=-1)
 
         def capture(t: torch.Tensor) -> None:
@@ -219,10 +220,13 @@ class Region(_Rerun):
         except StopRerun:
             pass
         except RerunMismatch:  # another code path than the profile's: re-run whole
+            self.step.stale = True
             captured.clear()
             mode = None
             self.step.session._stats["selective_fallbacks_total"] += 1
             self.run(self.args, self.kwargs, capture)
+        if mode is not None and mode.stale:
+            self.step.stale = True
         self.sources = {}
         self.done = True
         for index, ref in self.wanted.items():
@@ -449,6 +453,8 @@ class PlannedStep:
         self.dropped_bytes = 0
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
+        self.verify = False  # re-run selective regions through the module's code, checking the replays
+        self.stale = False  # a replay's operators or arguments were not the module's: profile again
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []

@@ -53,6 +53,10 @@ MAX_REPLAY_CHAIN = 400
 """Hard stop for a replay chain (cost.MAX_REPLAY_DEPTH, the estimate's limit, may be exceeded when
 ancestors are evicted later)."""
 
+REPLAY_CHECK_EVERY = 20
+"""Planned steps between two whose selective regions re-run through the module's own code,
+checking the replays' operators and arguments (Note [Operator replay] in ops.py)."""
+
 IDLE_CHECK_EVERY = 50
 """Idle steps (Note [Idle steps] in plan.py) between two steps whose saves are counted again."""
 
@@ -140,6 +144,7 @@ class ActivationOffload:
         self._search: PlanSearch | None = None  # the plans for the last profile
         self._planned: PlannedStep | IdleStep | None = None  # the step running under the plan
         self._idle_run = 0  # idle steps since the last counted one
+        self._replay_checks = 0  # planned steps since the search began (every REPLAY_CHECK_EVERY-th checks)
         self._floor_warned = False
         self._overhead_s = 0.0  # time in the session's own bookkeeping (DTR), not the model's
         self._new_step()
@@ -149,7 +154,7 @@ class ActivationOffload:
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
-            "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total")}
+            "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -221,8 +226,13 @@ class ActivationOffload:
         try:
             self._recording = False
             if self.policy == "plan" and self._plan is not None:
-                self._planned = IdleStep(self._search.profile.roots()) if self._idle() \
-                    else PlannedStep(self, self._plan, self._cuda)
+                if self._idle():
+                    assert self._search is not None
+                    self._planned = IdleStep(self._search.profile.roots())
+                else:
+                    self._planned = PlannedStep(self, self._plan, self._cuda)
+                    self._planned.verify = self._replay_checks % REPLAY_CHECK_EVERY == 0
+                    self._replay_checks += 1
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
@@ -253,6 +263,7 @@ class ActivationOffload:
             st["profile_steps_total"] += 1
             if profile.packs:
                 self._search = PlanSearch(profile, self.budget)
+                self._replay_checks = 0
             return
         run, self._planned = self._planned, None
         search = self._search
@@ -272,7 +283,9 @@ class ActivationOffload:
         st["step_saved_bytes_peak"] = peak
         st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
         st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
-        if run.diverged:
+        if run.stale:
+            st["replays_stale_total"] += 1
+        if run.diverged or run.stale:
             self._search = None  # profile the next step again
             return
         if search.measured(peak, run.rerun_seconds, run.selective_seconds):
@@ -373,6 +386,7 @@ class ActivationOffload:
                    plan_floor_bytes=search.floor_bytes if search else -1,
                    plan_settled=1 if search is not None and search.settled else 0,
                    plan_regions=len(plan.regions) if plan else 0,
+                   plan_selective_regions=len(plan.recipes) if plan else 0,
                    plan_outputs=len({o for o, a in zip(plan.owners, plan.actions) if a == OUTPUT}) if plan else 0,
                    plan_recompute_seconds=plan.recompute_seconds if plan else 0.0)
         out.update(budget_bytes=self.budget if self.budget is not None else -1,
