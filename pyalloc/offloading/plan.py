@@ -82,7 +82,7 @@ transformer runs about 75. A whole model's variant would refill all its dropped 
 backward (a high peak), and a chosen region can only be replaced by a larger one, so the greedy
 that took it could not refine it."""
 
-MAX_VARIANTS = 6
+MAX_VARIANTS = 12
 """Selective variants per region: prefixes of its storages in order of bytes per second."""
 
 KEEP, REGION, OUTPUT = 0, 1, 2
@@ -652,12 +652,44 @@ class _Planner:
             move = self._closing(budget, by_seconds, dropped) or self._densest(by_density, density)
             if move is None:
                 return
-            for d in move[0]:
-                self._apply(d, -1)
-                self.chosen.remove(d)
-            for a in move[1]:
-                self._apply(a, +1)
-                self.chosen.append(a)
+            self._take(move)
+        self._refine(budget, density)
+
+    def _take(self, move: "Move") -> None:
+        for d in move[0]:
+            self._apply(d, -1)
+            self.chosen.remove(d)
+        for a in move[1]:
+            self._apply(a, +1)
+            self.chosen.append(a)
+
+    def _refine(self, budget: int, density: dict[int, float]) -> None:
+        """Once the plan fits: each region re-run whole is tried as its largest selective variant
+        instead, the gap that leaves closed with selective variants alone (densest first); kept
+        when that plan fits and re-runs less. The closing move takes the cheapest single
+        candidate that closes the gap, which can be a whole block where selective variants of
+        several blocks would do for less."""
+        selective = sorted((v for v in self.candidates if v.recipe is not None), key=lambda v: -density[id(v)])
+        for c in [c for c in self.chosen if c.kind == REGION and c.recipe is None]:
+            variants = [v for v in selective if v.call is c.call]
+            if c not in self.chosen or not variants:
+                continue
+            before, spent = list(self.chosen), self.seconds()
+            tried = self._try(max(variants, key=lambda v: len(v.drops)))
+            if tried is not None:
+                self._take((tried[2], tried[3]))
+                while self.estimate() > budget:
+                    move = self._densest(selective, density)
+                    if move is None:
+                        break
+                    self._take(move)
+            if self.estimate() > budget or self.seconds() >= spent:
+                for d in list(self.chosen):
+                    self._apply(d, -1)
+                self.chosen = []
+                for d in before:
+                    self._apply(d, +1)
+                    self.chosen.append(d)
 
     Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
 
