@@ -811,6 +811,7 @@ class PlanSearch:
         # whether plans may hold selective regions: decided on the first two planned steps, one
         # plan without and one with them at the same target, by their measured re-run time
         self.selective: bool | None = None
+        self.family_targets: list[int] = [budget]  # the target of each trial while it is undecided
         self.trials: list[tuple[Plan, int]] = []
         self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured
         self.last_peak = -1  # the last planned step's measured peak
@@ -842,17 +843,21 @@ class PlanSearch:
             if recipe is not None:
                 self.profile.selective_seconds[(plan.regions[key].index, recipe[1])] = seconds
         if self.selective is None:
-            if len(self.trials) == 1:
-                alternative = make_plan(self.profile, self.target, plan.floor_bytes, selective=True) \
+            if len(self.trials) == 1 or (len(self.trials) == 2 and peak > self.limit):
+                # the plan with selective regions next: at the same target, or (it overshot:
+                # their re-runs hold what they take from the forward a while longer) scaled down
+                target = self.target if len(self.trials) == 1 else \
+                    int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
+                alternative = make_plan(self.profile, target, plan.floor_bytes, selective=True) \
                     if not plan.empty else plan
-                if alternative.recipes and alternative.actions != plan.actions:
-                    self.plan = alternative  # measure it next step, at the same target
+                if alternative.recipes and all(alternative.actions != p.actions for p, _ in self.trials):
+                    self.family_targets.append(target)
+                    self.plan = alternative
                     return True
-                self.selective = False
-            else:
-                self.selective = self._compare_families()
-                plan, peak = self.trials[-1] if self.selective else self.trials[0]
-                self.plan = plan
+            self.selective = self._compare_families()
+            best = self._best_of(selective=self.selective)
+            plan, peak = self.trials[best]
+            self.plan, self.target = plan, self.family_targets[best]
         if peak <= self.limit:
             self.fitted = max(self.fitted or 0, self.target)
             if plan.empty or peak >= self.budget * (1 - 2 * BUDGET_SLACK):
@@ -872,15 +877,27 @@ class PlanSearch:
         return True
 
     def _compare_families(self) -> bool:
-        """After one plan without selective regions and one with them (same target): whether
-        the one with them kept the budget (+5%) as well and re-ran for less time."""
-        (_, peak0), (_, peak1) = self.trials[0], self.trials[1]
+        """After the first plan (no selective regions) and one or two with them: whether the
+        best of those with them kept the budget (+5%) as well and re-ran for less time."""
+        if len(self.trials) < 2:
+            return False
+        first, best = 0, self._best_of(selective=True)
+        (_, peak0), (_, peak1) = self.trials[first], self.trials[best]
         fits0, fits1 = peak0 <= self.limit, peak1 <= self.limit
         if fits0 != fits1:
             return fits1
         if not fits0:
             return peak1 < peak0
-        return self.rerun_seconds[1] < self.rerun_seconds[0]
+        return self.rerun_seconds[best] < self.rerun_seconds[first]
+
+    def _best_of(self, selective: bool) -> int:
+        """The trial, among the family's (the first trial, or those after it while the family
+        is undecided), that fitted and re-ran least, else the one that held least."""
+        indices = list(range(1, len(self.trials))) if selective else [0]
+        fitting = [i for i in indices if self.trials[i][1] <= self.limit]
+        if fitting:
+            return min(fitting, key=lambda i: self.rerun_seconds[i])
+        return min(indices, key=lambda i: self.trials[i][1])
 
     def _settle(self) -> bool:
         self.settled = True
