@@ -3,35 +3,55 @@ only what its dropped saves need (issue 20).
 
 Note [Selective re-runs]
     Re-running a whole module to refill the saves dropped inside it (``torch.utils.checkpoint``'s
-    way) runs its matrix products again, though most of the bytes a transformer block or a
-    bottleneck saves are made by cheap operators (layer norm, GELU, softmax, dropout's product,
-    batch norm, ReLU). A *selective* region keeps some of the saves made inside the module (the
-    outputs of the expensive operators, typically) and drops the rest; its re-run in backward
-    runs the module's forward again under :class:`SelectiveRerun`, a ``TorchDispatchMode`` that
-    goes operator by operator along a :class:`Recipe`:
+    way) runs its matrix products again, though many of the bytes a transformer block saves are
+    made by cheap operators (layer norm, GELU, the attention's scaling, softmax and dropout
+    product). A *selective* region keeps some of the saves made inside the module (typically the
+    outputs of the expensive operators) and drops the rest; in backward, the first use of a
+    dropped save refills them all, computing only the operators they need.
 
-    - COMPUTE: the operator makes (part of) a dropped save, or something one needs;
-    - SOURCE: the operator made a storage the forward kept (a save of the region that the plan
-      keeps, held by the region until its re-run): its output is that storage again, not
-      computed;
-    - FAKE: nothing dropped needs it: its output is an uninitialised tensor of the same shape
-      and strides, never read by a computed operator;
-    - SKIP: an in-place operator on a storage that is a source, or that nothing needs: not run.
+    The operators are recorded once, in the profiled step (:class:`OpRecorder`, a
+    ``TorchDispatchMode`` that is on in that step only): storages read and written (told apart
+    as the profile tells them: Profile._key), in-place writes, outputs' geometry, time, and the
+    arguments. :meth:`CallOps.recipe` turns a module call and a set of dropped storages into a
+    recipe: walking back from the dropped storages, the operators that write what is needed,
+    through storages that are neither kept by a save of the call (a *source*: the region holds
+    it until its re-run) nor made outside it (the call's inputs, parameters, buffers). Random
+    operators are computed up to the last one a dropped save needs, with the RNG state
+    restored first, so they draw what the forward drew; a random operator that is skipped is
+    never followed by a computed one. The estimate (its operators' profiled time) orders the
+    planner's candidates; the plan search measures the real re-runs.
 
-    Views always run (they cost nothing and make the shapes later operators expect). The re-run
-    stops (an exception the region catches) once the last dropped save is captured, so the rest
-    of the module is not run at all. Exactness: a computed operator reads what the forward's
-    read (sources are the forward's own storages, at their final version, which is the one a
-    save holds), and random operators are computed up to the last one a dropped save needs,
-    with the RNG state restored at the start, so they draw what the forward drew; a skipped
-    random operator is never followed by a computed one.
+    Two ways to run a recipe, both exact:
 
-    The operators are recorded once, in the profiled step (:class:`OpRecorder`), with their
-    storages (told apart as the profile tells them: Profile._key), in-place writes, outputs'
-    geometry and time; :func:`make_recipe` turns a module call and a set of dropped storages
-    into a recipe and its cost. In planned steps the forward runs with no mode at all: only the
-    re-run pays Python per operator. If the re-run's operators do not match the recipe (another
-    code path), the region re-runs whole instead.
+    - the replay (Note [Operator replay]), the default: the needed operators alone;
+    - :class:`SelectiveRerun`, the module's forward run again under a ``TorchDispatchMode`` that
+      goes operator by operator: COMPUTE what is needed (and every view), take a SOURCE's storage
+      from the forward instead of computing it, FAKE the rest (an uninitialised tensor of the
+      same geometry, never read by a computed operator), SKIP in-place operators on sources or
+      on what nothing needs; it stops (an exception the region catches) once the last dropped
+      save is captured. Every operator costs a trip through Python (~20 us on CPU), so this is
+      the fallback (a recipe with no replay) and the check of replays (below). If the module's
+      operators are not the recipe's, the region re-runs whole and the next step is profiled.
+
+Note [Operator replay]
+    The replay calls the recipe's operators directly (``func(*args)``, under ``no_grad``: only
+    values are needed), with the arguments recorded in the profiled step: constants as they
+    were, tensors found again by storage and viewed with the recorded geometry: a storage an
+    earlier replayed operator made, a source (a save the region kept), the call's input at the
+    same position (its geometry must be the profiled one, else the region falls back to the
+    dispatch re-run), or a parameter or buffer of the module (found by storage when the recipe is
+    made, by name when it runs). Module buffers an operator is given are put back afterwards
+    (batch norm writes its running statistics with no write in its schema). No module code and
+    no dispatch mode run: a GPT block's selective re-run costs about its operators' time.
+
+    What the replay cannot see is a constant that changes from step to step while the shapes
+    stay (a scalar annealed in Python, an ``eps`` set between steps): the saves still match the
+    plan. So the first planned step of a search and every ``REPLAY_CHECK_EVERY`` (session.py)
+    re-run selective regions through :class:`SelectiveRerun` with ``verify``, which compares
+    each computed operator's live arguments with the replay's; a difference is exact in that
+    step (it computed from the live arguments) and has the next step profiled again
+    (``replays_stale_total``). Between two checks such a change goes unnoticed (the README says
+    so under Limits).
 """
 
 from __future__ import annotations

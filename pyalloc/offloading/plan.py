@@ -19,6 +19,11 @@ Note [Planned recompute]
       saves them, or regenerated the same way through the module that made them, up to
       ``MAX_CHAIN`` deep) and re-runs the module when the output is needed.
 
+    - a *selective region*: a module call whose saves are partly kept, partly dropped; the
+      dropped ones are refilled by replaying only the operators they need (Note [Selective
+      re-runs] in ops.py): a transformer block's layer-norm, GELU, softmax and dropout outputs
+      for a fraction of the block's re-run.
+
     Candidates are taken greedily: each round the cheapest move that brings the estimated peak
     under the target, else the move with the most bytes freed per second of re-runs (a region
     may replace chosen candidates inside it; an output whose kept input another candidate drops
