@@ -474,3 +474,18 @@ def test_a_replay_whose_arguments_changed_is_caught_by_the_check(baselines, monk
     _assert_bitwise_equal(_step(reference, x, 1), got)
     st = session.stats()
     assert st["replays_stale_total"] == 1 and session._search is None
+
+
+def test_selective_false_plans_whole_module_re_runs_only(baselines) -> None:
+    grads, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)
+    x = make_input()
+    session = offload(budget=peak // 2, pressure_callback=False, selective=False)
+    for seed in range(STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+    st = session.stats()
+    assert st["plan_selective_regions"] == 0 and st["drops_total"] > 0
+    assert session._search is not None and session._search.selective is False

@@ -808,14 +808,14 @@ class PlanSearch:
     least.
     """
 
-    def __init__(self, profile: Profile, budget: int) -> None:
+    def __init__(self, profile: Profile, budget: int, selective: bool = True) -> None:
         self.profile = profile
         self.budget = budget
         self.target = budget
         self.plan = make_plan(profile, budget, selective=False)
         # whether plans may hold selective regions: decided on the first two planned steps, one
         # plan without and one with them at the same target, by their measured re-run time
-        self.selective: bool | None = None
+        self.selective: bool | None = None if selective else False
         self.family_targets: list[int] = [budget]  # the target of each trial while it is undecided
         self.trials: list[tuple[Plan, int]] = []
         self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured

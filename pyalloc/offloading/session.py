@@ -98,7 +98,7 @@ class ActivationOffload:
 
     def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
                  *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
-                 pressure_callback: bool = True, policy: str = "plan") -> None:
+                 pressure_callback: bool = True, policy: str = "plan", selective: bool = True) -> None:
         if isinstance(budget, str):
             from ..core import parse_size
 
@@ -116,6 +116,7 @@ class ActivationOffload:
         self.min_evict_bytes = min_evict_bytes
         self.prefetch = prefetch
         self.pressure_callback = pressure_callback
+        self.selective = selective  # plans may hold selective regions (Note [Selective re-runs] in ops.py)
         self._cuda = torch.cuda.is_available()
         # pyalloc.free_neighbours when pyalloc is the CUDA allocator (Note [Free neighbours]).
         self._free_neighbours: cost.NeighbourQuery | None = cost.neighbour_query(self._cuda)
@@ -262,7 +263,7 @@ class ActivationOffload:
             profile.stop()
             st["profile_steps_total"] += 1
             if profile.packs:
-                self._search = PlanSearch(profile, self.budget)
+                self._search = PlanSearch(profile, self.budget, self.selective)
                 self._replay_checks = 0
             return
         run, self._planned = self._planned, None
@@ -720,7 +721,8 @@ def offload(budget: int | str | None = None, swap: bool = True, recompute: bool 
     A context manager around a training step (forward and backward), or a decorator. With
     ``budget=None`` only the allocator's pressure callback triggers evictions. ``policy="plan"``
     (the default) profiles the first step and re-runs modules along a plan after it;
-    ``policy="dtr"`` runs per-operator DTR with swap every step. Other options:
-    ``min_evict_bytes``, ``prefetch``, ``pressure_callback`` (DTR).
+    ``policy="dtr"`` runs per-operator DTR with swap every step. ``selective=False`` keeps plans
+    to whole-module re-runs (no operator replay). Other options: ``min_evict_bytes``,
+    ``prefetch``, ``pressure_callback`` (DTR).
     """
     return ActivationOffload(budget, swap, recompute, **options)
