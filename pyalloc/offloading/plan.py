@@ -865,7 +865,7 @@ class PlanSearch:
             self.plan, self.target = plan, self.family_targets[best]
         if peak <= self.limit:
             self.fitted = max(self.fitted or 0, self.target)
-            if plan.empty or peak >= self.budget * (1 - 2 * BUDGET_SLACK):
+            if plan.empty or peak >= self.budget * (1 - BUDGET_SLACK):
                 return self._settle()  # close enough under the budget
         else:
             self.overshot = min(self.overshot or self.target, self.target)
