@@ -38,9 +38,9 @@ offload (--offload[=BUDGET]):
     mode stays on the main thread; none with pyalloc.offload in the program:
     no hook runs once the plan has settled);
     at half the saved bytes 1.08-1.18x the plain step on transformer-like
-    models, ~1.25x on a ResNet-like one; at the bytes that
+    models, 1.24-1.33x on a ResNet-like one; at the bytes that
     torch.utils.checkpoint on every block reaches, less time than the
-    checkpointing (1.20-1.47x against 1.34-1.54x on four models).
+    checkpointing (1.14-1.52x against 1.35-1.62x on four models).
   Limits:
   - main thread only: activations saved by other threads are not managed;
   - a step ends when the outermost backward() or torch.autograd.grad() returns;
