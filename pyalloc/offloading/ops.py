@@ -57,7 +57,6 @@ Note [Operator replay]
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -89,12 +88,10 @@ Geometry = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, torch.devic
 
 @dataclass
 class TensorArg:
-    """A tensor argument of a recorded operator: its storage, geometry, and the tensor itself
-    (weakly: a parameter or buffer is found again through it)."""
+    """A tensor argument of a recorded operator: its storage and geometry."""
 
     key: "ProfileKey"
     geometry: "Geometry"
-    ref: "weakref.ref[torch.Tensor]"
 
 
 @dataclass
@@ -156,8 +153,7 @@ class OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         t0 = time.thread_time()
         leaves, spec = tree_flatten((args, kwargs))
-        recorded = [TensorArg(self._key(x), _geometry(x), weakref.ref(x)) if isinstance(x, torch.Tensor) else x
-                    for x in leaves]
+        recorded = [TensorArg(self._key(x), _geometry(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
         reads = tuple(x.key for x in recorded if isinstance(x, TensorArg))
         mutated = _mutated_positions(func, args, kwargs)
         t1 = time.thread_time()
@@ -240,14 +236,15 @@ class CallOps:
     """The operators of one module call, with the tables every recipe for it shares."""
 
     def __init__(self, ops: list[OpInfo], saves: list["ProfileKey"], created: Callable[["ProfileKey"], bool],
-                 glue_seconds: float, inputs: dict["ProfileKey", int] | None = None,
+                 inputs: dict["ProfileKey", int] | None = None,
                  attrs: dict[tuple[int, str], str] | None = None, save_geometry: list[Geometry] | None = None,
                  input_geometry: list[Geometry] | None = None) -> None:
         """``saves``: the storages the call's saves hold, in order (each at its final version,
         as autograd requires); ``created(k)``: whether the call made storage ``k`` (else it
-        comes from outside: an input, a parameter); ``glue_seconds``: the call's own Python."""
+        comes from outside: an input, a parameter); ``inputs``: the call's tensor inputs by
+        storage; ``attrs``: the module's parameters and buffers by storage; ``save_geometry``
+        and ``input_geometry``: as profiled (without them, no replay)."""
         self.ops = ops
-        self.glue_seconds = glue_seconds
         self.saves = saves
         self.inputs = inputs or {}  # the call's tensor inputs: storage -> position
         self.attrs = attrs or {}  # storages (address, device) of the module's parameters and buffers -> name

@@ -477,9 +477,8 @@ class _Planner:
         inputs: dict[ProfileKey, int] = {}
         for i, k in enumerate(call.input_keys):
             inputs.setdefault(k, i)
-        table = CallOps(ops, [p.key for p in packs], created, max(0.0, call.seconds - sum(op.seconds for op in ops)),
-                        inputs, attrs, [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device(p.key[1]))
-                                        for p in packs], call.input_geometry)
+        save_geometry = [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device(p.key[1])) for p in packs]
+        table = CallOps(ops, [p.key for p in packs], created, inputs, attrs, save_geometry, call.input_geometry)
         alone: dict[ProfileKey, float] = {}
         for k in full.drops:
             r = table.recipe({k})
