@@ -202,6 +202,50 @@ def test_a_budget_never_reached_drops_nothing_and_records_no_operator(baselines)
     assert st["step_saved_bytes_peak"] == peak  # still counted: the budget is checked
 
 
+def test_a_budget_never_reached_installs_no_saved_tensor_hook_once_settled(baselines) -> None:
+    """Note [Idle steps]: after the profiled step and one counted step, the steps run with no
+    saved-tensor hook; another batch shape has the next step profiled again; exact throughout."""
+    grads, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)  # the baseline's input
+    x = make_input()
+    hooks_seen: list[bool] = []
+    model[0].register_forward_pre_hook(
+        lambda *a: hooks_seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None))
+    session = offload(budget=peak * 10, pressure_callback=False)
+    for seed in range(STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+    assert hooks_seen == [True, True, False, False, False]  # profiled, counted, then idle
+    st = session.stats()
+    assert st["idle_steps_total"] == 3 and st["profile_steps_total"] == 1 and st["drops_total"] == 0
+    shorter = x[:8].contiguous()
+    reference = make_model()
+    for _ in range(3):  # idle, but another shape: then profiled again, counted, idle
+        with session:
+            got = _step(model, shorter, 1)
+        _assert_bitwise_equal(_step(reference, shorter, 1), got)
+    assert hooks_seen[STEPS:] == [False, True, True]
+    assert session.stats()["profile_steps_total"] == 2
+
+
+def test_idle_steps_are_counted_again_every_few_steps(baselines, monkeypatch) -> None:
+    from pyalloc.offloading import session as session_module
+
+    monkeypatch.setattr(session_module, "IDLE_CHECK_EVERY", 2)
+    _, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model, x = make_model(), make_input()
+    session = offload(budget=peak * 10, pressure_callback=False)
+    for seed in range(8):  # profiled, counted, idle, idle, counted, idle, idle, counted
+        with session:
+            _step(model, x, seed)
+    st = session.stats()
+    assert st["planned_steps_total"] == 7 and st["idle_steps_total"] == 4
+    assert st["step_saved_bytes_peak"] == peak
+
+
 def test_a_step_unlike_the_profile_keeps_its_saves_and_is_profiled_again(baselines) -> None:
     make_model, make_input = MODELS["gpt"]
     model = make_model()
@@ -357,3 +401,91 @@ def test_a_module_called_several_times_a_step_is_planned_per_call() -> None:
     st = session.stats()
     assert st["drops_total"] > 0 and st["planned_steps_total"] == steps - 1
     assert st["plan_settled"] == 1 and st["step_saved_bytes_peak"] <= budget * (1 + BUDGET_SLACK), st
+
+
+def _selective_session(name: str, fraction: float, baselines,
+                       prepare: Callable[[Profile], None] = lambda profile: None
+                       ) -> tuple[ActivationOffload, nn.Module, torch.Tensor]:
+    """A session whose plan, after the profiled step, is the planner's with selective regions
+    (Note [Selective re-runs]), settled: the plan search's choice between plans with and without
+    them depends on measured times, the tests must not."""
+    from pyalloc.offloading.plan import make_plan
+
+    _, _, peak = baselines[name]
+    make_model, make_input = MODELS[name]
+    model = make_model()
+    torch.manual_seed(123)  # the baseline's input
+    x = make_input()
+    session = offload(budget=int(peak * fraction), pressure_callback=False)
+    with session:
+        _step(model, x, 0)
+    search = session._search
+    assert search is not None
+    prepare(search.profile)
+    search.plan = make_plan(search.profile, search.budget, selective=True)
+    search.selective, search.settled = True, True
+    assert search.plan.recipes and all(r.replay is not None for r, _ in search.plan.recipes.values())
+    return session, model, x
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+@pytest.mark.parametrize("checked", [False, True])
+def test_selective_regions_replay_their_operators_exactly(name, checked, baselines, monkeypatch) -> None:
+    """Selective regions keep part of their saves and refill the rest by replaying the needed
+    operators (checked: by re-running the module's code under the dispatch mode that compares
+    them with the replay); gradients and batch-norm statistics bit for bit, nothing stale."""
+    from pyalloc.offloading import session as session_module
+
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1 if checked else 1000)
+    grads, state, _ = baselines[name]
+    session, model, x = _selective_session(name, 0.5, baselines)
+    for seed in range(1, STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+    _assert_bitwise_equal(state, {k: v.clone() for k, v in model.state_dict().items()})
+    st = session.stats()
+    assert st["plan_selective_regions"] > 0 and st["recomputed_tensors_total"] > 0
+    assert st["replays_stale_total"] == 0 and st["selective_fallbacks_total"] == 0
+    assert st["profile_steps_total"] == 1
+
+
+def test_a_replay_whose_arguments_changed_is_caught_by_the_check(baselines, monkeypatch) -> None:
+    """A constant that changes from step to step with the same shapes (layer norm's eps here), so
+    the saves still match the plan: the checked re-run sees the replay's constant is stale,
+    computes through the module's code (exact), and the next step is profiled again."""
+    from pyalloc.offloading import session as session_module
+
+    def layer_norm_cheapest(profile: Profile) -> None:  # times set, not measured: the plan replays layer norms
+        for call in profile.calls:
+            call.seconds = 1.0
+        for op in profile.ops:
+            op.seconds = 1e-6 if "native_layer_norm" in str(op.func) else 1e-3
+
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1)
+    session, model, x = _selective_session("gpt", 0.5, baselines, layer_norm_cheapest)
+    plan = session._search.plan  # type: ignore[union-attr]
+    assert any("native_layer_norm" in str(s.func) for r, _ in plan.recipes.values() for s in r.replay or [])
+    reference = MODELS["gpt"][0]()
+    for m in (*model.modules(), *reference.modules()):
+        if isinstance(m, nn.LayerNorm):
+            m.eps = 1e-3
+    with session:
+        got = _step(model, x, 1)
+    _assert_bitwise_equal(_step(reference, x, 1), got)
+    st = session.stats()
+    assert st["replays_stale_total"] == 1 and session._search is None
+
+
+def test_selective_false_plans_whole_module_re_runs_only(baselines) -> None:
+    grads, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)
+    x = make_input()
+    session = offload(budget=peak // 2, pressure_callback=False, selective=False)
+    for seed in range(STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+    st = session.stats()
+    assert st["plan_selective_regions"] == 0 and st["drops_total"] > 0
+    assert session._search is not None and session._search.selective is False

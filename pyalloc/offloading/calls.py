@@ -162,7 +162,22 @@ class CallTracker(TorchFunctionMode):
         calls = s._calls
         t0 = time.thread_time()
         timed = calls.func_seconds
-        result = calls.record(func, args, kwargs, s._pack_seq, s._by_tensor.get)
+        profile = s._profile
+        if profile is None:
+            result = calls.record(func, args, kwargs, s._pack_seq, s._by_tensor.get)
+        else:  # the recording's own operators are not the model's (Note [Selective re-runs])
+            def run(*a: Any, **k: Any) -> Any:
+                profile.busy = False
+                try:
+                    return func(*a, **k)
+                finally:
+                    profile.busy = True
+
+            busy, profile.busy = profile.busy, True
+            try:
+                result = calls.record(func, args, kwargs, s._pack_seq, s._by_tensor.get, run)
+            finally:
+                profile.busy = busy
         if calls.func_seconds != timed:  # recorded: the rest of the time was the recording's
             s._overhead_s += time.thread_time() - t0 - (calls.func_seconds - timed)
         return result
@@ -195,17 +210,20 @@ class CallRecorder:
         return state
 
     def record(self, func: Callable[..., Any], args: tuple, kwargs: dict, pack_seq: int,
-               handle_of: Callable[[torch.Tensor], "weakref.ref[SavedActivation] | None"]) -> Any:
-        """Runs ``func`` and records it as a ProducerCall; ``pack_seq`` is the session's count of
-        packs so far, ``handle_of`` finds the handle a tensor was packed as."""
+               handle_of: Callable[[torch.Tensor], "weakref.ref[SavedActivation] | None"],
+               run: Callable[..., Any] | None = None) -> Any:
+        """Runs ``func`` (through ``run`` if given) and records it as a ProducerCall;
+        ``pack_seq`` is the session's count of packs so far, ``handle_of`` finds the handle a
+        tensor was packed as."""
+        run = run or func
         kind = _call_kind(func)
         if kind == _PASS or not torch.is_grad_enabled():
             # Outputs made with grad off are leaves: a later call holds them as Kept inputs.
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         leaves, spec = flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors and not getattr(func, "__name__", "").startswith(("rand", "normal", "bernoulli")):
-            return func(*args, **kwargs)
+            return run(*args, **kwargs)
         refs: list[Any] = []
         replayable = True
         seen: dict[int, Any] = {}  # one ref per tensor object: `query is key` must hold on replay
@@ -237,7 +255,7 @@ class CallRecorder:
         t0 = time.perf_counter()
         c0 = time.thread_time()
         try:
-            result = func(*args, **kwargs)
+            result = run(*args, **kwargs)
         finally:
             self.current.pop()
         call.cost_s = time.perf_counter() - t0

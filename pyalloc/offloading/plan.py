@@ -19,6 +19,11 @@ Note [Planned recompute]
       saves them, or regenerated the same way through the module that made them, up to
       ``MAX_CHAIN`` deep) and re-runs the module when the output is needed.
 
+    - a *selective region*: a module call whose saves are partly kept, partly dropped; the
+      dropped ones are refilled by replaying only the operators they need (Note [Selective
+      re-runs] in ops.py): a transformer block's layer-norm, GELU, softmax and dropout outputs
+      for a fraction of the block's re-run.
+
     Candidates are taken greedily: each round the cheapest move that brings the estimated peak
     under the target, else the move with the most bytes freed per second of re-runs (a region
     may replace chosen candidates inside it; an output whose kept input another candidate drops
@@ -35,6 +40,18 @@ Note [Planned recompute]
     replacing the profiled ones, then settles. Saves are identified across steps by their order
     in the step and checked by shape and dtype: a step that differs from the profile keeps what
     it saves from there on and has the next step profiled again.
+
+Note [Idle steps]
+    A budget that the profiled step never reached gives a plan that drops nothing. A planned step
+    would still count every save (a saved-tensor hook call each) to check the budget; an idle
+    step instead installs no saved-tensor hook at all, only a pre-forward hook on the outermost
+    modules the profile saw, which compares their inputs' shapes and dtypes with the profile's
+    (one hook call a step). Steps run idle once the search has settled on the empty plan and the
+    last counted step held at most the budget less ``BUDGET_SLACK``; every ``IDLE_CHECK_EVERY``
+    steps (session.py) one step is counted again. Another input shape ends idling: the next step
+    is profiled again, as a planned step that diverges would have it; a counted step over the
+    budget + 5% does the same. The step that changed shape runs unplanned, as a diverging planned
+    step keeps every save from where it differs.
 """
 
 from __future__ import annotations
@@ -47,6 +64,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from .ops import CallOps, OpRecorder, Recipe
 
 __all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
            "is_activation", "make_plan", "storage_key", "tensor_leaves"]
@@ -61,6 +80,15 @@ second) as the best move found in the same round."""
 TRIES_PER_ROUND = 40
 """Candidates the greedy tries per round and search (closing, densest) once it has one that
 works: a try costs O(storages), and deep models have hundreds of candidates that look alike."""
+
+MAX_SELECTIVE_OPS = 160
+"""Module calls with more aten operators than this get no selective variants: a block of a
+transformer runs about 75. A whole model's variant would refill all its dropped saves at once in
+backward (a high peak), and a chosen region can only be replaced by a larger one, so the greedy
+that took it could not refine it."""
+
+MAX_VARIANTS = 12
+"""Selective variants per region: prefixes of its storages in order of bytes per second."""
 
 KEEP, REGION, OUTPUT = 0, 1, 2
 
@@ -109,12 +137,16 @@ class CallInfo:
     name: str
     first_pack: int  # pack sequence numbers saved while the call was open: [first_pack, end_pack)
     end_pack: int = -1
+    first_op: int = 0  # aten operators run while the call was open: [first_op, end_op)
+    end_op: int = 0
     last_desc: int = -1  # calls index..last_desc are this call and the calls it made
     seconds: float = 0.0
     input_keys: list[ProfileKey] = field(default_factory=list)
     input_activation: list[bool] = field(default_factory=list)
     input_nbytes: list[int] = field(default_factory=list)
     input_producers: list[int] = field(default_factory=list)  # call whose output it is, or -1
+    input_signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # shape and dtype per input
+    input_geometry: list[Any] = field(default_factory=list)  # shape, stride, offset, dtype, device per input
     mutates_input: bool = False
     out_key: ProfileKey | None = None  # a single tensor output's storage
     out_nbytes: int = 0
@@ -137,6 +169,8 @@ class PackInfo:
     producer: int  # the module call whose output it is (a view of), or -1
     version: int
     signature: tuple[tuple[int, ...], torch.dtype]
+    stride: tuple[int, ...] = ()
+    offset: int = 0
 
 
 class Profile:
@@ -150,10 +184,25 @@ class Profile:
         self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []  # call, start, inputs, versions
         self._ordinals: dict[int, int] = {}
         self._outputs: dict[ProfileKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
-        self._seen: dict[StorageKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
+        self._seen: dict[StorageKey, tuple[int, "weakref.ref[torch.UntypedStorage]"]] = {}
         self._handles: list[Any] = []
         self.paused = False  # while the session replays (DTR): not part of the step
+        self.busy = False  # while the session's own hooks run (their operators are not the model's)
         self._thread = threading.get_ident()
+        # the aten operators of the forward, inside module calls (Note [Selective re-runs])
+        self.recorder = OpRecorder(self._key, self._recording)
+        self.ops = self.recorder.ops
+        self._suspended: torch.nn.Module | None = None  # a compiled module running without the recorder
+        # measured re-run times of selective regions: (call index, dropped storages) -> seconds
+        self.selective_seconds: dict[tuple[int, frozenset[ProfileKey]], float] = {}
+
+    def _recording(self) -> bool:
+        return bool(self._open) and not self.paused and not self.busy and torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling() and threading.get_ident() == self._thread
+
+    def _clock(self) -> float:
+        """Thread CPU time less the session's and the operator recording's own."""
+        return time.thread_time() - self._overhead() - self.recorder.overhead_s
 
     def start(self) -> None:
         """Installs the global module hooks for one step."""
@@ -165,6 +214,8 @@ class Profile:
 
     def stop(self) -> None:
         """Removes the hooks; closes calls left open by an exception."""
+        if self._suspended is not None:
+            self._resume()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -173,7 +224,47 @@ class Profile:
         self._seen.clear()  # the plan keeps the calls and saves, not these lookups
         self._outputs.clear()
 
+    def _suspend(self, module: torch.nn.Module) -> None:
+        """Takes the operator recorder off the dispatch stack while a compiled module runs: its
+        modules are not seen (nothing in it is planned), and torch.compile must not trace the
+        recorder."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
+
+        if _get_current_dispatch_mode() is self.recorder:
+            _pop_mode()
+            self._suspended = module
+
+    def _resume(self) -> None:
+        from torch.utils._python_dispatch import _push_mode
+
+        self._suspended = None
+        _push_mode(self.recorder)
+
+    def roots(self) -> list[CallInfo]:
+        """The step's outermost module calls (the model itself, usually)."""
+        return [c for c in self.calls if c.parent < 0]
+
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # first: dynamo must not trace the profile
+            return
+        busy, self.busy = self.busy, True  # what the hook runs is not the module's (DTR records it)
+        try:
+            self._enter(module, args)
+        finally:
+            self.busy = busy
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        busy, self.busy = self.busy, True
+        try:
+            self._leave(module, output)
+        finally:
+            self.busy = busy
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        if self._suspended is None and isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            self._suspend(module)
         # Not inside torch.compile's tracing: what a compiled region saves is kept (its modules
         # are not seen, so nothing there is planned).
         if self.paused or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
@@ -183,7 +274,7 @@ class Profile:
         self._ordinals[id(module)] = ordinal + 1
         parent = self._open[-1][0].index if self._open else -1
         call = CallInfo(len(self.calls), weakref.ref(module), ordinal, parent, type(module).__name__,
-                        first_pack=len(self.packs))
+                        first_pack=len(self.packs), first_op=len(self.ops))
         inputs = tensor_leaves(args)
         for t in inputs:
             key = self._key(t)
@@ -191,10 +282,14 @@ class Profile:
             call.input_activation.append(is_activation(t))
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
+        call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        call.input_geometry = [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device) for t in inputs]
         self.calls.append(call)
-        self._open.append((call, time.thread_time() - self._overhead(), inputs, [t._version for t in inputs]))
+        self._open.append((call, self._clock(), inputs, [t._version for t in inputs]))
 
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _leave(self, module: torch.nn.Module, output: Any) -> None:
+        if self._suspended is module:
+            self._resume()
         if self.paused or not self._open or torch.compiler.is_compiling() \
                 or threading.get_ident() != self._thread or self._open[-1][0].module() is not module:
             return
@@ -202,8 +297,9 @@ class Profile:
 
     def _close(self, call: CallInfo, output: Any) -> None:
         _, t0, inputs, versions = self._open.pop()
-        call.seconds = max(0.0, time.thread_time() - self._overhead() - t0)
+        call.seconds = max(0.0, self._clock() - t0)
         call.end_pack = len(self.packs)
+        call.end_op = len(self.ops)
         call.last_desc = len(self.calls) - 1
         call.mutates_input = any(t._version != v for t, v in zip(inputs, versions))
         outs = tensor_leaves(output) if output is not None else []
@@ -224,16 +320,15 @@ class Profile:
 
         The address alone is not enough: a tensor evicted in the profiled step (DTR runs it) or a
         temporary frees its memory, and a later tensor may get the same address. A storage is
-        taken as the same while the first tensor seen on it lives; after that, a new one (a view
-        that outlives it is then counted twice: an overestimate, never an underestimate)."""
-        base = storage_key(t)
+        taken as the same while the storage object seen first at that address lives (PyTorch
+        keeps one Python object per storage, alive as long as the storage: views included)."""
+        storage = t.untyped_storage()
+        base = (storage.data_ptr(), str(t.device))
         seen = self._seen.get(base)
-        if seen is not None:
-            first = seen[1]()
-            if first is not None:
-                return (*base, seen[0])
+        if seen is not None and seen[1]() is storage:
+            return (*base, seen[0])
         gen = seen[0] + 1 if seen is not None else 0
-        self._seen[base] = (gen, weakref.ref(t))
+        self._seen[base] = (gen, weakref.ref(storage))
         return (*base, gen)
 
     def _producer(self, t: torch.Tensor, key: ProfileKey) -> int:
@@ -249,7 +344,8 @@ class Profile:
         key = self._key(t)
         inner = self._open[-1][0].index if self._open else -1
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), is_activation(t), inner,
-                                   self._producer(t, key), t._version, (tuple(t.shape), t.dtype)))
+                                   self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
+                                   tuple(t.stride()), int(t.storage_offset())))
 
 
 @dataclass
@@ -260,6 +356,7 @@ class Plan:
     owners: list[tuple[int, int] | None]  # per pack: the planned call's key (module id, ordinal)
     signatures: list[tuple[tuple[int, ...], torch.dtype]]
     regions: dict[tuple[int, int], CallInfo]  # key -> region call
+    recipes: dict[tuple[int, int], tuple[Recipe, frozenset[ProfileKey]]]  # selective regions: key -> recipe, drops
     outputs: dict[tuple[int, int], CallInfo]  # key -> output call (chain members included)
     modules: list["weakref.ref[torch.nn.Module]"]  # every module that needs hooks
     baseline_bytes: int  # saved activation bytes of the profiled step, each storage once
@@ -281,6 +378,7 @@ class _Candidate:
     chain: list[int]  # calls re-run (an output's: the ones regenerating its inputs first)
     seconds: float
     transient: int
+    recipe: Recipe | None = None  # a selective region's (Note [Selective re-runs]); None: re-run whole
 
     def contains(self, other: "_Candidate") -> bool:
         return self.call.index <= other.call.index <= self.call.last_desc
@@ -326,6 +424,13 @@ class _Planner:
         self.first = [self.saves[k][0] for k in self.order]
         self.candidates = [c for call in self.calls for c in (self._region(call), *self._outputs(call))
                            if c is not None and c.drops and not (c.drops & set(c.pins))]
+        self.first_touch: dict[ProfileKey, tuple[int, bool]] = {}  # storage -> first operator, made by it
+        for j, op in enumerate(profile.ops):
+            for k in op.reads:
+                self.first_touch.setdefault(k, (j, False))
+            for k in op.writes:
+                self.first_touch.setdefault(k, (j, True))
+        self.candidates += [v for c in list(self.candidates) if c.kind == REGION for v in self._selective(c, profile)]
         self.variants = {}
         for c in self.candidates:
             if c.kind == OUTPUT:
@@ -348,6 +453,50 @@ class _Planner:
                 drops.add(p.key)
         pins = self._pins(call)
         return _Candidate(call, REGION, drops, pins, [call.index], call.seconds, sum(rebuild.values()))
+
+    def _selective(self, full: _Candidate, profile: Profile) -> list[_Candidate]:
+        """Selective variants of a region (Note [Selective re-runs]): its droppable storages in
+        order of bytes per second of the operators that remake each one alone, and prefixes of
+        that order, each with the recipe that remakes it."""
+        call = full.call
+        ops = profile.ops[call.first_op:call.end_op]
+        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS:
+            return []
+        first_op = call.first_op
+
+        def created(k: ProfileKey) -> bool:
+            first = self.first_touch.get(k)
+            return first is not None and first[1] and first_op <= first[0] < call.end_op
+
+        module = call.module()
+        attrs: dict[tuple[int, str], str] = {}
+        if module is not None:
+            attrs.update((storage_key(t), "b:" + name) for name, t in module.named_buffers())
+            attrs.update((storage_key(t), "p:" + name) for name, t in module.named_parameters())
+        packs = self.packs[call.first_pack:call.end_pack]
+        inputs: dict[ProfileKey, int] = {}
+        for i, k in enumerate(call.input_keys):
+            inputs.setdefault(k, i)
+        save_geometry = [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device(p.key[1])) for p in packs]
+        table = CallOps(ops, [p.key for p in packs], created, inputs, attrs, save_geometry, call.input_geometry)
+        alone: dict[ProfileKey, float] = {}
+        for k in full.drops:
+            r = table.recipe({k})
+            if r is not None:
+                alone[k] = r.op_seconds
+        order = sorted(alone, key=lambda k: -self.nbytes[k] / max(alone[k], 1e-7))
+        lengths = sorted({max(1, round(len(order) * (i + 1) / MAX_VARIANTS)) for i in range(MAX_VARIANTS)}) \
+            if order else []
+        out = []
+        for n in lengths:
+            drops = set(order[:n])
+            r = table.recipe(drops)
+            if r is None:
+                continue
+            seconds = profile.selective_seconds.get((call.index, frozenset(drops)), r.seconds)
+            out.append(_Candidate(call, REGION, drops, dict(full.pins), [call.index], seconds,
+                                  r.transient, r))
+        return out
 
     def _pins(self, call: CallInfo) -> dict[ProfileKey, int]:
         return {k: n for k, n, act in zip(call.input_keys, call.input_nbytes, call.input_activation) if act}
@@ -426,9 +575,10 @@ class _Planner:
 
     def seconds(self) -> float:
         """Re-run time per step: a call re-run for several chosen candidates counts once (a
-        regenerated output is cached while dropped saves still need it)."""
-        calls = {i for c in self.chosen for i in c.chain}
-        return sum(self.calls[i].seconds for i in calls)
+        regenerated output is cached while dropped saves still need it); a selective region
+        costs its recipe's time."""
+        calls = {i for c in self.chosen if c.recipe is None for i in c.chain}
+        return sum(self.calls[i].seconds for i in calls) + sum(c.seconds for c in self.chosen if c.recipe is not None)
 
     def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
         """The estimate and recompute time with ``c`` taken, what it replaces and what comes
@@ -506,12 +656,44 @@ class _Planner:
             move = self._closing(budget, by_seconds, dropped) or self._densest(by_density, density)
             if move is None:
                 return
-            for d in move[0]:
-                self._apply(d, -1)
-                self.chosen.remove(d)
-            for a in move[1]:
-                self._apply(a, +1)
-                self.chosen.append(a)
+            self._take(move)
+        self._refine(budget, density)
+
+    def _take(self, move: "Move") -> None:
+        for d in move[0]:
+            self._apply(d, -1)
+            self.chosen.remove(d)
+        for a in move[1]:
+            self._apply(a, +1)
+            self.chosen.append(a)
+
+    def _refine(self, budget: int, density: dict[int, float]) -> None:
+        """Once the plan fits: each region re-run whole is tried as its largest selective variant
+        instead, the gap that leaves closed with selective variants alone (densest first); kept
+        when that plan fits and re-runs less. The closing move takes the cheapest single
+        candidate that closes the gap, which can be a whole block where selective variants of
+        several blocks would do for less."""
+        selective = sorted((v for v in self.candidates if v.recipe is not None), key=lambda v: -density[id(v)])
+        for c in [c for c in self.chosen if c.kind == REGION and c.recipe is None]:
+            variants = [v for v in selective if v.call is c.call]
+            if c not in self.chosen or not variants:
+                continue
+            before, spent = list(self.chosen), self.seconds()
+            tried = self._try(max(variants, key=lambda v: len(v.drops)))
+            if tried is not None:
+                self._take((tried[2], tried[3]))
+                while self.estimate() > budget:
+                    move = self._densest(selective, density)
+                    if move is None:
+                        break
+                    self._take(move)
+            if self.estimate() > budget or self.seconds() >= spent:
+                for d in list(self.chosen):
+                    self._apply(d, -1)
+                self.chosen = []
+                for d in before:
+                    self._apply(d, +1)
+                    self.chosen.append(d)
 
     Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
 
@@ -550,11 +732,14 @@ class _Planner:
         return (best[1], best[2]) if best is not None else None
 
 
-def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None) -> Plan:
+def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, selective: bool = True) -> Plan:
     """Plans a step like ``profile`` to hold at most ``budget`` saved-activation bytes, or as few
     as it can when that is below the floor. See Note [Planned recompute]. ``floor_bytes``: the
-    floor estimated before for this profile (planning to 0 from every start is the slow part)."""
+    floor estimated before for this profile (planning to 0 from every start is the slow part).
+    ``selective``: whether selective regions (Note [Selective re-runs]) are candidates."""
     base = _Planner(profile)
+    if not selective:
+        base.candidates = [c for c in base.candidates if c.recipe is None]
     starts: list[list[_Candidate]] = [[], *base.seeds()]
     if floor_bytes is None:
         floor_bytes = min(_planned(profile, base, seed, 0).estimate() for seed in starts)
@@ -568,9 +753,12 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None) -> 
     regions: dict[tuple[int, int], CallInfo] = {}
     outputs: dict[tuple[int, int], CallInfo] = {}
     modules: dict[int, weakref.ref[torch.nn.Module]] = {}
+    recipes: dict[tuple[int, int], tuple[Recipe, frozenset[ProfileKey]]] = {}
     for c in planner.chosen:
         if c.kind == REGION:
             regions[c.call.key] = c.call
+            if c.recipe is not None:
+                recipes[c.call.key] = (c.recipe, frozenset(c.drops))
             for seq in range(c.call.first_pack, c.call.end_pack):
                 if profile.packs[seq].key in c.drops:
                     actions[seq], owners[seq] = REGION, c.call.key
@@ -583,7 +771,7 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None) -> 
         for i in c.chain:
             m = profile.calls[i].module
             modules[id(m())] = m
-    return Plan(actions, owners, [p.signature for p in profile.packs], regions, outputs,
+    return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
                 list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
                 planner.seconds())
 
@@ -619,13 +807,18 @@ class PlanSearch:
     least.
     """
 
-    def __init__(self, profile: Profile, budget: int) -> None:
+    def __init__(self, profile: Profile, budget: int, selective: bool = True) -> None:
         self.profile = profile
         self.budget = budget
         self.target = budget
-        self.plan = make_plan(profile, budget)
+        self.plan = make_plan(profile, budget, selective=False)
+        # whether plans may hold selective regions: decided on the first two planned steps, one
+        # plan without and one with them at the same target, by their measured re-run time
+        self.selective: bool | None = None if selective else False
+        self.family_targets: list[int] = [budget]  # the target of each trial while it is undecided
         self.trials: list[tuple[Plan, int]] = []
         self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured
+        self.last_peak = -1  # the last planned step's measured peak
         self.fitted: int | None = None  # the largest target whose plan kept the budget
         self.overshot: int | None = None  # the smallest target whose plan did not
         self.settled = False
@@ -634,22 +827,44 @@ class PlanSearch:
     def limit(self) -> int:
         return int(self.budget * (1 + BUDGET_SLACK))
 
-    def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None) -> bool:
+    def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None,
+                 selective: dict[tuple[int, int], float] | None = None) -> bool:
         """Takes a planned step's measured peak and re-run seconds per call (by key); returns
         whether the plan changed."""
+        self.last_peak = peak
         if self.settled:
             return False
         plan = self.plan
         self.trials.append((plan, peak))
         reruns = reruns or {}
-        self.rerun_seconds.append(sum(reruns.values()))
+        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()))
         for call in self.profile.calls:
             measured = reruns.get(call.key)
             if measured is not None:
                 call.seconds = measured
+        for key, seconds in (selective or {}).items():
+            recipe = plan.recipes.get(key)
+            if recipe is not None:
+                self.profile.selective_seconds[(plan.regions[key].index, recipe[1])] = seconds
+        if self.selective is None:
+            if len(self.trials) == 1 or (len(self.trials) == 2 and peak > self.limit):
+                # the plan with selective regions next: at the same target, or (it overshot:
+                # their re-runs hold what they take from the forward a while longer) scaled down
+                target = self.target if len(self.trials) == 1 else \
+                    int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
+                alternative = make_plan(self.profile, target, plan.floor_bytes, selective=True) \
+                    if not plan.empty else plan
+                if alternative.recipes and all(alternative.actions != p.actions for p, _ in self.trials):
+                    self.family_targets.append(target)
+                    self.plan = alternative
+                    return True
+            self.selective = self._compare_families()
+            best = self._best_of(selective=self.selective)
+            plan, peak = self.trials[best]
+            self.plan, self.target = plan, self.family_targets[best]
         if peak <= self.limit:
             self.fitted = max(self.fitted or 0, self.target)
-            if plan.empty or peak >= self.budget * (1 - 2 * BUDGET_SLACK):
+            if plan.empty or peak >= self.budget * (1 - BUDGET_SLACK):
                 return self._settle()  # close enough under the budget
         else:
             self.overshot = min(self.overshot or self.target, self.target)
@@ -659,11 +874,34 @@ class PlanSearch:
             target = (self.fitted + self.overshot) // 2
         else:
             target = int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
-        candidate = make_plan(self.profile, target, self.trials[0][0].floor_bytes)
+        candidate = make_plan(self.profile, target, self.trials[0][0].floor_bytes, selective=bool(self.selective))
         if any(p.actions == candidate.actions for p, _ in self.trials):
             return self._settle()
         self.target, self.plan = target, candidate
         return True
+
+    def _compare_families(self) -> bool:
+        """After the first plan (no selective regions) and one or two with them: whether the
+        best of those with them kept the budget (+5%) as well and re-ran for less time."""
+        if len(self.trials) < 2:
+            return False
+        first, best = 0, self._best_of(selective=True)
+        (_, peak0), (_, peak1) = self.trials[first], self.trials[best]
+        fits0, fits1 = peak0 <= self.limit, peak1 <= self.limit
+        if fits0 != fits1:
+            return fits1
+        if not fits0:
+            return peak1 < peak0
+        return self.rerun_seconds[best] < self.rerun_seconds[first]
+
+    def _best_of(self, selective: bool) -> int:
+        """The trial, among the family's (the first trial, or those after it while the family
+        is undecided), that fitted and re-ran least, else the one that held least."""
+        indices = list(range(1, len(self.trials))) if selective else [0]
+        fitting = [i for i in indices if self.trials[i][1] <= self.limit]
+        if fitting:
+            return min(fitting, key=lambda i: self.rerun_seconds[i])
+        return min(indices, key=lambda i: self.trials[i][1])
 
     def _settle(self) -> bool:
         self.settled = True
@@ -674,9 +912,15 @@ class PlanSearch:
         return changed
 
     @property
+    def idle(self) -> bool:
+        """Settled on a plan that drops nothing, and the last counted step held at most the
+        budget less ``BUDGET_SLACK``: steps may run idle (Note [Idle steps])."""
+        return self.settled and self.plan.empty and 0 <= self.last_peak <= self.budget * (1 - BUDGET_SLACK)
+
+    @property
     def below_floor(self) -> bool:
         """Settled, and no plan kept the budget."""
-        return self.settled and all(peak > self.limit for _, peak in self.trials)
+        return self.settled and bool(self.trials) and all(peak > self.limit for _, peak in self.trials)
 
     @property
     def floor_bytes(self) -> int:

@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .calls import autocast_state
+from .ops import RerunMismatch, SelectiveRerun, StopRerun, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 
 if TYPE_CHECKING:
+    from .ops import Recipe
     from .plan import CallInfo
 
-__all__ = ["KeptSave", "PlannedStep", "SavedBytes"]
+__all__ = ["IdleStep", "KeptSave", "PlannedStep", "SavedBytes"]
 
 
 class SavedBytes:
@@ -121,8 +123,10 @@ class _Rerun:
         except Exception:
             pass
 
-    def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None) -> Any:
-        """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves."""
+    def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None,
+            mode: SelectiveRerun | None = None) -> Any:
+        """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves;
+        ``mode``: a selective re-run's (Note [Selective re-runs] in ops.py)."""
         for t, v in self.versions:
             if t._version != v:
                 from .session import OffloadError
@@ -148,6 +152,8 @@ class _Rerun:
                     modes.enter_context(torch.autocast(dev, dtype=dtype))
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
                 modes.enter_context(torch.enable_grad())
+                if mode is not None:
+                    modes.enter_context(mode)
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
@@ -157,12 +163,12 @@ class _Rerun:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-        st = step.session._stats
-        seconds = time.thread_time() - t0
-        st["replays_total"] += 1
-        st["recompute_seconds_total"] += seconds
-        key = self.key
-        step.rerun_seconds[key] = step.rerun_seconds.get(key, 0.0) + seconds
+            st = step.session._stats
+            seconds = time.thread_time() - t0
+            st["replays_total"] += 1
+            st["recompute_seconds_total"] += seconds
+            times = step.selective_seconds if mode is not None else step.rerun_seconds
+            times[self.key] = times.get(self.key, 0.0) + seconds
         return out
 
 
@@ -178,20 +184,50 @@ class Region(_Rerun):
     """A planned region call: its dropped saves, refilled by one re-run in backward."""
 
     def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
-                 kwargs: dict) -> None:
+                 kwargs: dict, recipe: "Recipe | None" = None) -> None:
         super().__init__(step, module, args, kwargs)
         self.key = key
         self.first_seq = step.seq
         self.wanted: dict[int, weakref.ref[RegionSlot]] = {}
         self.done = False
+        self.recipe = recipe  # a selective region's (Note [Selective re-runs] in ops.py)
+        self.sources: dict[int, Any] = {}  # save index in the call -> what the forward kept (KeptSave or tensor)
 
     def materialize(self) -> None:
         captured: list[torch.Tensor] = []
+        mode: SelectiveRerun | None = None
+        if self.recipe is not None:
+            sources = {i: h.tensor if isinstance(h, KeptSave) else h for i, h in self.sources.items()}
+            if len(sources) == len(self.recipe.source_saves):
+                verify = self.step.verify and self.recipe.replay is not None
+                if not verify and self._replay(sources):
+                    return
+                mode = SelectiveRerun(self.recipe, sources, verify)
+        last_wanted = max(self.wanted, default=-1)
 
         def capture(t: torch.Tensor) -> None:
+            if mode is None:
+                captured.append(t.detach())
+                return
+            mode.paused = True  # detach is an operator: not the module's
             captured.append(t.detach())
+            mode.paused = False
+            if len(captured) > last_wanted:
+                mode.done = True  # every dropped save is in: stop at the next operator
 
-        self.run(self.args, self.kwargs, capture)
+        try:
+            self.run(self.args, self.kwargs, capture, mode)
+        except StopRerun:
+            pass
+        except RerunMismatch:  # another code path than the profile's: re-run whole
+            self.step.stale = True
+            captured.clear()
+            mode = None
+            self.step.session._stats["selective_fallbacks_total"] += 1
+            self.run(self.args, self.kwargs, capture)
+        if mode is not None and mode.stale:
+            self.step.stale = True
+        self.sources = {}
         self.done = True
         for index, ref in self.wanted.items():
             slot = ref()
@@ -207,6 +243,57 @@ class Region(_Rerun):
         self.wanted = {}
         self.release()  # the inputs are no longer needed: let them go with their last use
         self.args, self.kwargs, self.versions = (), {}, []
+
+
+    def _replay(self, sources: dict[int, torch.Tensor]) -> bool:
+        """Refills the dropped saves by replaying the recipe's operators alone (Note [Operator
+        replay] in ops.py); False when it cannot (no replay, inputs viewed otherwise)."""
+        recipe = self.recipe
+        assert recipe is not None
+        inputs = tensor_leaves(self.args)
+        if recipe.replay is None or [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+                                     for t in inputs] != recipe.input_geometry:
+            return False
+        for t, v in self.versions:
+            if t._version != v:
+                from .session import OffloadError
+
+                raise OffloadError(f"an input of {type(self.module).__name__} was modified in place after "
+                                   "the call: its dropped activations cannot be recomputed")
+        module = self.module
+
+        def attr(name: str) -> torch.Tensor:
+            return module.get_parameter(name[2:]) if name[0] == "p" else module.get_buffer(name[2:])
+
+        step = self.step
+        t0 = time.thread_time()
+        cpu_now = torch.get_rng_state()
+        cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda_rng]
+        try:
+            torch.set_rng_state(self.cpu_rng)
+            for d, state in self.cuda_rng:
+                torch.cuda.set_rng_state(state, d)
+            filled = run_replay(recipe, sources, inputs, attr)
+        finally:
+            torch.set_rng_state(cpu_now)
+            for d, state in cuda_now:
+                torch.cuda.set_rng_state(state, d)
+            seconds = time.thread_time() - t0
+            st = step.session._stats
+            st["replays_total"] += 1
+            st["recompute_seconds_total"] += seconds
+            step.selective_seconds[self.key] = step.selective_seconds.get(self.key, 0.0) + seconds
+        for index, ref in self.wanted.items():
+            slot = ref()
+            if slot is not None:
+                slot.fill(filled[index])
+                step.session._stats["recomputed_tensors_total"] += 1
+        self.wanted = {}
+        self.sources = {}
+        self.done = True
+        self.release()
+        self.args, self.kwargs, self.versions = (), {}, []
+        return True
 
 
 class RegionSlot(_Counted):
@@ -365,6 +452,9 @@ class PlannedStep:
         self.dropped = 0
         self.dropped_bytes = 0
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
+        self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
+        self.verify = False  # re-run selective regions through the module's code, checking the replays
+        self.stale = False  # a replay's operators or arguments were not the module's: profile again
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []
@@ -402,7 +492,8 @@ class PlannedStep:
         record: Region | Output | None = None
         if not self.diverged:
             if key in self.plan.regions:
-                record = Region(self, key, module, args, kwargs)
+                recipe = self.plan.recipes.get(key)
+                record = Region(self, key, module, args, kwargs, recipe[0] if recipe is not None else None)
                 self._regions.append(record)
             elif key in self.plan.outputs:
                 links = self._links(tensor_leaves((args, kwargs)))
@@ -458,9 +549,11 @@ class PlannedStep:
                 self._count_drop(t)
                 return OutputSlot(record, t)
             self._diverge()
-        if is_activation(t):
-            return KeptSave(self.bytes, t)
-        return t
+        kept: Any = KeptSave(self.bytes, t) if is_activation(t) else t
+        region = self._regions[-1] if self._regions else None
+        if region is not None and region.recipe is not None and seq - region.first_seq in region.recipe.source_saves:
+            region.sources[seq - region.first_seq] = kept  # the re-run takes it instead of computing it
+        return kept
 
     def unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, KeptSave):
@@ -476,3 +569,40 @@ class PlannedStep:
     def _diverge(self) -> None:
         """The step no longer matches the profile: keep every save from here on."""
         self.diverged = True
+
+
+class IdleStep:
+    """A step under a plan that drops nothing, once a counted step stayed well under the budget:
+    no saved-tensor hook at all (nothing is recorded per operator or per save), only a
+    pre-forward hook on the step's outermost modules that compares their inputs' shapes and
+    dtypes with the profile's. Another shape (a new batch size) makes the step ``diverged``: the
+    next step is profiled again. See Note [Idle steps] in plan.py."""
+
+    def __init__(self, roots: "list[CallInfo]") -> None:
+        self.diverged = False
+        self._roots: dict[int, tuple[weakref.ref[torch.nn.Module], list[Any]]] = {}
+        for call in roots:
+            m = call.module()
+            if m is not None:
+                self._roots.setdefault(id(m), (call.module, []))[1].append(call.input_signature)
+        self._ordinals: dict[int, int] = {}
+        self._thread = threading.get_ident()
+
+    def install(self, stack: contextlib.ExitStack) -> None:
+        for ref, _ in self._roots.values():
+            m = ref()
+            if m is not None:
+                stack.callback(m.register_forward_pre_hook(self._pre).remove)
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+            return
+        ordinal = self._ordinals.get(id(module), 0)
+        self._ordinals[id(module)] = ordinal + 1
+        expected = self._roots[id(module)][1]
+        if ordinal >= len(expected) or expected[ordinal] != tuple((tuple(t.shape), t.dtype)
+                                                                  for t in tensor_leaves(args)):
+            self.diverged = True
+
+    def close(self) -> None:
+        self._ordinals.clear()

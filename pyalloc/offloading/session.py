@@ -36,7 +36,7 @@ from . import cost
 from .args import TensorMap
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
 from .plan import OUTPUT, Plan, PlanSearch, Profile
-from .regions import PlannedStep
+from .regions import IdleStep, PlannedStep
 from .saved import DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
 
@@ -52,6 +52,13 @@ the ones further back later, and a longer scan would cost each unpack time linea
 MAX_REPLAY_CHAIN = 400
 """Hard stop for a replay chain (cost.MAX_REPLAY_DEPTH, the estimate's limit, may be exceeded when
 ancestors are evicted later)."""
+
+REPLAY_CHECK_EVERY = 20
+"""Planned steps between two whose selective regions re-run through the module's own code,
+checking the replays' operators and arguments (Note [Operator replay] in ops.py)."""
+
+IDLE_CHECK_EVERY = 50
+"""Idle steps (Note [Idle steps] in plan.py) between two steps whose saves are counted again."""
 
 POLICIES = ("plan", "dtr")
 """``plan``: profile the first step, then drop and recompute by module along a plan (Note
@@ -91,7 +98,7 @@ class ActivationOffload:
 
     def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
                  *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
-                 pressure_callback: bool = True, policy: str = "plan") -> None:
+                 pressure_callback: bool = True, policy: str = "plan", selective: bool = True) -> None:
         if isinstance(budget, str):
             from ..core import parse_size
 
@@ -109,6 +116,7 @@ class ActivationOffload:
         self.min_evict_bytes = min_evict_bytes
         self.prefetch = prefetch
         self.pressure_callback = pressure_callback
+        self.selective = selective  # plans may hold selective regions (Note [Selective re-runs] in ops.py)
         self._cuda = torch.cuda.is_available()
         # pyalloc.free_neighbours when pyalloc is the CUDA allocator (Note [Free neighbours]).
         self._free_neighbours: cost.NeighbourQuery | None = cost.neighbour_query(self._cuda)
@@ -135,7 +143,9 @@ class ActivationOffload:
         self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
         self._profile: Profile | None = None  # the step being profiled (policy "plan")
         self._search: PlanSearch | None = None  # the plans for the last profile
-        self._planned: PlannedStep | None = None  # the step running under the plan
+        self._planned: PlannedStep | IdleStep | None = None  # the step running under the plan
+        self._idle_run = 0  # idle steps since the last counted one
+        self._replay_checks = 0  # planned steps since the search began (every REPLAY_CHECK_EVERY-th checks)
         self._floor_warned = False
         self._overhead_s = 0.0  # time in the session's own bookkeeping (DTR), not the model's
         self._new_step()
@@ -145,7 +155,7 @@ class ActivationOffload:
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
-            "step_saved_bytes_peak")}
+            "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -217,13 +227,20 @@ class ActivationOffload:
         try:
             self._recording = False
             if self.policy == "plan" and self._plan is not None:
-                self._planned = PlannedStep(self, self._plan, self._cuda)
+                if self._idle():
+                    assert self._search is not None
+                    self._planned = IdleStep(self._search.profile.roots())
+                else:
+                    self._planned = PlannedStep(self, self._plan, self._cuda)
+                    self._planned.verify = self._replay_checks % REPLAY_CHECK_EVERY == 0
+                    self._replay_checks += 1
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
                     self._profile = Profile(lambda: self._overhead_s)
                     self._profile.start()
                     stack.callback(self._profile.stop)
+                    stack.enter_context(self._profile.recorder)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
                 self._recording = self.recompute
                 if self.recompute and self._mode_stack is None:
@@ -246,7 +263,8 @@ class ActivationOffload:
             profile.stop()
             st["profile_steps_total"] += 1
             if profile.packs:
-                self._search = PlanSearch(profile, self.budget)
+                self._search = PlanSearch(profile, self.budget, self.selective)
+                self._replay_checks = 0
             return
         run, self._planned = self._planned, None
         search = self._search
@@ -254,6 +272,11 @@ class ActivationOffload:
             return
         run.close()
         st["planned_steps_total"] += 1
+        if isinstance(run, IdleStep):
+            st["idle_steps_total"] += 1
+            if run.diverged:
+                self._search = None  # another shape: profile the next step again
+            return
         st["saved_tensors_total"] += run.seq
         st["drops_total"] += run.dropped
         st["dropped_bytes_total"] += run.dropped_bytes
@@ -261,17 +284,31 @@ class ActivationOffload:
         st["step_saved_bytes_peak"] = peak
         st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
         st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
-        if run.diverged:
+        if run.stale:
+            st["replays_stale_total"] += 1
+        if run.diverged or run.stale:
             self._search = None  # profile the next step again
             return
-        if search.measured(peak, run.rerun_seconds):
+        if search.measured(peak, run.rerun_seconds, run.selective_seconds):
             st["replans_total"] += 1
+        if search.settled and search.plan.empty and peak > search.limit:
+            self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
+            return
         if search.below_floor and not self._floor_warned:
             self._floor_warned = True
             warnings.warn(f"pyalloc.offload: the budget of {self.budget} bytes is below the floor of "
                           f"{search.floor_bytes} bytes of saved activations (what no module re-run can "
                           f"free: inputs kept for recompute, saves outside recomputable modules, one "
                           f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
+
+    def _idle(self) -> bool:
+        """Whether the coming step may run with no saved-tensor hook (Note [Idle steps])."""
+        search = self._search
+        if search is None or not search.idle or self._idle_run >= IDLE_CHECK_EVERY:
+            self._idle_run = 0
+            return False
+        self._idle_run += 1
+        return True
 
     @property
     def _plan(self) -> Plan | None:
@@ -350,6 +387,7 @@ class ActivationOffload:
                    plan_floor_bytes=search.floor_bytes if search else -1,
                    plan_settled=1 if search is not None and search.settled else 0,
                    plan_regions=len(plan.regions) if plan else 0,
+                   plan_selective_regions=len(plan.recipes) if plan else 0,
                    plan_outputs=len({o for o, a in zip(plan.owners, plan.actions) if a == OUTPUT}) if plan else 0,
                    plan_recompute_seconds=plan.recompute_seconds if plan else 0.0)
         out.update(budget_bytes=self.budget if self.budget is not None else -1,
@@ -375,10 +413,13 @@ class ActivationOffload:
         if self._profile is None:
             return self._pack_tracked(t)
         t0 = time.thread_time()
-        self._profile.note_pack(t)
+        profile = self._profile
+        profile.busy = True  # the session's operators (swap copies) are not the model's
         try:
+            profile.note_pack(t)
             return self._pack_tracked(t)
         finally:  # evictions included: the profile's module times must not count them
+            profile.busy = False
             self._overhead_s += time.thread_time() - t0
 
     def _pack_tracked(self, t: torch.Tensor) -> Any:
@@ -680,7 +721,8 @@ def offload(budget: int | str | None = None, swap: bool = True, recompute: bool 
     A context manager around a training step (forward and backward), or a decorator. With
     ``budget=None`` only the allocator's pressure callback triggers evictions. ``policy="plan"``
     (the default) profiles the first step and re-runs modules along a plan after it;
-    ``policy="dtr"`` runs per-operator DTR with swap every step. Other options:
-    ``min_evict_bytes``, ``prefetch``, ``pressure_callback`` (DTR).
+    ``policy="dtr"`` runs per-operator DTR with swap every step. ``selective=False`` keeps plans
+    to whole-module re-runs (no operator replay). Other options: ``min_evict_bytes``,
+    ``prefetch``, ``pressure_callback`` (DTR).
     """
     return ActivationOffload(budget, swap, recompute, **options)

@@ -29,24 +29,28 @@ offload (--offload[=BUDGET]):
   with a budget. Every Python process of CMD that imports torch gets a session.
   What to expect with a budget (tools/bench/offload_bench.py, CPU):
   - the first step is profiled under per-operator DTR (2-3x a step), the next
-    few try plans and measure them; after that only the planned modules are
-    re-run, and nothing is recorded per operator;
+    few try plans and measure them; after that only planned modules are re-run
+    or the operators they need replayed, and nothing is recorded per operator;
   - saved activations stay within BUDGET + 5% once the plan has settled; a
     BUDGET below the floor (what no module re-run can free) gets one warning
     naming the floor, and steps run at the floor;
-  - a budget never reached: about 4% over the plain step here (the recording
-    mode stays on the main thread; 0-4% with pyalloc.offload in the program);
-    at half the saved bytes 1.2-1.3x the plain step; at the bytes that
+  - a budget never reached: about 1% over the plain step here (the recording
+    mode stays on the main thread; none with pyalloc.offload in the program:
+    no hook runs once the plan has settled);
+    at half the saved bytes 1.08-1.18x the plain step on transformer-like
+    models, 1.24-1.33x on a ResNet-like one; at the bytes that
     torch.utils.checkpoint on every block reaches, less time than the
-    checkpointing (1.20-1.52x against 1.35-1.63x on four models).
+    checkpointing (1.14-1.52x against 1.35-1.62x on four models).
   Limits:
   - main thread only: activations saved by other threads are not managed;
   - a step ends when the outermost backward() or torch.autograd.grad() returns;
     several per iteration (gradient accumulation, GANs) are fine; a step that
     differs from the profiled one (another shape) keeps its saves from there on
     and has the next step profiled again;
-  - only what is saved inside modules is recomputed, and only by re-running a
-    module (not a function called in forward, such as the loss);
+  - only what is saved inside modules is recomputed, by re-running a module or
+    replaying operators recorded inside one (not in a function called in
+    forward, such as the loss); replays use the operators' constants from the
+    profiled step, checked every 20th step;
   - what regions compiled with torch.compile save is kept (first step: swapped);
     what is saved under torch.utils.checkpoint is left to the checkpoint;
   - the program must not use pyalloc.offload() itself (it is an error);
