@@ -416,7 +416,7 @@ def _selective_session(name: str, fraction: float, baselines,
     model = make_model()
     torch.manual_seed(123)  # the baseline's input
     x = make_input()
-    session = offload(budget=int(peak * fraction), pressure_callback=False)
+    session = offload(budget=int(peak * fraction), pressure_callback=False, selective=True)
     with session:
         _step(model, x, 0)
     search = session._search
@@ -482,6 +482,7 @@ def test_selective_false_plans_whole_module_re_runs_only(baselines) -> None:
     model = make_model()
     torch.manual_seed(123)
     x = make_input()
+    assert offload(budget=peak // 2).selective is False  # the default: whole modules, their own code
     session = offload(budget=peak // 2, pressure_callback=False, selective=False)
     for seed in range(STEPS):
         with session:

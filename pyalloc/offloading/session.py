@@ -98,7 +98,7 @@ class ActivationOffload:
 
     def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
                  *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
-                 pressure_callback: bool = True, policy: str = "plan", selective: bool = True) -> None:
+                 pressure_callback: bool = True, policy: str = "plan", selective: bool = False) -> None:
         if isinstance(budget, str):
             from ..core import parse_size
 
@@ -721,8 +721,10 @@ def offload(budget: int | str | None = None, swap: bool = True, recompute: bool 
     A context manager around a training step (forward and backward), or a decorator. With
     ``budget=None`` only the allocator's pressure callback triggers evictions. ``policy="plan"``
     (the default) profiles the first step and re-runs modules along a plan after it;
-    ``policy="dtr"`` runs per-operator DTR with swap every step. ``selective=False`` keeps plans
-    to whole-module re-runs (no operator replay). Other options: ``min_evict_bytes``,
+    ``policy="dtr"`` runs per-operator DTR with swap every step. ``selective=True`` lets plans
+    replay recorded operators instead of re-running whole modules (faster; exact while the
+    operators' constant arguments stay those of the profiled step: README, Limits); the default
+    re-runs whole modules through their own code. Other options: ``min_evict_bytes``,
     ``prefetch``, ``pressure_callback`` (DTR).
     """
     return ActivationOffload(budget, swap, recompute, **options)

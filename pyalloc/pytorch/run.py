@@ -37,10 +37,11 @@ offload (--offload[=BUDGET]):
   - a budget never reached: about 1% over the plain step here (the recording
     mode stays on the main thread; none with pyalloc.offload in the program:
     no hook runs once the plan has settled);
-    at half the saved bytes 1.08-1.18x the plain step on transformer-like
-    models, 1.24-1.33x on a ResNet-like one; at the bytes that
-    torch.utils.checkpoint on every block reaches, less time than the
-    checkpointing (1.14-1.52x against 1.35-1.62x on four models).
+    at half the saved bytes 1.19-1.27x the plain step on transformer-like
+    models and 1.27x on a ResNet-like one (whole-module re-runs, the
+    default; selective=True in pyalloc.offload: 1.14-1.18x and 1.30x); at
+    the bytes that torch.utils.checkpoint on every block reaches, less time
+    than the checkpointing (1.15-1.48x against 1.35-1.58x on four models).
   Limits:
   - main thread only: activations saved by other threads are not managed;
   - a step ends when the outermost backward() or torch.autograd.grad() returns;

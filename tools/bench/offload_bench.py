@@ -301,7 +301,8 @@ def bench_model(name: str, make_model: Callable[[], nn.Module], make_input: Call
                "pyalloc@never": base_bytes * 10}
     floor_warned: dict[str, bool] = {}
     for label, budget in budgets.items():
-        session = offload(budget=budget, pressure_callback=False)
+        choice = {} if _SELECTIVE is None else {"selective": _SELECTIVE}
+        session = offload(budget=budget, pressure_callback=False, **choice)
         config = _Config(label, copy.deepcopy(base_model), x, session)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -402,14 +403,22 @@ def run_gpu(steps: int) -> list[dict[str, float | str]]:  # pragma: no cover - n
     return rows
 
 
+_SELECTIVE: bool | None = None  # --selective: None leaves pyalloc.offload's default
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _SELECTIVE
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--reps", type=int, default=7, help="timed steps per column (interleaved)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--models", default="gpt,bert,resnet,lstm", help="comma-separated: gpt,bert,resnet,lstm")
     ap.add_argument("--gpu", action="store_true", help="largest-batch mode on CUDA")
+    ap.add_argument("--selective", choices=("on", "off"), default=None,
+                    help="plans with selective regions or whole-module re-runs only (default: offload's default)")
     args = ap.parse_args(argv)
+    if args.selective is not None:
+        _SELECTIVE = args.selective == "on"
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - {"gpt", "bert", "resnet", "lstm"})
     if unknown or not models:
