@@ -267,6 +267,7 @@ class CudaBackend final : public Backend {
   Status phys_export(int device, PhysHandle handle, std::string* out) override {
     if (api_.cuMemExportToShareableHandle == nullptr) return missing(device, "cuMemExportToShareableHandle");
     return in_context(device, [&](DeviceState& state) -> Status {
+      allow_shared_descriptors();
       if (state.exportable == 0) {
         return Status::failure("cuda device " + std::to_string(device) + ": the driver refused memory exportable "
                                "as file descriptors (cuMemCreate), so arena blocks cannot be shared; set vmm=off "
@@ -536,7 +537,6 @@ class CudaBackend final : public Backend {
   Status malformed(int device, const char* what) const {
     return Status::failure("cuda device " + std::to_string(device) + ": a shared " + what + "'s handle is malformed");
   }
-
   Status missing(int device, const char* symbol) const {
     return Status::failure("cuda device " + std::to_string(device) + ": " + kDriverLibrary + " has no " + symbol +
                            ", which sharing memory with another process needs (update the NVIDIA driver)");

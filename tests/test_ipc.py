@@ -125,3 +125,20 @@ def test_a_handle_from_a_process_that_is_gone_is_a_clear_error(fresh: Callable[[
     with pytest.raises(pyalloc.PyallocError, match=f"cannot take descriptor .* of process {dead}"):
         pyalloc.ipc_import(forged)
     pyalloc.check(0)
+
+
+def test_sharing_raises_the_soft_descriptor_limit_to_the_hard_one() -> None:
+    """An arena block keeps one descriptor per 2 MiB granule in the exporter (a 1 GiB tensor: 512,
+    against a soft limit that is often 1,024): the first export raises the soft limit."""
+    code = (
+        "import resource, pyalloc\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+        "pyalloc.configure('backend=host,capacity=64MiB,vmm=shared')\n"
+        "p = pyalloc.malloc(3 << 20)\n"
+        "pyalloc.ipc_export(p)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

@@ -3,6 +3,7 @@
 #include "backends/backend.hpp"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -24,12 +25,27 @@ Status Backend::phys_export(int, PhysHandle, std::string*) { return cannot_share
 Status Backend::segment_import(int, const std::string&, uintptr_t*, size_t*) { return cannot_share(*this); }
 Status Backend::phys_import(int, const std::string&, size_t, PhysHandle*) { return cannot_share(*this); }
 
+void allow_shared_descriptors() {
+  // An exported arena block keeps one descriptor per granule open in the
+  // exporter, and the importer takes one per granule too: a 1 GiB tensor in
+  // 2 MiB granules is 512. The soft limit (often 1,024) is raised to the hard
+  // one, once, as torch.multiprocessing's users are told to do by hand.
+  static const bool raised = [] {
+    rlimit limit{};
+    if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return false;
+    limit.rlim_cur = limit.rlim_max;
+    return setrlimit(RLIMIT_NOFILE, &limit) == 0;
+  }();
+  (void)raised;
+}
+
 // A copy of descriptor `fd` of process `pid` in this process: pidfd_getfd
 // (Linux 5.6; it needs the right to ptrace `pid`: under Yama's
 // ptrace_scope=1 only an ancestor has it), else, where `may_reopen` (a
 // memfd, which reopens as the same file), /proc/pid/fd/N reopened (needs
 // only the right to read the process's /proc entry).
 Status take_fd(int pid, int fd, bool may_reopen, int* out) {
+  allow_shared_descriptors();
   std::string why;
 #if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
   const long pidfd = syscall(SYS_pidfd_open, pid, 0);

@@ -117,6 +117,9 @@ class Backend {
 // for imports of memory exported as file descriptors.
 // `may_reopen`: the descriptor is a file that reopens as itself (a memfd).
 Status take_fd(int pid, int fd, bool may_reopen, int* out);
+// Raises this process's soft limit of open descriptors to its hard limit,
+// once: exporting and importing an arena block take one per granule.
+void allow_shared_descriptors();
 
 // Factories. Each returns nullptr and fills *error when the backend cannot
 // start (e.g. cuda without a driver).
