@@ -28,6 +28,11 @@ class CliError(Exception):
     pass
 
 
+# The --audit-log help of serve and reap, after "where each [reaper] decision is ".
+_AUDIT_LOG_HELP = ("appended as one JSON line, fsynced before any signal (default: the policy's audit_log, "
+                   "else /var/log/gpumemd/audit.jsonl as root, ~/.local/state/gpumemd/audit.jsonl otherwise)")
+
+
 def _collector(args: argparse.Namespace, **kw: Any) -> Collector:
     return Collector(registry_dir=args.registry_dir, use_nvml=not args.no_nvml, **kw)
 
@@ -342,9 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the reaper signal the processes its policy names (default: dry run: decisions "
                         "are logged and audited, nothing is signalled)")
     v.add_argument("--audit-log", default=None, metavar="FILE",
-                   help="where each reaper decision is appended as one JSON line, fsynced before any signal "
-                        "(default: the policy's audit_log, else /var/log/gpumemd/audit.jsonl as root, "
-                        "~/.local/state/gpumemd/audit.jsonl otherwise)")
+                   help="where each reaper decision is " + _AUDIT_LOG_HELP)
     v.add_argument("--socket", default=None, metavar="PATH",
                    help="pressure socket path, or 'none' for no socket (default: /run/gpumemd.sock as root, "
                         "else $XDG_RUNTIME_DIR/gpumemd.sock, else /tmp/gpumemd-<uid>/gpumemd.sock)")
@@ -365,9 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="signal the processes the policy names: SIGTERM, then SIGKILL after the policy's "
                         "grace_period (default: dry run, nothing is signalled)")
     r.add_argument("--audit-log", default=None, metavar="FILE",
-                   help="where each decision is appended as one JSON line, fsynced before any signal "
-                        "(default: the policy's audit_log, else /var/log/gpumemd/audit.jsonl as root, "
-                        "~/.local/state/gpumemd/audit.jsonl otherwise)")
+                   help="where each decision is " + _AUDIT_LOG_HELP)
     r.add_argument("--json", action="store_true", help="the decisions as JSON instead of lines")
     r.set_defaults(fn=cmd_reap)
 

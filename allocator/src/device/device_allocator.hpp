@@ -134,7 +134,6 @@ class DeviceAllocator {
   void* take_cached(int pool_id, size_t size, StreamId stream);
   // False when no capture was begun.
   bool end_capture();
-  bool capturing() const;
 
   // Note [Sharing blocks] (device/ipc.cpp). Export: the handle of live block
   // `addr`'s memory and the block's offset in what it maps. Import: maps a
@@ -331,6 +330,7 @@ class DeviceAllocator {
   void* malloc_default(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void* malloc_capturing(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   void unmap_import(uintptr_t base);
+  void* take_fit(Pool& pool, Block* block, size_t size, size_t rounded);
   void defer_free(Block* block);
   Block* malloc_watched(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
   Block* malloc_from_plan(Pool& pool, size_t size, size_t rounded, StreamId stream, int* status);
@@ -394,6 +394,7 @@ class DeviceAllocator {
     std::vector<PhysHandle> chunks;   // empty for a plain segment
   };
   std::map<uintptr_t, Import> imports_;  // by base address
+  void unmap_chunks(uintptr_t base, const Import& imported);
 
   // Runtime-adjustable settings.
   double memory_fraction_;

@@ -143,6 +143,7 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
       *error = last_backend_error_;
       return false;
     }
+    imported.granule = h.granule;
     for (size_t i = 0; i < parts.size(); ++i) {
       PhysHandle chunk;
       const bool ok = succeeded(backend_->phys_import(device_, parts[i], h.granule, &chunk)) &&
@@ -150,16 +151,11 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
                        (backend_->phys_close(device_, chunk), false));
       if (!ok) {
         *error = last_backend_error_;
-        for (size_t j = 0; j < imported.chunks.size(); ++j) {
-          backend_->unmap(device_, *base + j * h.granule, h.granule);
-          backend_->phys_close(device_, imported.chunks[j]);
-        }
-        backend_->release_reservation(device_, *base, h.size);
+        unmap_chunks(*base, imported);  // what was mapped so far, and the reservation
         return false;
       }
       imported.chunks.push_back(chunk);
     }
-    imported.granule = h.granule;
   }
   // The driver maps a handle once per process: an import of one already
   // mapped here answers the same address, and is counted (ipc_close).
@@ -183,17 +179,22 @@ bool DeviceAllocator::ipc_close(uintptr_t base) {
 
 void DeviceAllocator::unmap_import(uintptr_t base) {
   const auto it = imports_.find(base);
-  const Import& imported = it->second;
-  if (imported.chunks.empty()) {
-    backend_->segment_close(device_, base, imported.size);
+  if (it->second.chunks.empty()) {
+    backend_->segment_close(device_, base, it->second.size);
   } else {
-    for (size_t j = 0; j < imported.chunks.size(); ++j) {
-      backend_->unmap(device_, base + j * imported.granule, imported.granule);
-      backend_->phys_close(device_, imported.chunks[j]);
-    }
-    backend_->release_reservation(device_, base, imported.size);
+    unmap_chunks(base, it->second);
   }
   imports_.erase(it);
+}
+
+// Unmaps and closes the chunks of an import of granules mapped at `base`,
+// and gives back its reservation (`imported.size` bytes).
+void DeviceAllocator::unmap_chunks(uintptr_t base, const Import& imported) {
+  for (size_t j = 0; j < imported.chunks.size(); ++j) {
+    backend_->unmap(device_, base + j * imported.granule, imported.granule);
+    backend_->phys_close(device_, imported.chunks[j]);
+  }
+  backend_->release_reservation(device_, base, imported.size);
 }
 
 }  // namespace pyalloc

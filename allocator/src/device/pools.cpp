@@ -127,14 +127,15 @@ void* DeviceAllocator::take_cached(int pool_id, size_t size, StreamId stream) {
   const size_t rounded = round_size(size);
   Pool& pool = select_pool(rounded, pool_id);
   Block* block = pool.free_blocks.best_fit(stream, rounded);
-  if (block == nullptr) return nullptr;
-  if (pool.in_arenas) block = align_to_granule(block, rounded);
-  return take(pool, block, size, rounded);
+  return block != nullptr ? take_fit(pool, block, size, rounded) : nullptr;
 }
 
-bool DeviceAllocator::capturing() const {
-  Lock lock(const_cast<DeviceMutex&>(mutex_));
-  return capturing_ > 0;
+// Hands out `block`, a free block of `pool` that fits, starting a request of
+// whole granules on a granule boundary (Note [Whole granules]), as
+// alloc_block does.
+void* DeviceAllocator::take_fit(Pool& pool, Block* block, size_t size, size_t rounded) {
+  if (pool.in_arenas) block = align_to_granule(block, rounded);
+  return take(pool, block, size, rounded);
 }
 
 // The general path's malloc during a capture: the cache, else growth, else
@@ -150,8 +151,7 @@ void* DeviceAllocator::malloc_capturing(Pool& pool, size_t size, size_t rounded,
     set_last_error(report);
     return nullptr;
   }
-  if (pool.in_arenas) block = align_to_granule(block, rounded);
-  return take(pool, block, size, rounded);
+  return take_fit(pool, block, size, rounded);
 }
 
 // A free during a capture that needs the backend waits for end_capture.
