@@ -7,15 +7,16 @@
 
 namespace pyalloc {
 
-void SliverIndex::start(size_t granule) {
+void SliverIndex::start(size_t granule, size_t granules) {
   granule_ = granule;
-  roomy_.clear();
+  roomy_at_.assign(granules, nullptr);
+  roomy_.reset(granules);
+  roomy_count_ = 0;
   whole_granules_ = 0;
   const size_t units = granule / kBlockAlign;
   for (const Kind kind : {kEnd, kStart}) {
     head_[kind].assign(units, nullptr);
-    bits_[kind].assign((units + 63) / 64, 0);
-    words_[kind].assign((units + 4095) / 4096, 0);
+    units_[kind].reset(units);
   }
 }
 
@@ -32,24 +33,8 @@ bool SliverIndex::noted(size_t slot) const {
 }
 
 Block* SliverIndex::first_from_unit(Kind kind, size_t unit) const {
-  const std::vector<uint64_t>& bits = bits_[kind];
-  size_t word = unit / 64;
-  if (word >= bits.size()) return nullptr;
-  uint64_t w = bits[word] & (~uint64_t{0} << (unit % 64));
-  if (w == 0) {
-    // The next non-empty word, from the summary.
-    const std::vector<uint64_t>& words = words_[kind];
-    size_t top = (word + 1) / 64;
-    if (top >= words.size()) return nullptr;
-    uint64_t t = (word + 1) % 64 == 0 ? words[top] : words[top] & (~uint64_t{0} << ((word + 1) % 64));
-    while (t == 0) {
-      if (++top == words.size()) return nullptr;
-      t = words[top];
-    }
-    word = top * 64 + static_cast<size_t>(__builtin_ctzll(t));
-    w = bits[word];
-  }
-  return head_[kind][word * 64 + static_cast<size_t>(__builtin_ctzll(w))];
+  const size_t found = units_[kind].next(unit);
+  return found == BitIndex::kNone ? nullptr : head_[kind][found];
 }
 
 Block* SliverIndex::first(Kind kind, size_t from) const {

@@ -21,7 +21,11 @@
 //
 // Two more things near a full device would cost a walk of the arena: the
 // free blocks that hold a whole granule, lowest first, which stitching
-// unmaps (`roomy`, by address); and the twins whose own part is all free,
+// unmaps (roomy blocks, by their first whole granule: a BitIndex over the
+// arena's granules, so that a free-set change near a full device costs a
+// store or two instead of a tree node, as a std::set by address did: 18% of
+// the instructions of tools/bench/scale.py at 10^2 live blocks under
+// pressure); and the twins whose own part is all free,
 // which part before free granules are gathered (untwin_free). A twin's own
 // part becomes all free only when a free block arrives beside its lent
 // piece, so the index notes the granule then (twins_to_check), and
@@ -39,8 +43,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <set>
 #include <vector>
+
+#include "blocks/bit_index.hpp"
 
 namespace pyalloc {
 
@@ -60,8 +65,9 @@ class SliverIndex {
   enum Kind : int { kEnd = 0, kStart = 1 };
 
   bool on() const { return granule_ != 0; }
-  // Turns the index on, empty, for granules of `granule` bytes.
-  void start(size_t granule);
+  // Turns the index on, empty, for an arena of `granules` granules of
+  // `granule` bytes.
+  void start(size_t granule, size_t granules);
 
   // A free block of the arena enters or leaves the index (sliver_index_inl.hpp).
   inline void insert(Block* block);
@@ -73,10 +79,16 @@ class SliverIndex {
   // The one after `block` (a sliver of `kind`) in that order.
   Block* next(Kind kind, const Block* block) const;
 
-  // The free blocks that hold a whole granule, by address.
-  const std::set<Block*, ByAddress>& roomy() const { return roomy_; }
+  // The roomy block (a free block that holds a whole granule) whose first
+  // whole granule is the lowest at or after granule `slot`; nullptr when none.
+  inline Block* roomy_from(size_t slot) const;
+  // Whether `block` is listed as roomy.
+  inline bool is_roomy(const Block* block) const;
+  size_t roomy_count() const { return roomy_count_; }
   // How many whole granules the roomy blocks hold, together.
   size_t whole_granules() const { return whole_granules_; }
+  // The granule of the arena where roomy `block`'s first whole granule lies.
+  static inline size_t first_whole(const Block* block, size_t granule);
 
   // Twin granules to look at: a free block arrived beside their lent piece
   // since the last call (or the index was built). Each at most once.
@@ -99,10 +111,11 @@ class SliverIndex {
   Block* first_from_unit(Kind kind, size_t unit) const;
 
   size_t granule_ = 0;
-  std::vector<Block*> head_[2];     // per offset unit
-  std::vector<uint64_t> bits_[2];   // bit u: head_[kind][u] != nullptr
-  std::vector<uint64_t> words_[2];  // bit w: bits_[kind][w] != 0
-  std::set<Block*, ByAddress> roomy_;
+  std::vector<Block*> head_[2];  // per offset unit
+  BitIndex units_[2];            // the units u with head_[kind][u] != nullptr
+  std::vector<Block*> roomy_at_;  // per granule: the roomy block whose first whole granule it is
+  BitIndex roomy_;                // the granules with roomy_at_[slot] != nullptr
+  size_t roomy_count_ = 0;
   size_t whole_granules_ = 0;
   std::vector<size_t> twins_to_check_;
 };

@@ -25,8 +25,7 @@ inline void SliverIndex::link(Kind kind, Block* block, size_t unit) {
   block->sliver_next[kind] = head;
   if (head != nullptr) head->sliver_prev[kind] = block;
   head = block;
-  bits_[kind][unit / 64] |= uint64_t{1} << (unit % 64);
-  words_[kind][unit / 4096] |= uint64_t{1} << (unit / 64 % 64);
+  units_[kind].insert(unit);
 }
 
 inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
@@ -37,11 +36,7 @@ inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
     prev->sliver_next[kind] = next;
   } else {
     head_[kind][unit] = next;
-    if (next == nullptr) {
-      uint64_t& word = bits_[kind][unit / 64];
-      word &= ~(uint64_t{1} << (unit % 64));
-      if (word == 0) words_[kind][unit / 4096] &= ~(uint64_t{1} << (unit / 64 % 64));
-    }
+    if (next == nullptr) units_[kind].erase(unit);
   }
   block->sliver_prev[kind] = block->sliver_next[kind] = nullptr;
 }
@@ -71,7 +66,10 @@ inline void SliverIndex::insert(Block* block) {
   }
   block->sliver_kinds = kinds;
   if (const size_t whole = whole_granules(block, granule_)) {
-    roomy_.insert(block);
+    const size_t slot = first_whole(block, granule_);
+    roomy_at_[slot] = block;
+    roomy_.insert(slot);
+    ++roomy_count_;
     whole_granules_ += whole;
   }
   const uintptr_t base = block->segment->base;
@@ -87,9 +85,26 @@ inline void SliverIndex::erase(Block* block) {
   }
   block->sliver_kinds = 0;
   if (const size_t whole = whole_granules(block, granule_)) {
-    roomy_.erase(block);
+    const size_t slot = first_whole(block, granule_);
+    roomy_at_[slot] = nullptr;
+    roomy_.erase(slot);
+    --roomy_count_;
     whole_granules_ -= whole;
   }
+}
+
+inline size_t SliverIndex::first_whole(const Block* block, size_t g) {
+  return round_up_to(block->addr - block->segment->base, g) / g;
+}
+
+inline Block* SliverIndex::roomy_from(size_t slot) const {
+  const size_t found = roomy_.next(slot);
+  return found == BitIndex::kNone ? nullptr : roomy_at_[found];
+}
+
+inline bool SliverIndex::is_roomy(const Block* block) const {
+  if (whole_granules(block, granule_) == 0) return false;
+  return roomy_at_[first_whole(block, granule_)] == block;
 }
 
 }  // namespace pyalloc

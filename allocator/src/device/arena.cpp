@@ -127,10 +127,10 @@
 //
 
 #include <algorithm>
-#include <set>
 
 #include "blocks/arena.hpp"
 #include "device/device_allocator.hpp"
+#include "blocks/sliver_index_inl.hpp"
 #include "device/fast_path.hpp"
 
 namespace pyalloc {
@@ -345,13 +345,13 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
     };
     uintptr_t lo, hi;
     if (arena->indexed) {
-      const std::set<Block*, ByAddress>& roomy = arena->slivers.roomy();
-      for (auto it = roomy.begin(); it != roomy.end() && done < wanted;) {
-        Block* b = *it;
-        const uintptr_t from = b->addr;
+      const SliverIndex& slivers = arena->slivers;
+      for (Block* b = slivers.roomy_from(0); b != nullptr && done < wanted;) {
+        // What is left of b after the unmap, if roomy, starts past its first whole granule.
+        const size_t slot = SliverIndex::first_whole(b, granule_);
         const bool skipped = b->addr < skip_hi && end_of(b) > skip_lo;
         if (!skipped && free_interior(b, granule_, &lo, &hi) && !unmap_from(b, lo, hi)) return;
-        it = skipped ? std::next(it) : roomy.upper_bound(from);  // what is left of b starts past it
+        b = slivers.roomy_from(slot + 1);
       }
       return;
     }

@@ -92,13 +92,13 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
     if (granules == 0) continue;
     ++roomy;
     whole += granules;
-    if (arena.slivers.roomy().count(const_cast<Block*>(b)) == 0) {
+    if (!arena.slivers.is_roomy(b)) {
       *problem = "free block " + hex(b->addr) + " holds a whole granule but is not listed as roomy";
       return false;
     }
   }
-  if (roomy != arena.slivers.roomy().size()) {
-    *problem = "the sliver index lists " + std::to_string(arena.slivers.roomy().size()) + " roomy blocks of " +
+  if (roomy != arena.slivers.roomy_count()) {
+    *problem = "the sliver index lists " + std::to_string(arena.slivers.roomy_count()) + " roomy blocks of " +
                std::to_string(roomy);
     return false;
   }
