@@ -44,8 +44,8 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
     }
   };
   uintptr_t walked_to = arena->base;  // runs end before holes beyond this start
-  for (const Block* hole : arena->holes.by_address()) {
-    if (hole->addr < walked_to) continue;  // in the run just walked
+  arena->holes.for_each([&](const Block* hole) {
+    if (hole->addr < walked_to) return true;  // in the run just walked
     const Block* b = hole;
     while (b->prev != nullptr && usable(b->prev)) b = b->prev;
     // A run shorter than the request holds no window: skip it in one walk.
@@ -54,7 +54,7 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
     for (; end != nullptr && usable(end) && run < rounded; end = end->next) run += end->size;
     if (run < rounded) {
       walked_to = end != nullptr ? end->addr : arena->base + arena->size;
-      continue;
+      return end != nullptr;
     }
     for (; b != nullptr && usable(b); b = b->next) {
       // Forward from b's start.
@@ -71,7 +71,9 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
       if (span >= rounded && b->prev != nullptr) consider(first, end_of(b) - rounded);
     }
     walked_to = b != nullptr ? b->addr : arena->base + arena->size;
-  }
+    // No window maps fewer than one granule, and later runs lie higher.
+    return b != nullptr && best.granules > 1;
+  });
   return best;
 }
 
@@ -87,14 +89,10 @@ Block* block_at(const Segment* segment, uintptr_t addr) {
 // The block of `arena` that holds `addr`, found from the holes around it: the
 // hole before it, if that reaches it, else back from the hole after it.
 Block* block_near_holes(const Segment* arena, uintptr_t addr) {
-  const Holes::ByAddressSet& holes = arena->holes.by_address();
-  const auto after = holes.upper_bound(addr);
-  if (after != holes.begin()) {
-    Block* before = *std::prev(after);
-    if (end_of(before) > addr) return before;
-  }
-  if (after == holes.end()) return block_at(arena, addr);
-  Block* b = *after;
+  if (Block* before = arena->holes.last_to(addr); before != nullptr && end_of(before) > addr) return before;
+  Block* after = arena->holes.first_from(addr + 1);
+  if (after == nullptr) return block_at(arena, addr);
+  Block* b = after;
   while (b->addr > addr) b = b->prev;
   return b;
 }

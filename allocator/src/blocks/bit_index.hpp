@@ -1,15 +1,17 @@
 // bit_index.hpp: a set of small integers, with the next member at or after
-// a given one found in a few word reads.
+// a given one, or the last before it, found in a few word reads.
 //
 // Two levels: bit i of `bits` says whether i is a member, and bit w of
 // `words` whether bits[w] is non-zero. Finding the next member reads the
 // rest of one word of `bits`, then `words` (one bit per 64 members) to the
 // next non-empty word. Insert and erase are a store or two, with no
-// allocation: the sliver index keeps its offset lists and its roomy blocks
-// in these (Note [Sliver index] in sliver_index.hpp), updated on every
-// change of a free set near a full device.
+// allocation: an arena keeps its holes in these (holes.hpp), and the sliver
+// index its offset lists and roomy blocks (Note [Sliver index] in
+// sliver_index.hpp), updated on every change of a free set near a full
+// device.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -20,19 +22,22 @@ class BitIndex {
  public:
   static constexpr size_t kNone = SIZE_MAX;
 
-  // Empty, for members 0 to n - 1.
-  void reset(size_t n) {
-    bits_.assign((n + 63) / 64, 0);
-    words_.assign((bits_.size() + 63) / 64, 0);
+  // Empty. The words grow to the largest member inserted (an arena's
+  // members are its granules, and it uses the low end of its reservation).
+  void clear() {
+    bits_.clear();
+    words_.clear();
   }
 
-  bool test(size_t i) const { return (bits_[i / 64] >> (i % 64)) & 1; }
+  bool test(size_t i) const { return i / 64 < bits_.size() && ((bits_[i / 64] >> (i % 64)) & 1); }
 
   void insert(size_t i) {
+    if (i / 64 >= bits_.size()) grow(i);
     bits_[i / 64] |= uint64_t{1} << (i % 64);
     words_[i / 4096] |= uint64_t{1} << (i / 64 % 64);
   }
 
+  // i must be a member.
   void erase(size_t i) {
     uint64_t& word = bits_[i / 64];
     word &= ~(uint64_t{1} << (i % 64));
@@ -59,7 +64,40 @@ class BitIndex {
     return word * 64 + static_cast<size_t>(__builtin_ctzll(w));
   }
 
+  // The largest member <= i, or kNone.
+  size_t prev(size_t i) const {
+    if (bits_.empty()) return kNone;
+    size_t word = i / 64;
+    uint64_t w;
+    if (word >= bits_.size()) {
+      word = bits_.size() - 1;
+      w = bits_[word];
+    } else {
+      w = bits_[word] & (~uint64_t{0} >> (63 - i % 64));
+    }
+    if (w == 0) {
+      // The previous non-empty word, from the summary.
+      if (word == 0) return kNone;
+      size_t top = (word - 1) / 64;
+      uint64_t t = words_[top] & (~uint64_t{0} >> (63 - (word - 1) % 64));
+      while (t == 0) {
+        if (top == 0) return kNone;
+        t = words_[--top];
+      }
+      word = top * 64 + 63 - static_cast<size_t>(__builtin_clzll(t));
+      w = bits_[word];
+    }
+    return word * 64 + 63 - static_cast<size_t>(__builtin_clzll(w));
+  }
+
  private:
+  // Room for member i, at least doubling (amortized O(1) per insert).
+  void grow(size_t i) {
+    const size_t words = std::max(i / 64 + 1, 2 * bits_.size());
+    bits_.resize(words, 0);
+    words_.resize((words + 63) / 64, 0);
+  }
+
   std::vector<uint64_t> bits_;
   std::vector<uint64_t> words_;
 };

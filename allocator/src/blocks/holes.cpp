@@ -1,16 +1,22 @@
 // holes.cpp: see holes.hpp.
 #include "blocks/holes.hpp"
 
+#include <algorithm>
 #include <cassert>
 
 #include "blocks/types.hpp"
 
 namespace pyalloc {
 
-void Holes::start(size_t granule) {
+void Holes::start(uintptr_t base, size_t granule) {
+  base_ = base;
   granule_ = granule;
-  by_class_.assign(kClasses, ByAddressSet{});
+  count_ = 0;
+  at_.clear();
+  all_.clear();
+  for (BitIndex& c : by_class_) c.clear();
   nonempty_[0] = nonempty_[1] = 0;
+  for (size_t& n : in_class_) n = 0;
 }
 
 size_t Holes::size_class(size_t bytes) const {
@@ -21,23 +27,50 @@ size_t Holes::size_class(size_t bytes) const {
 }
 
 void Holes::insert(Block* hole) {
-  assert(granule_ != 0 && hole->size % granule_ == 0);
-  all_.insert(hole);
+  assert(granule_ != 0 && hole->size % granule_ == 0 && (hole->addr - base_) % granule_ == 0);
+  const size_t s = slot(hole->addr);
+  if (s >= at_.size()) at_.resize(std::max(s + 1, 2 * at_.size()), nullptr);
+  assert(at_[s] == nullptr);
+  at_[s] = hole;
+  all_.insert(s);
+  ++count_;
   const size_t c = size_class(hole->size);
-  by_class_[c].insert(hole);
+  by_class_[c].insert(s);
+  ++in_class_[c];
   nonempty_[c / 64] |= uint64_t{1} << (c % 64);
 }
 
 void Holes::erase(Block* hole) {
-  all_.erase(hole);
+  const size_t s = slot(hole->addr);
+  assert(at_[s] == hole);
+  at_[s] = nullptr;
+  all_.erase(s);
+  --count_;
   const size_t c = size_class(hole->size);
-  by_class_[c].erase(hole);
-  if (by_class_[c].empty()) nonempty_[c / 64] &= ~(uint64_t{1} << (c % 64));
+  by_class_[c].erase(s);
+  if (--in_class_[c] == 0) nonempty_[c / 64] &= ~(uint64_t{1} << (c % 64));
+}
+
+bool Holes::contains(const Block* hole) const {
+  return hole->addr >= base_ && slot(hole->addr) < at_.size() && at_[slot(hole->addr)] == hole;
 }
 
 Block* Holes::at(uintptr_t addr) const {
-  const auto it = all_.find(addr);
-  return it == all_.end() ? nullptr : *it;
+  if (addr < base_ || (addr - base_) % granule_ != 0 || slot(addr) >= at_.size()) return nullptr;
+  return at_[slot(addr)];
+}
+
+Block* Holes::first_from(uintptr_t addr) const {
+  if (granule_ == 0) return nullptr;
+  const size_t from = addr <= base_ ? 0 : (addr - base_ + granule_ - 1) / granule_;
+  const size_t s = all_.next(from);
+  return s == BitIndex::kNone ? nullptr : at_[s];
+}
+
+Block* Holes::last_to(uintptr_t addr) const {
+  if (granule_ == 0 || addr < base_) return nullptr;
+  const size_t s = all_.prev(slot(addr));
+  return s == BitIndex::kNone ? nullptr : at_[s];
 }
 
 Block* Holes::lowest_fitting(size_t bytes) const {
@@ -51,7 +84,9 @@ Block* Holes::lowest_fitting(size_t bytes) const {
       continue;
     }
     c += static_cast<size_t>(__builtin_ctzll(rest));
-    for (Block* hole : by_class_[c]) {
+    const BitIndex& holes = by_class_[c];
+    for (size_t s = holes.next(0); s != BitIndex::kNone; s = holes.next(s + 1)) {
+      Block* hole = at_[s];
       if (best != nullptr && hole->addr >= best->addr) break;  // lowest first: nothing lower here
       if (hole->size >= bytes) {
         best = hole;
@@ -65,14 +100,20 @@ Block* Holes::lowest_fitting(size_t bytes) const {
 bool Holes::classes_agree() const {
   size_t listed = 0;
   for (size_t c = 0; c < kClasses; ++c) {
-    listed += by_class_[c].size();
-    if (by_class_[c].empty() == ((nonempty_[c / 64] >> (c % 64) & 1) != 0)) return false;
+    size_t here = 0;
+    for (size_t s = by_class_[c].next(0); s != BitIndex::kNone; s = by_class_[c].next(s + 1)) {
+      if (!all_.test(s) || at_[s] == nullptr || size_class(at_[s]->size) != c) return false;
+      ++here;
+    }
+    if (here != in_class_[c] || (here == 0) == ((nonempty_[c / 64] >> (c % 64) & 1) != 0)) return false;
+    listed += here;
   }
-  if (listed != all_.size()) return false;
-  for (Block* hole : all_) {
-    if (by_class_[size_class(hole->size)].count(hole) == 0) return false;
+  size_t all = 0;
+  for (size_t s = all_.next(0); s != BitIndex::kNone; s = all_.next(s + 1)) {
+    if (at_[s] == nullptr || slot(at_[s]->addr) != s) return false;
+    ++all;
   }
-  return true;
+  return listed == count_ && all == count_;
 }
 
 }  // namespace pyalloc

@@ -7,16 +7,16 @@
 
 namespace pyalloc {
 
-void SliverIndex::start(size_t granule, size_t granules) {
+void SliverIndex::start(size_t granule) {
   granule_ = granule;
-  roomy_at_.assign(granules, nullptr);
-  roomy_.reset(granules);
+  roomy_at_.clear();
+  roomy_.clear();
   roomy_count_ = 0;
   whole_granules_ = 0;
   const size_t units = granule / kBlockAlign;
   for (const Kind kind : {kEnd, kStart}) {
     head_[kind].assign(units, nullptr);
-    units_[kind].reset(units);
+    units_[kind].clear();
   }
 }
 

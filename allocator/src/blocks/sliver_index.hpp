@@ -51,23 +51,13 @@ namespace pyalloc {
 
 struct Block;
 
-// Blocks by address, and an address, in one order (transparent lookup);
-// defined in types.hpp, where Block is complete.
-struct ByAddress {
-  using is_transparent = void;
-  inline bool operator()(const Block* a, const Block* b) const;
-  inline bool operator()(const Block* a, uintptr_t b) const;
-  inline bool operator()(uintptr_t a, const Block* b) const;
-};
-
 class SliverIndex {
  public:
   enum Kind : int { kEnd = 0, kStart = 1 };
 
   bool on() const { return granule_ != 0; }
-  // Turns the index on, empty, for an arena of `granules` granules of
-  // `granule` bytes.
-  void start(size_t granule, size_t granules);
+  // Turns the index on, empty, for granules of `granule` bytes.
+  void start(size_t granule);
 
   // A free block of the arena enters or leaves the index (sliver_index_inl.hpp).
   inline void insert(Block* block);

@@ -2,6 +2,8 @@
 // path (Note [Sliver index] in sliver_index.hpp).
 #pragma once
 
+#include <algorithm>
+
 #include "blocks/sliver_index.hpp"
 #include "blocks/types.hpp"
 
@@ -67,6 +69,7 @@ inline void SliverIndex::insert(Block* block) {
   block->sliver_kinds = kinds;
   if (const size_t whole = whole_granules(block, granule_)) {
     const size_t slot = first_whole(block, granule_);
+    if (slot >= roomy_at_.size()) roomy_at_.resize(std::max(slot + 1, 2 * roomy_at_.size()), nullptr);
     roomy_at_[slot] = block;
     roomy_.insert(slot);
     ++roomy_count_;
@@ -104,7 +107,8 @@ inline Block* SliverIndex::roomy_from(size_t slot) const {
 
 inline bool SliverIndex::is_roomy(const Block* block) const {
   if (whole_granules(block, granule_) == 0) return false;
-  return roomy_at_[first_whole(block, granule_)] == block;
+  const size_t slot = first_whole(block, granule_);
+  return slot < roomy_at_.size() && roomy_at_[slot] == block;
 }
 
 }  // namespace pyalloc

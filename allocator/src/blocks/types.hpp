@@ -80,7 +80,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -145,15 +144,13 @@ struct Block {
   uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
                                // (stale otherwise: SequenceLearner ignores old numbers)
   uint64_t lifetime_number = UINT64_MAX;  // its request number in LifetimeLearner, while learning
+  uint64_t freed_at = 0;  // the allocator's count of frees when it last became free or changed
+                          // shape while free: how long it has gone unused (Note [Cold donors])
   Block* sliver_prev[2] = {nullptr, nullptr};  // neighbours in its arena's sliver lists, while
   Block* sliver_next[2] = {nullptr, nullptr};  // free and indexed (Note [Sliver index])
 
   bool is_free() const { return state == BlockState::kFree; }
 };
-
-inline bool ByAddress::operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
-inline bool ByAddress::operator()(const Block* a, uintptr_t b) const { return a->addr < b; }
-inline bool ByAddress::operator()(uintptr_t a, const Block* b) const { return a < b->addr; }
 
 // One granule of a pair of twins (Note [Shared granules] in
 // device/share.cpp): the granule that maps the same physical granule, and

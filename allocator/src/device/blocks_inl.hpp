@@ -140,6 +140,7 @@ PYALLOC_INLINE void DeviceAllocator::split_into(Block* block, Block* rest, size_
   rest->segment = block->segment;
   rest->pool = block->pool;
   rest->stream = block->stream;
+  rest->freed_at = 0;  // a piece no request has freed: cold (Note [Cold donors])
   rest->prev = block;
   rest->next = block->next;
   if (block->next != nullptr) block->next->prev = rest;

@@ -148,6 +148,7 @@ PYALLOC_INLINE void DeviceAllocator::cache_block(Block* block) {
   assert(!kFast || !block->segment->indexed);
   block->state = BlockState::kFree;
   block->requested = 0;
+  block->freed_at = ++frees_;
   reinsert_free<kFast>(block);
   if (block->segment->wholly_free()) block->segment->free_since = ++tick_;
 }
