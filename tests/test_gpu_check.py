@@ -2,7 +2,10 @@
 
 The checks themselves need a GPU; here the command runs in its hidden CPU mode (``--device
 cpu``), where the training loops run tiny models on the CPU and every check that needs CUDA fails
-at once, which is enough to show the processes, the time budget, the files and the targets.
+at once, which is enough to show the processes, the time budget, the files and the targets. The
+offload check runs end to end on the CPU (its real models, checkpointing, save_on_cpu and a
+pyalloc.offload session): nothing runs out of memory there, so every largest-batch search stops
+at --max-batch, and the figures show that the columns run, agree and are timed.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 
 from pyalloc.gpucheck import run  # noqa: E402
+from pyalloc.gpucheck.batch_search import largest_batch  # noqa: E402
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -78,3 +83,92 @@ def test_targets_compare_pyalloc_with_both_pytorch_allocators() -> None:
     assert not got["no check crashes"]["met"] and got["no check crashes"]["what"] == "ipc"
     md = run.markdown({"date": "2026-11-25", "environment": {}, "checks": [], "targets": list(got.values())})
     assert "- **MISSED** gpt2 step time: 1.02 (limit 1.01" in md
+
+
+def test_the_batch_search_doubles_then_bisects_to_within_a_32nd() -> None:
+    tried: list[int] = []
+
+    def trains(batch: int) -> bool:
+        tried.append(batch)
+        return batch <= 37
+
+    found = largest_batch(trains, 4, 4096, deadline=float("inf"))
+    assert (found.largest, found.first_failing, found.stop) == (37, 38, "out of memory")
+    assert tried == [4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+
+
+def test_the_batch_search_tries_the_cap_itself_and_stops_on_time() -> None:
+    tried: list[int] = []
+    found = largest_batch(lambda b: tried.append(b) is None, 3, 10, deadline=float("inf"))
+    assert (found.largest, found.first_failing, found.stop, tried) == (10, None, "max_batch", [3, 6, 10])
+    found = largest_batch(lambda b: True, 3, 10, deadline=0.0)
+    assert (found.largest, found.stop) == (0, "time")
+
+
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """`pyalloc gpu-check --only offload` on the CPU: both models, batches 1, 2 and 4 (about 20 s)."""
+    out = tmp_path_factory.mktemp("offload")
+    done = _cli("--device", "cpu", "--only", "offload", "--start-batch", "1", "--max-batch", "4", "--steps", "2",
+                "--budget", "1500", "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout), (out / "gpu-check.md").read_text()
+
+
+def test_the_offload_check_runs_every_column_and_checkpoint_and_pyalloc_are_exact(
+        offload_run: tuple[dict[str, Any], str]) -> None:
+    report, _ = offload_run
+    assert [c["name"] for c in report["checks"]] == ["offload (gpt-like)", "offload (resnet-like)"]
+    for check in report["checks"]:
+        assert check["status"] == "pass", check["detail"]
+        f = check["figures"]
+        assert f["sizes"] == "cpu" and f["common_batch"] == 3  # 90% of the plain step's largest, 4
+        assert f["budget_bytes"] == f["baseline_saved_bytes"] // 2 > 0 and f["baseline_repeatable"]
+        columns = f["columns"]
+        assert list(columns) == ["baseline", "checkpoint", "save_on_cpu", "pyalloc"]
+        for c in columns.values():
+            # nothing runs out of memory on the CPU: each search trains 1, 2, 4 and stops at the cap
+            assert (c["largest_batch"], c["first_failing_batch"], c["stop"]) == (4, None, "max_batch")
+            assert c["seconds_per_sample"] > 0 and c["step_seconds"] > 0 and c["time_ratio"] > 0
+        assert columns["baseline"]["time_ratio"] == 1.0
+        for name in ("checkpoint", "pyalloc"):
+            assert columns[name]["exact"] and columns[name]["max_abs_diff"] == 0.0, name
+        # save_on_cpu(pin_memory=True) repacks a transposed weight contiguously: close, not
+        # always bit for bit (pyalloc/gpucheck/offload.py)
+        assert columns["save_on_cpu"]["max_abs_diff"] < 1e-6
+        ours = columns["pyalloc"]
+        # the session dropped and recomputed: its saves stayed near its budget, well under the plain step's
+        assert ours["saved_peak_bytes"] <= 1.05 * f["budget_bytes"] < f["baseline_saved_bytes"]
+        assert ours["regions"] > 0 and not ours["below_floor_warned"]
+
+
+def test_the_offload_check_is_in_the_targets_and_in_gpu_check_md(offload_run: tuple[dict[str, Any], str]) -> None:
+    report, md = offload_run
+    got = {t["target"]: t for t in report["targets"]}
+    for model in ("gpt-like", "resnet-like"):
+        largest = got[f"{model} offload largest batch"]
+        assert (largest["value"], largest["limit"], largest["met"]) == (4, 4, False)  # both at the cap
+        assert "pyalloc max_batch, plain max_batch" in largest["what"]
+        assert got[f"{model} offload time per sample"]["value"] > 0
+        assert got[f"{model} offload gradients exact"]["met"]
+        assert f"## offload ({model})" in md
+    assert "| pyalloc | 4 | max_batch |" in md and "| checkpoint | 4 | max_batch |" in md
+    assert "- met gpt-like offload gradients exact: 0 (limit 0;" in md
+
+
+def test_offload_targets_compare_pyalloc_with_the_plain_step_and_checkpointing() -> None:
+    def column(largest: int, seconds: float, exact: bool = True) -> dict[str, Any]:
+        return {"largest_batch": largest, "stop": "out of memory", "step_seconds": seconds,
+                "time_ratio": round(seconds / 0.1, 3), "exact": exact}
+
+    figures = {"model": "gpt-like", "common_batch": 90, "baseline_repeatable": True,
+               "columns": {"baseline": column(100, 0.100), "checkpoint": column(400, 0.140),
+                           "save_on_cpu": column(300, 0.300, exact=False), "pyalloc": column(180, 0.126)}}
+    got = {t["target"]: t for t in run.targets([run.CheckResult("offload (gpt-like)", "pass", 1.0, figures)])}
+    assert got["gpt-like offload largest batch"]["met"] and got["gpt-like offload largest batch"]["limit"] == 100
+    assert got["gpt-like offload time per sample"]["value"] == 0.9 and got["gpt-like offload time per sample"]["met"]
+    assert got["gpt-like offload gradients exact"]["met"]  # save_on_cpu's difference is not ours
+    figures["columns"]["pyalloc"] = column(100, 0.150, exact=False)
+    got = {t["target"]: t for t in run.targets([run.CheckResult("offload (gpt-like)", "pass", 1.0, figures)])}
+    assert not any(got[f"gpt-like offload {t}"]["met"] for t in ("largest batch", "time per sample", "gradients exact"))
+    assert "pyalloc" in got["gpt-like offload gradients exact"]["what"]

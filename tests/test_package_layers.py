@@ -46,7 +46,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "offloading": frozenset({CORE, "pytorch", "offloading"}),
     "traces": frozenset({CORE, "command contract", "pytorch", "traces"}),
     "gpumemd": frozenset({"gpumemd"}),
-    "gpucheck": frozenset({CORE, "command contract", "pytorch", "traces", "gpucheck"}),
+    "gpucheck": frozenset({CORE, "command contract", "pytorch", "traces", "offloading", "gpucheck"}),
     "diagnosis": frozenset({CORE, "command contract", "pytorch", "gpumemd", "diagnosis"}),
     "facade": frozenset({CORE, "cupy", "pytorch", "offloading", "diagnosis"}),
 }

@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from .batch_search import largest_batch
+
 RESULT_MARKER = "PYALLOC_GPU_CHECK_RESULT "
 
 Figures = dict[str, Any]
@@ -369,23 +371,12 @@ def check_train(cfg: dict[str, Any]) -> Figures:
 
     figures: Figures = {"allocator": allocator, "model": cfg["model"]}
     if cfg["mode"] == "max-batch":
-        good, bad = 0, None
-        size = min(cfg.get("start_batch", 1), cfg.get("max_batch", 1 << 16))
-        deadline = time.monotonic() + cfg.get("seconds", 120)
-        while bad is None and time.monotonic() < deadline and size <= cfg.get("max_batch", 1 << 16):
-            if trains(size):
-                good, size = size, size * 2
-            else:
-                bad = size
-        while bad is not None and bad - good > max(1, good // 32) and time.monotonic() < deadline:
-            middle = (good + bad) // 2
-            if trains(middle):
-                good = middle
-            else:
-                bad = middle
-        if good == 0:
-            raise CheckFailed(f"no batch from {cfg.get('start_batch', 1)} up trained (first failing: {bad})")
-        figures.update(largest_batch=good, first_failing_batch=bad)
+        found = largest_batch(trains, cfg.get("start_batch", 1), cfg.get("max_batch", 1 << 16),
+                              time.monotonic() + cfg.get("seconds", 120))
+        if found.largest == 0:
+            raise CheckFailed(f"no batch from {cfg.get('start_batch', 1)} up trained "
+                              f"(first failing: {found.first_failing})")
+        figures.update(largest_batch=found.largest, first_failing_batch=found.first_failing)
     else:
         size, steps = cfg["batch"], cfg.get("steps", 10)
         for number in range(3):
@@ -405,6 +396,20 @@ def check_train(cfg: dict[str, Any]) -> Figures:
     return figures
 
 
+def check_offload(cfg: dict[str, Any]) -> Figures:
+    """Activation offload against the plain step, checkpointing and save_on_cpu on one model
+    (issue 20): the largest batch of each, time per sample, exactness (:mod:`.offload`)."""
+    if cfg.get("device", "cuda") == "cuda":
+        _require_cuda(cfg)
+    allocator = _setup(cfg)
+    from .offload import NothingTrains, compare
+
+    try:
+        return {"allocator": allocator, **compare(cfg)}
+    except NothingTrains as e:
+        raise CheckFailed(str(e)) from None
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "environment": check_environment,
     "oom": check_oom,
@@ -413,6 +418,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "ipc": check_ipc,
     "snapshot": check_snapshot,
     "train": check_train,
+    "offload": check_offload,
 }
 
 

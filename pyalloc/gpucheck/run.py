@@ -8,11 +8,18 @@ allocation caught as torch.OutOfMemoryError and a batch-size finder converging; 
 with Python frames read by memory_viz; and an A/B/C of a GPT-2-size and a ResNet-50 training
 loop with variable shapes under PyTorch's default allocator, PyTorch with
 ``expandable_segments:True`` and pyalloc: the largest batch each trains, then the step time and
-peak reserved of each at one batch near full memory (90% of the smallest largest batch).
+peak reserved of each at one batch near full memory (90% of the smallest largest batch); last,
+the offload check (issue 20, :mod:`pyalloc.gpucheck.offload`), on a GPT-like and a ResNet-like
+model under PyTorch's own allocator: the plain step, ``torch.utils.checkpoint`` on every block,
+``save_on_cpu(pin_memory=True)`` and ``pyalloc.offload``, each column's largest batch and time per
+sample at it, and at one common batch (90% of the plain step's largest) each column's step time
+against the plain step's and its gradients against the plain step's, bit for bit.
 
-Writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out``. Targets (issue 19), printed as met
-or missed: step time <= 1.01x PyTorch's default; largest batch >= PyTorch with
-expandable_segments; no check crashes. Exits 0 when every check ran (failures are in the
+Writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out``. Targets, printed as met or missed:
+(issue 19) step time <= 1.01x PyTorch's default; largest batch >= PyTorch with
+expandable_segments; (issue 20) pyalloc.offload's largest batch > the plain step's; its step
+time at the common batch <= checkpointing's; checkpointing's and its gradients equal the plain
+step's; and no check crashes. Exits 0 when every check ran (failures are in the
 report), 1 when the command itself failed, 2 when there is no GPU (one line says why).
 """
 
@@ -38,6 +45,8 @@ EXIT_NO_GPU = 2
 ALLOCATORS = ("default", "expandable", "pyalloc")
 STEP_TIME_TARGET = 1.01
 FEATURE_CHECKS = ("environment", "oom", "cudnn-benchmark", "graphs", "ipc", "snapshot")
+OFFLOAD_MODELS = ("gpt", "resnet")  # of pyalloc.offloading.bench_models
+OFFLOAD_SEARCH_SHARE = 0.5  # of an offload check's time, for its largest-batch searches; the rest times steps
 
 
 @dataclass
@@ -172,6 +181,12 @@ def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckRes
             child(f"{model} step time ({allocator})", "train",
                   {"allocator": allocator, "model": model, "mode": "time", "batch": batch, "steps": args.steps},
                   args.budget * 0.05)
+    if chosen("offload"):  # last: the models share what is left of the budget
+        for done, model in enumerate(OFFLOAD_MODELS):
+            share = budget.left() / (len(OFFLOAD_MODELS) - done)
+            child(f"offload ({model}-like)", "offload",
+                  {"allocator": "default", "model": model, "start_batch": args.start_batch,
+                   "max_batch": args.max_batch, "steps": args.steps, "seconds": OFFLOAD_SEARCH_SHARE * share}, share)
     return results
 
 
@@ -194,10 +209,37 @@ def targets(results: list[CheckResult]) -> list[dict[str, Any]]:
             py, exp = b_py.figures["largest_batch"], b_exp.figures["largest_batch"]
             out.append({"target": f"{model} largest batch", "value": py, "limit": exp, "met": py >= exp,
                         "what": "pyalloc's largest batch against PyTorch with expandable_segments:True"})
+    for model in OFFLOAD_MODELS:
+        result = _find(results, f"offload ({model}-like)")
+        if result and result.status == "pass":
+            out += offload_targets(result.figures)
     crashed = [r.name for r in results if r.status in ("crash", "timeout")]
     out.append({"target": "no check crashes", "value": len(crashed), "limit": 0, "met": not crashed,
                 "what": ", ".join(crashed) or "none crashed or timed out"})
     return out
+
+
+def offload_targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 20's targets from one offload check: pyalloc.offload trains a larger batch than the plain
+    step, takes no more time per sample than checkpointing at the same batch, and, like
+    checkpointing, leaves the gradients bit for bit those of the plain step."""
+    model, columns = figures["model"], figures["columns"]
+    base, ckpt, ours, swap = (columns[c] for c in ("baseline", "checkpoint", "pyalloc", "save_on_cpu"))
+    ratio = round(ours["step_seconds"] / ckpt["step_seconds"], 3)
+    inexact = [c for c in ("checkpoint", "pyalloc") if not columns[c]["exact"]]
+    return [
+        {"target": f"{model} offload largest batch", "value": ours["largest_batch"], "limit": base["largest_batch"],
+         "met": ours["largest_batch"] > base["largest_batch"],
+         "what": f"pyalloc.offload's largest batch, to exceed the plain step's (searches stopped by: "
+                 f"pyalloc {ours['stop']}, plain {base['stop']})"},
+        {"target": f"{model} offload time per sample", "value": ratio, "limit": 1.0, "met": ratio <= 1.0,
+         "what": f"pyalloc.offload / checkpoint on every block at the common batch {figures['common_batch']} "
+                 f"(against the plain step: pyalloc {ours['time_ratio']}x, checkpoint {ckpt['time_ratio']}x)"},
+        {"target": f"{model} offload gradients exact", "value": len(inexact), "limit": 0, "met": not inexact,
+         "what": f"checkpoint and pyalloc.offload against the plain step, bit for bit: "
+                 f"{', '.join(inexact) or 'both equal'} (save_on_cpu: {'equal' if swap['exact'] else 'differs'}; "
+                 f"two plain steps {'agreed' if figures['baseline_repeatable'] else 'differed'})"},
+    ]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -208,13 +250,32 @@ def markdown(report: dict[str, Any]) -> str:
              f"{env.get('allocator', '?')}. Every figure here was measured in this run.", "",
              "| check | status | seconds | figures / detail |", "|---|---|---|---|"]
     for r in report["checks"]:
-        shown = ", ".join(f"{k}={_short(v)}" for k, v in r["figures"].items() if k != "allocator")
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in r["figures"].items()
+                          if k != "allocator" and not isinstance(v, dict))
         detail = (r["detail"].splitlines() or [""])[0]
         lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.1f} | {shown}{' — ' if shown and detail else ''}{detail} |")
+    for r in report["checks"]:
+        if "columns" in r["figures"]:
+            lines += _offload_table(r["name"], r["figures"])
     lines += ["", "## Targets", ""]
     for t in report["targets"]:
         lines.append(f"- {'met' if t['met'] else '**MISSED**'} {t['target']}: {t['value']} (limit {t['limit']}; {t['what']})")
     return "\n".join(lines) + "\n"
+
+
+def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
+    common = figures["common_batch"]
+    lines = ["", f"## {name}", "",
+             f"pyalloc's budget: {figures['budget_bytes']} bytes ({figures['budget']}). Two plain steps "
+             f"{'agreed' if figures['baseline_repeatable'] else 'differed'} bit for bit.", "",
+             f"| column | largest batch | search stopped by | time per sample at it (s) | step at batch {common} (s) "
+             "| against the plain step | gradients equal the plain step's |", "|---|---|---|---|---|---|---|"]
+    for column, c in figures["columns"].items():
+        per_sample = "-" if c["seconds_per_sample"] is None else f"{c['seconds_per_sample']:.4g}"
+        exact = "yes" if c["exact"] else f"no (max difference {c['max_abs_diff']})"
+        lines.append(f"| {column} | {c['largest_batch']} | {c['stop']} | {per_sample} | {c['step_seconds']:.4g} "
+                     f"| {c['time_ratio']}x | {exact} |")
+    return lines
 
 
 def _gib(value: Any) -> str:
@@ -264,10 +325,10 @@ def register_cli(subparsers: Subparsers) -> None:
     parser.add_argument("--budget", type=float, default=540.0, metavar="S",
                         help="seconds for the whole run (default 540: under 9 minutes)")
     parser.add_argument("--only", metavar="NAME,...",
-                        help="only these: tests/gpu, " + ", ".join(FEATURE_CHECKS) + ", gpt2, resnet50")
+                        help="only these: tests/gpu, " + ", ".join(FEATURE_CHECKS) + ", gpt2, resnet50, offload")
     parser.add_argument("--start-batch", type=int, default=4, help="first batch of the largest-batch search")
     parser.add_argument("--max-batch", type=int, default=4096, help="the search stops there")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per allocator")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per allocator and per offload column")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     parser.set_defaults(handler=_gpu_check)

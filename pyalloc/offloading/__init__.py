@@ -6,8 +6,10 @@ planned policy (``plan``: the profiled step, the greedy planner and the plan sea
 operators of the profiled step and selective re-runs, Note [Selective re-runs]), the torch calls DTR
 records and replays (``calls``, Note [Producers and replay]; ``args``: taking call arguments
 apart), the DTR cost model (``cost``, Note [Free neighbours]), host swap (``swap``: host buffers
-and side-stream copies, Note [Copies on CUDA]), DTR's saved-activation handle (``saved``), and
-the process-wide session of ``pyalloc run --offload`` (``process``).
+and side-stream copies, Note [Copies on CUDA]), DTR's saved-activation handle (``saved``),
+the process-wide session of ``pyalloc run --offload`` (``process``), and the offload benchmark's
+models and step (``bench_models``: what ``tools/bench/offload_bench.py`` and the offload check of
+``pyalloc gpu-check`` run).
 
 Named ``offloading``, not ``offload``: ``pyalloc.offload`` is the public function, and a
 subpackage of that name would replace it as an attribute of ``pyalloc`` once imported.
