@@ -568,7 +568,7 @@ stats = pyalloc.memory_stats(0)
 for ptr, (size, _) in list(live.items()):
     pyalloc.free(ptr, size)
 pyalloc.empty_cache()
-emit({"corrupt": corrupt, "failed": failed, "stitches": stats["num_stitches"],
+emit({"corrupt": corrupt, "failed": failed, "stitches": stats["num_stitches"], "reuses": stats["num_reuses"],
       "shared": stats["num_shared_granules"], "maps": int(fake.fake_cuda_get(b"map")),
       "unmaps": int(fake.fake_cuda_get(b"unmap")),
       "reserved_after": pyalloc.memory_stats(0)["reserved_bytes.all.current"],
@@ -582,7 +582,10 @@ def test_virtual_memory_on_the_fake_driver_keeps_every_byte_near_a_full_device(f
                          {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_CAPACITY_MIB": "64"})
     assert result["misuse"] == ""
     assert result["corrupt"] == 0
-    assert result["stitches"] > 0 and result["shared"] > 0  # the paths that remap were taken
+    # The paths that remap were taken: granules moved between blocks (stitching near the limit,
+    # or reuse before growing: with cold donors, vmm=shared on this churn reuses and never
+    # stitches; vmm=all stitches), and shared.
+    assert result["stitches"] + result["reuses"] > 0 and result["shared"] > 0
     assert result["maps"] > 0 and result["unmaps"] > 0
     assert result["reserved_after"] == 0
 

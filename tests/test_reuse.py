@@ -63,6 +63,38 @@ def test_a_cache_hit_moves_nothing(arenas: Allocator) -> None:
     assert s["reserved_bytes.all.current"] == 24 * MiB
 
 
+def test_a_block_freed_moments_ago_gives_no_granules_until_others_are_freed(arenas: Allocator) -> None:
+    """Note [Cold donors]: a free block donates once a quarter as many blocks as are live were
+    freed after it; the next requests of its size would find it before that."""
+    smalls = [arenas.malloc(MiB) for _ in range(8)]
+    first, middle, last = (arenas.malloc(8 * MiB) for _ in range(3))
+    arenas.free(middle)  # young: 10 live blocks, so cold after 2 more frees
+    arenas.malloc(12 * MiB)
+    s = arenas.stats()
+    assert s["num_reuses"] == 0 and s["reserved_bytes.all.current"] == (8 + 24 + 12) * MiB
+    arenas.free(smalls[0])
+    arenas.free(smalls[2])  # 2 frees after middle's: cold (9 live)
+    arenas.malloc(12 * MiB)
+    s = arenas.stats()
+    assert s["num_reuses"] == 1 and s["reused_bytes"] == 8 * MiB  # middle's 4 granules; the smalls are young
+    assert s["reserved_bytes.all.current"] == (8 + 24 + 12 + 4) * MiB
+    del first, last
+
+
+def test_what_a_split_leaves_is_cold_at_once(arenas: Allocator) -> None:
+    """The rest of a free block that a smaller request split is no block a request freed: it
+    donates even while the program has freed almost nothing (a first forward pass)."""
+    for _ in range(8):
+        arenas.malloc(512)
+    x = arenas.malloc(16 * MiB)
+    arenas.malloc(4 * MiB)
+    arenas.free(x)
+    arenas.malloc(3 * MiB)  # takes the front of x's free block; at least 6 whole granules stay free
+    arenas.malloc(20 * MiB)
+    s = arenas.stats()
+    assert s["num_reuses"] == 1 and s["reused_bytes"] >= 12 * MiB
+
+
 def test_reuse_off_maps_new_granules_as_before() -> None:
     a = rebuilt("sim", "vmm=shared", "reuse=0")
     assert pyalloc.config()["reuse"] is False

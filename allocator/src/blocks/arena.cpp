@@ -2,6 +2,7 @@
 #include "blocks/arena.hpp"
 
 #include <algorithm>
+#include <cassert>
 
 #include "blocks/sliver_index.hpp"
 
@@ -34,7 +35,11 @@ size_t granules_to_map(const Segment* arena, const Block* first, uintptr_t lo, u
 // block's start or end at a block's end: the cost only changes there. Only
 // runs with a hole are walked, found from the hole set: the arena grows only
 // for a request that no free block holds, and a run without a hole is one
-// free block (free neighbours merge), so every window that fits needs a hole.
+// free block (free neighbours merge), so every window that fits needs a hole:
+// a window that maps one granule is the cheapest there is, and the walk stops
+// at the run that holds the first (ties go to the lowest address, and runs
+// are walked lowest first). Callers have found no free block that holds
+// `rounded`.
 Window best_window(const Segment* arena, size_t rounded, size_t g) {
   Window best;
   auto consider = [&](const Block* first, uintptr_t lo) {
@@ -71,9 +76,9 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
       if (span >= rounded && b->prev != nullptr) consider(first, end_of(b) - rounded);
     }
     walked_to = b != nullptr ? b->addr : arena->base + arena->size;
-    // No window maps fewer than one granule, and later runs lie higher.
     return b != nullptr && best.granules > 1;
   });
+  assert(!best.found || best.granules > 0);  // else a free block held the request
   return best;
 }
 
@@ -90,9 +95,8 @@ Block* block_at(const Segment* segment, uintptr_t addr) {
 // hole before it, if that reaches it, else back from the hole after it.
 Block* block_near_holes(const Segment* arena, uintptr_t addr) {
   if (Block* before = arena->holes.last_to(addr); before != nullptr && end_of(before) > addr) return before;
-  Block* after = arena->holes.first_from(addr + 1);
-  if (after == nullptr) return block_at(arena, addr);
-  Block* b = after;
+  Block* b = arena->holes.first_from(addr + 1);
+  if (b == nullptr) return block_at(arena, addr);
   while (b->addr > addr) b = b->prev;
   return b;
 }

@@ -4,14 +4,16 @@
 // Two levels: bit i of `bits` says whether i is a member, and bit w of
 // `words` whether bits[w] is non-zero. Finding the next member reads the
 // rest of one word of `bits`, then `words` (one bit per 64 members) to the
-// next non-empty word. Insert and erase are a store or two, with no
-// allocation: an arena keeps its holes in these (holes.hpp), and the sliver
-// index its offset lists and roomy blocks (Note [Sliver index] in
-// sliver_index.hpp), updated on every change of a free set near a full
-// device.
+// next non-empty word. Insert and erase are a store or two: an arena keeps
+// its holes in these (holes.hpp), and the sliver index its offset lists and
+// roomy blocks (Note [Sliver index] in sliver_index.hpp), updated on every
+// change of a free set near a full device. The words grow with the largest
+// member inserted (doubling, up to the bound given to reset): an arena uses
+// the low end of its reservation, eight times the device's size.
 #pragma once
 
 #include <algorithm>
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -22,16 +24,17 @@ class BitIndex {
  public:
   static constexpr size_t kNone = SIZE_MAX;
 
-  // Empty. The words grow to the largest member inserted (an arena's
-  // members are its granules, and it uses the low end of its reservation).
-  void clear() {
+  // Empty, for members below n.
+  void reset(size_t n) {
     bits_.clear();
     words_.clear();
+    limit_words_ = (n + 63) / 64;
   }
 
   bool test(size_t i) const { return i / 64 < bits_.size() && ((bits_[i / 64] >> (i % 64)) & 1); }
 
   void insert(size_t i) {
+    assert(i / 64 < limit_words_);
     if (i / 64 >= bits_.size()) grow(i);
     bits_[i / 64] |= uint64_t{1} << (i % 64);
     words_[i / 4096] |= uint64_t{1} << (i / 64 % 64);
@@ -39,6 +42,7 @@ class BitIndex {
 
   // i must be a member.
   void erase(size_t i) {
+    assert(test(i));
     uint64_t& word = bits_[i / 64];
     word &= ~(uint64_t{1} << (i % 64));
     if (word == 0) words_[i / 4096] &= ~(uint64_t{1} << (i / 64 % 64));
@@ -53,7 +57,7 @@ class BitIndex {
       // The next non-empty word, from the summary.
       size_t top = (word + 1) / 64;
       if (top >= words_.size()) return kNone;
-      uint64_t t = (word + 1) % 64 == 0 ? words_[top] : words_[top] & (~uint64_t{0} << ((word + 1) % 64));
+      uint64_t t = words_[top] & (~uint64_t{0} << ((word + 1) % 64));
       while (t == 0) {
         if (++top == words_.size()) return kNone;
         t = words_[top];
@@ -91,15 +95,16 @@ class BitIndex {
   }
 
  private:
-  // Room for member i, at least doubling (amortized O(1) per insert).
+  // Room for member i: doubling (amortized O(1) per insert), up to the bound.
   void grow(size_t i) {
-    const size_t words = std::max(i / 64 + 1, 2 * bits_.size());
+    const size_t words = std::min(limit_words_, std::max(i / 64 + 1, 2 * bits_.size()));
     bits_.resize(words, 0);
     words_.resize((words + 63) / 64, 0);
   }
 
   std::vector<uint64_t> bits_;
   std::vector<uint64_t> words_;
+  size_t limit_words_ = 0;
 };
 
 }  // namespace pyalloc

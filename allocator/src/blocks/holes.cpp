@@ -8,15 +8,17 @@
 
 namespace pyalloc {
 
-void Holes::start(uintptr_t base, size_t granule) {
+void Holes::start(uintptr_t base, size_t bytes, size_t granule) {
   base_ = base;
   granule_ = granule;
+  slots_ = bytes / granule;
   count_ = 0;
   at_.clear();
-  all_.clear();
-  for (BitIndex& c : by_class_) c.clear();
+  all_.reset(slots_);
+  by_class_.assign(kClasses, BitIndex{});
+  for (BitIndex& c : by_class_) c.reset(slots_);
+  in_class_.assign(kClasses, 0);
   nonempty_[0] = nonempty_[1] = 0;
-  for (size_t& n : in_class_) n = 0;
 }
 
 size_t Holes::size_class(size_t bytes) const {
@@ -29,7 +31,8 @@ size_t Holes::size_class(size_t bytes) const {
 void Holes::insert(Block* hole) {
   assert(granule_ != 0 && hole->size % granule_ == 0 && (hole->addr - base_) % granule_ == 0);
   const size_t s = slot(hole->addr);
-  if (s >= at_.size()) at_.resize(std::max(s + 1, 2 * at_.size()), nullptr);
+  assert(s < slots_);
+  if (s >= at_.size()) at_.resize(std::min(slots_, std::max(s + 1, 2 * at_.size())), nullptr);
   assert(at_[s] == nullptr);
   at_[s] = hole;
   all_.insert(s);
@@ -42,7 +45,7 @@ void Holes::insert(Block* hole) {
 
 void Holes::erase(Block* hole) {
   const size_t s = slot(hole->addr);
-  assert(at_[s] == hole);
+  assert(s < at_.size() && at_[s] == hole);
   at_[s] = nullptr;
   all_.erase(s);
   --count_;
@@ -52,7 +55,9 @@ void Holes::erase(Block* hole) {
 }
 
 bool Holes::contains(const Block* hole) const {
-  return hole->addr >= base_ && slot(hole->addr) < at_.size() && at_[slot(hole->addr)] == hole;
+  if (hole->addr < base_ || (hole->addr - base_) % granule_ != 0) return false;
+  const size_t s = slot(hole->addr);
+  return s < at_.size() && at_[s] == hole && all_.test(s);
 }
 
 Block* Holes::at(uintptr_t addr) const {
@@ -97,7 +102,7 @@ Block* Holes::lowest_fitting(size_t bytes) const {
   return best;
 }
 
-bool Holes::classes_agree() const {
+bool Holes::consistent(const Segment* arena) const {
   size_t listed = 0;
   for (size_t c = 0; c < kClasses; ++c) {
     size_t here = 0;
@@ -110,10 +115,15 @@ bool Holes::classes_agree() const {
   }
   size_t all = 0;
   for (size_t s = all_.next(0); s != BitIndex::kNone; s = all_.next(s + 1)) {
-    if (at_[s] == nullptr || slot(at_[s]->addr) != s) return false;
+    const Block* hole = at_[s];
+    if (hole == nullptr || hole->segment != arena || hole->state != BlockState::kHole || slot(hole->addr) != s) {
+      return false;
+    }
     ++all;
   }
-  return listed == count_ && all == count_;
+  size_t pointers = 0;
+  for (const Block* hole : at_) pointers += hole != nullptr;
+  return listed == count_ && all == count_ && pointers == count_;
 }
 
 }  // namespace pyalloc

@@ -11,11 +11,9 @@
 // holes may be too small: O(classes + that class).
 //
 // Holes start on granule boundaries, so each is listed by its first granule
-// (a BitIndex over the arena's granules, and a pointer per granule), as a
-// std::set by address did before: inserting or erasing a hole is a few
-// stores instead of two tree nodes, and the walk by address reads bits
-// (tools/bench/scale.py, 10^3 live blocks with no limit: the hole sets took
-// 7.5% of the instructions, every growth merging and splitting holes).
+// (a BitIndex over the arena's granules, and a pointer per granule): a hole
+// comes and goes in a few stores, without a tree node, on every growth, and
+// the walk by address reads bits.
 //
 // A hole's address and size stay as they are while it is listed: erase it
 // before splitting or merging it, insert it after.
@@ -30,11 +28,13 @@
 namespace pyalloc {
 
 struct Block;
+struct Segment;
 
 class Holes {
  public:
-  // For the holes of the arena at `base`, of whole granules of `granule` bytes.
-  void start(uintptr_t base, size_t granule);
+  // For the holes of the arena of `bytes` at `base`, of whole granules of
+  // `granule` bytes.
+  void start(uintptr_t base, size_t bytes, size_t granule);
 
   void insert(Block* hole);
   void erase(Block* hole);
@@ -55,8 +55,9 @@ class Holes {
   Block* last_to(uintptr_t addr) const;
   // The lowest hole of at least `bytes`, or nullptr.
   Block* lowest_fitting(size_t bytes) const;
-  // For pyalloc_check: every hole listed in its size class, and nothing else.
-  bool classes_agree() const;
+  // For pyalloc_check: every listed hole is a hole of this arena, listed once
+  // by address and once in its size class, and nothing else is listed.
+  bool consistent(const Segment* arena) const;
 
  private:
   static constexpr size_t kExactClasses = 64;  // 1 .. 63 granules, one class each
@@ -67,11 +68,12 @@ class Holes {
   uintptr_t base_ = 0;
   size_t granule_ = 0;
   size_t count_ = 0;
+  size_t slots_ = 0;        // the arena's granules
   std::vector<Block*> at_;  // per granule: the hole that starts there (up to the highest hole yet)
   BitIndex all_;            // the granules where a hole starts
-  BitIndex by_class_[kClasses];  // likewise per size class
+  std::vector<BitIndex> by_class_;  // likewise per size class (kClasses; arenas only, in start)
+  std::vector<size_t> in_class_;    // holes per class
   uint64_t nonempty_[2] = {0, 0};   // bit c: by_class_[c] holds a hole
-  size_t in_class_[kClasses] = {};  // holes per class
 };
 
 }  // namespace pyalloc

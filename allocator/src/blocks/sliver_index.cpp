@@ -7,16 +7,17 @@
 
 namespace pyalloc {
 
-void SliverIndex::start(size_t granule) {
+void SliverIndex::start(size_t granule, size_t granules) {
   granule_ = granule;
+  granules_ = granules;
   roomy_at_.clear();
-  roomy_.clear();
+  roomy_.reset(granules);
   roomy_count_ = 0;
   whole_granules_ = 0;
   const size_t units = granule / kBlockAlign;
   for (const Kind kind : {kEnd, kStart}) {
     head_[kind].assign(units, nullptr);
-    units_[kind].clear();
+    units_[kind].reset(units);
   }
 }
 

@@ -23,9 +23,7 @@
 // free blocks that hold a whole granule, lowest first, which stitching
 // unmaps (roomy blocks, by their first whole granule: a BitIndex over the
 // arena's granules, so that a free-set change near a full device costs a
-// store or two instead of a tree node, as a std::set by address did: 18% of
-// the instructions of tools/bench/scale.py at 10^2 live blocks under
-// pressure); and the twins whose own part is all free,
+// store or two and no tree node); and the twins whose own part is all free,
 // which part before free granules are gathered (untwin_free). A twin's own
 // part becomes all free only when a free block arrives beside its lent
 // piece, so the index notes the granule then (twins_to_check), and
@@ -56,8 +54,9 @@ class SliverIndex {
   enum Kind : int { kEnd = 0, kStart = 1 };
 
   bool on() const { return granule_ != 0; }
-  // Turns the index on, empty, for granules of `granule` bytes.
-  void start(size_t granule);
+  // Turns the index on, empty, for an arena of `granules` granules of
+  // `granule` bytes.
+  void start(size_t granule, size_t granules);
 
   // A free block of the arena enters or leaves the index (sliver_index_inl.hpp).
   inline void insert(Block* block);
@@ -103,6 +102,7 @@ class SliverIndex {
   size_t granule_ = 0;
   std::vector<Block*> head_[2];  // per offset unit
   BitIndex units_[2];            // the units u with head_[kind][u] != nullptr
+  size_t granules_ = 0;
   std::vector<Block*> roomy_at_;  // per granule: the roomy block whose first whole granule it is
   BitIndex roomy_;                // the granules with roomy_at_[slot] != nullptr
   size_t roomy_count_ = 0;

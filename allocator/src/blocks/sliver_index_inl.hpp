@@ -69,7 +69,7 @@ inline void SliverIndex::insert(Block* block) {
   block->sliver_kinds = kinds;
   if (const size_t whole = whole_granules(block, granule_)) {
     const size_t slot = first_whole(block, granule_);
-    if (slot >= roomy_at_.size()) roomy_at_.resize(std::max(slot + 1, 2 * roomy_at_.size()), nullptr);
+    if (slot >= roomy_at_.size()) roomy_at_.resize(std::min(granules_, std::max(slot + 1, 2 * roomy_at_.size())), nullptr);
     roomy_at_[slot] = block;
     roomy_.insert(slot);
     ++roomy_count_;
@@ -89,6 +89,7 @@ inline void SliverIndex::erase(Block* block) {
   block->sliver_kinds = 0;
   if (const size_t whole = whole_granules(block, granule_)) {
     const size_t slot = first_whole(block, granule_);
+    assert(slot < roomy_at_.size() && roomy_at_[slot] == block);
     roomy_at_[slot] = nullptr;
     roomy_.erase(slot);
     --roomy_count_;

@@ -144,8 +144,9 @@ struct Block {
   uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
                                // (stale otherwise: SequenceLearner ignores old numbers)
   uint64_t lifetime_number = UINT64_MAX;  // its request number in LifetimeLearner, while learning
-  uint64_t freed_at = 0;  // the allocator's count of frees when it last became free or changed
-                          // shape while free: how long it has gone unused (Note [Cold donors])
+  uint64_t freed_at = 0;  // while free: the allocator's count of frees when a request freed it
+                          // (coalesced with free neighbours); 0 for memory no request freed as
+                          // it is (a split's remainder, a hole just mapped): Note [Cold donors]
   Block* sliver_prev[2] = {nullptr, nullptr};  // neighbours in its arena's sliver lists, while
   Block* sliver_next[2] = {nullptr, nullptr};  // free and indexed (Note [Sliver index])
 
@@ -168,7 +169,6 @@ struct Segment {
   StreamId stream = 0;
   Block* head = nullptr;    // lowest-addressed block
   uint64_t id = 0;          // creation order
-  uint64_t free_since = 0;  // tick at which it last became wholly free
   // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
   // not mapped); `mapped` counts the bytes of backed granules.
   // twins[i].other == j and twins[j].other == i when granules i and j map

@@ -129,8 +129,8 @@
 #include <algorithm>
 
 #include "blocks/arena.hpp"
-#include "device/device_allocator.hpp"
 #include "blocks/sliver_index_inl.hpp"
+#include "device/device_allocator.hpp"
 #include "device/fast_path.hpp"
 
 namespace pyalloc {
@@ -162,7 +162,7 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   if (!succeeded(backend_->reserve(device_, size, &va))) return nullptr;
   Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
   arena->arena = true;
-  arena->holes.start(va, g);
+  arena->holes.start(va, size, g);
   arena->holes.insert(arena->head);
   arena->phys.resize(size / g);
   arena->twinned.resize(size / g);
@@ -182,11 +182,18 @@ Block* DeviceAllocator::split_block(Block* block, size_t offset) {
   return rest;
 }
 
-// `block` (free, out of the free set) joins its free neighbours and goes into
-// the free set; returns the merged block.
+// `block` (free memory that no request freed: a hole just mapped, a lent
+// piece given back; out of the free set) joins its free neighbours and goes
+// into the free set; returns the merged block, as young as its youngest part
+// (Note [Cold donors]).
 Block* DeviceAllocator::insert_coalesced(Block* block) {
   make_spare_room(2);
+  uint64_t youngest = 0;
+  for (const Block* beside : {block->prev, block->next}) {
+    if (beside != nullptr && beside->is_free()) youngest = std::max(youngest, beside->freed_at);
+  }
   block = coalesce(block);
+  block->freed_at = youngest;
   insert_free(block);
   return block;
 }
@@ -502,8 +509,8 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
   const uint64_t cold_after = static_cast<uint64_t>(stats_.allocation.current(kStatAll)) / 4;
   pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {
     uintptr_t lo, hi;
-    if (b->segment != arena || frees_ - b->freed_at < cold_after || (b->addr < skip_hi && end_of(b) > skip_lo) ||
-        !free_interior(b, g, &lo, &hi)) {
+    const bool cold = b->freed_at == 0 || frees_ - b->freed_at >= cold_after;
+    if (b->segment != arena || !cold || (b->addr < skip_hi && end_of(b) > skip_lo) || !free_interior(b, g, &lo, &hi)) {
       return true;
     }
     donors.push_back(Donor{b, lo, hi});

@@ -38,6 +38,7 @@ PYALLOC_INLINE void DeviceAllocator::recycle_block(Block* block) {
   block->uses.clear();
   block->bin_prev = block->bin_next = nullptr;
   block->requested = 0;
+  block->freed_at = 0;
   block->state = BlockState::kFree;
   block->prev = block->next = nullptr;
   // Tells the compiler that push_back() will not grow the vector, so that
@@ -140,7 +141,7 @@ PYALLOC_INLINE void DeviceAllocator::split_into(Block* block, Block* rest, size_
   rest->segment = block->segment;
   rest->pool = block->pool;
   rest->stream = block->stream;
-  rest->freed_at = 0;  // a piece no request has freed: cold (Note [Cold donors])
+  rest->freed_at = 0;  // no request freed this piece as it is: cold (Note [Cold donors])
   rest->prev = block;
   rest->next = block->next;
   if (block->next != nullptr) block->next->prev = rest;

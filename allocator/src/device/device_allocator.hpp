@@ -429,8 +429,7 @@ class DeviceAllocator {
   std::deque<PendingFree> pending_;
   size_t cached_free_bytes_ = 0;                   // sum of free block sizes
   uint64_t next_segment_id_ = 0;
-  uint64_t frees_ = 0;                             // blocks cached so far (Block::freed_at)
-  uint64_t tick_ = 0;                              // orders segment free times
+  uint64_t frees_ = 0;                             // blocks cached so far: Block::freed_at's clock
   std::string last_backend_error_;
   size_t device_total_ = 0;  // 0 until device_total() asked the backend
 

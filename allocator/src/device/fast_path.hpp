@@ -148,9 +148,8 @@ PYALLOC_INLINE void DeviceAllocator::cache_block(Block* block) {
   assert(!kFast || !block->segment->indexed);
   block->state = BlockState::kFree;
   block->requested = 0;
-  block->freed_at = ++frees_;
+  block->freed_at = ++frees_;  // also orders wholly free segments' release (release_free_segments)
   reinsert_free<kFast>(block);
-  if (block->segment->wholly_free()) block->segment->free_since = ++tick_;
 }
 
 // The rarer halves of malloc_cached() and free_cached(), out of line so that

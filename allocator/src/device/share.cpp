@@ -231,7 +231,7 @@ void DeviceAllocator::index_slivers() {
 }
 
 void DeviceAllocator::index_arena(Segment* arena) {
-  arena->slivers.start(granule_);
+  arena->slivers.start(granule_, arena->size / granule_);
   for (Block* b = arena->head; b != nullptr; b = b->next) {
     if (b->is_free()) arena->slivers.insert(b);
   }

@@ -252,7 +252,8 @@ size_t DeviceAllocator::release_free_segments(size_t bytes) {
     }
   }
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
-    return a->free_since != b->free_since ? a->free_since < b->free_since : a->id < b->id;
+    // The longest free first: a wholly free segment is its one free block.
+    return a->head->freed_at != b->head->freed_at ? a->head->freed_at < b->head->freed_at : a->id < b->id;
   });
   size_t released = 0;
   for (Segment* segment : candidates) {

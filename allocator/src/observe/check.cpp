@@ -97,7 +97,17 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
       return false;
     }
   }
-  if (roomy != arena.slivers.roomy_count()) {
+  // And the other way: every block the index lists as roomy is one.
+  size_t listed = 0;
+  for (const Block* b = arena.slivers.roomy_from(0); b != nullptr;
+       b = arena.slivers.roomy_from(SliverIndex::first_whole(b, g) + 1)) {
+    if (b->segment != &arena || !b->is_free() || SliverIndex::whole_granules(b, g) == 0) {
+      *problem = "the sliver index lists " + hex(b->addr) + " as roomy, which holds no free whole granule";
+      return false;
+    }
+    ++listed;
+  }
+  if (roomy != arena.slivers.roomy_count() || listed != roomy) {
     *problem = "the sliver index lists " + std::to_string(arena.slivers.roomy_count()) + " roomy blocks of " +
                std::to_string(roomy);
     return false;
@@ -156,7 +166,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     }
     if (b->state == BlockState::kHole) {
       ++holes;
-      if (!arena->holes.contains(const_cast<Block*>(b))) {
+      if (!arena->holes.contains(b)) {
         *problem = "hole " + hex(b->addr) + " is not in the arena's hole set";
         return false;
       }
@@ -173,7 +183,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     backed_blocks += b->size;
     for (size_t i = lo / g; i < (hi + g - 1) / g; ++i) needed[i] = true;
   }
-  if (holes != arena->holes.size() || !arena->holes.classes_agree()) {
+  if (holes != arena->holes.size() || !arena->holes.consistent(arena)) {
     *problem = "the hole set lists " + std::to_string(arena->holes.size()) + " holes of " + std::to_string(holes);
     return false;
   }
