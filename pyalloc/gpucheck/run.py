@@ -46,6 +46,7 @@ ALLOCATORS = ("default", "expandable", "pyalloc")
 STEP_TIME_TARGET = 1.01
 FEATURE_CHECKS = ("environment", "oom", "cudnn-benchmark", "graphs", "ipc", "snapshot")
 OFFLOAD_MODELS = ("gpt", "resnet")  # of pyalloc.offloading.bench_models
+OFFLOAD_RESERVE = 0.25  # of the budget, kept for the offload check when it runs with the others
 OFFLOAD_SEARCH_SHARE = 0.5  # of an offload check's time, for its largest-batch searches; the rest times steps
 
 
@@ -147,21 +148,25 @@ def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckRes
         results.append(result)
         say(f"{result.name:<32} {result.status:<8} {result.seconds:6.1f} s  {result.detail.splitlines()[0] if result.detail else ''}")
 
-    def child(name: str, check: str, cfg: dict[str, Any], share: float) -> CheckResult:
-        if budget.left() < 5:
-            result = CheckResult(name, "not-run", 0.0, detail="the time budget was spent")
-        else:
-            result = run_child(name, check, {"device": device, **cfg}, min(budget.left(), share))
-        record(result)
-        return result
-
     wanted = set(args.only.split(",")) if args.only else None
 
     def chosen(name: str) -> bool:
         return wanted is None or name in wanted
 
+    # The offload check runs last; the checks before it leave it OFFLOAD_RESERVE of the budget.
+    reserved = args.budget * OFFLOAD_RESERVE if chosen("offload") else 0.0
+
+    def child(name: str, check: str, cfg: dict[str, Any], share: float, last: bool = False) -> CheckResult:
+        left = budget.left() - (0.0 if last else reserved)
+        if left < 5:
+            result = CheckResult(name, "not-run", 0.0, detail="the time budget was spent")
+        else:
+            result = run_child(name, check, {"device": device, **cfg}, min(left, share))
+        record(result)
+        return result
+
     if chosen("tests/gpu") and device == "cuda":
-        record(run_gpu_tests(min(budget.left(), args.budget * 0.3)))
+        record(run_gpu_tests(min(budget.left() - reserved, args.budget * 0.3)))
     for check in FEATURE_CHECKS:
         if chosen(check):
             child(check, check, {"allocator": "pyalloc"}, args.budget * 0.08)
@@ -186,7 +191,8 @@ def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckRes
             share = budget.left() / (len(OFFLOAD_MODELS) - done)
             child(f"offload ({model}-like)", "offload",
                   {"allocator": "default", "model": model, "start_batch": args.start_batch,
-                   "max_batch": args.max_batch, "steps": args.steps, "seconds": OFFLOAD_SEARCH_SHARE * share}, share)
+                   "max_batch": args.max_batch, "steps": args.steps, "seconds": OFFLOAD_SEARCH_SHARE * share}, share,
+                  last=True)
     return results
 
 

@@ -16,9 +16,14 @@
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
+#include <sys/mman.h>
+
 namespace pyalloc {
+
+struct Block;
 
 class BitIndex {
  public:
@@ -105,6 +110,48 @@ class BitIndex {
   std::vector<uint64_t> bits_;
   std::vector<uint64_t> words_;
   size_t limit_words_ = 0;
+};
+
+// A table of one Block pointer per granule of an arena, all null at first:
+// pages the system zeroes when first touched (an anonymous mapping), so a
+// table for the 327,680 granules of an 80 GiB device's arena costs what its
+// used low end touches, not 2.5 MiB written up front (which a near-full
+// device paid in the middle of a request when the sliver index came on).
+class SlotTable {
+ public:
+  SlotTable() = default;
+  SlotTable(const SlotTable&) = delete;
+  SlotTable& operator=(const SlotTable&) = delete;
+  ~SlotTable() { unmap(); }
+
+  // n slots, all null; throws std::bad_alloc when the system has no room.
+  void reset(size_t n) {
+    unmap();
+    if (n == 0) return;
+    void* p = mmap(nullptr, n * sizeof(Block*), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    slots_ = static_cast<Block**>(p);
+    size_ = n;
+  }
+  size_t size() const { return size_; }
+  Block*& operator[](size_t i) {
+    assert(i < size_);
+    return slots_[i];
+  }
+  Block* operator[](size_t i) const {
+    assert(i < size_);
+    return slots_[i];
+  }
+
+ private:
+  void unmap() {
+    if (slots_ != nullptr) munmap(slots_, size_ * sizeof(Block*));
+    slots_ = nullptr;
+    size_ = 0;
+  }
+
+  Block** slots_ = nullptr;
+  size_t size_ = 0;
 };
 
 }  // namespace pyalloc

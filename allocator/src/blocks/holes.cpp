@@ -1,7 +1,6 @@
 // holes.cpp: see holes.hpp.
 #include "blocks/holes.hpp"
 
-#include <algorithm>
 #include <cassert>
 
 #include "blocks/types.hpp"
@@ -13,7 +12,7 @@ void Holes::start(uintptr_t base, size_t bytes, size_t granule) {
   granule_ = granule;
   slots_ = bytes / granule;
   count_ = 0;
-  at_.clear();
+  at_.reset(slots_);
   all_.reset(slots_);
   by_class_.assign(kClasses, BitIndex{});
   for (BitIndex& c : by_class_) c.reset(slots_);
@@ -31,9 +30,7 @@ size_t Holes::size_class(size_t bytes) const {
 void Holes::insert(Block* hole) {
   assert(granule_ != 0 && hole->size % granule_ == 0 && (hole->addr - base_) % granule_ == 0);
   const size_t s = slot(hole->addr);
-  assert(s < slots_);
-  if (s >= at_.size()) at_.resize(std::min(slots_, std::max(s + 1, 2 * at_.size())), nullptr);
-  assert(at_[s] == nullptr);
+  assert(s < slots_ && at_[s] == nullptr);
   at_[s] = hole;
   all_.insert(s);
   ++count_;
@@ -45,7 +42,7 @@ void Holes::insert(Block* hole) {
 
 void Holes::erase(Block* hole) {
   const size_t s = slot(hole->addr);
-  assert(s < at_.size() && at_[s] == hole);
+  assert(s < slots_ && at_[s] == hole);
   at_[s] = nullptr;
   all_.erase(s);
   --count_;
@@ -57,11 +54,11 @@ void Holes::erase(Block* hole) {
 bool Holes::contains(const Block* hole) const {
   if (hole->addr < base_ || (hole->addr - base_) % granule_ != 0) return false;
   const size_t s = slot(hole->addr);
-  return s < at_.size() && at_[s] == hole && all_.test(s);
+  return s < slots_ && at_[s] == hole && all_.test(s);
 }
 
 Block* Holes::at(uintptr_t addr) const {
-  if (addr < base_ || (addr - base_) % granule_ != 0 || slot(addr) >= at_.size()) return nullptr;
+  if (addr < base_ || (addr - base_) % granule_ != 0 || slot(addr) >= slots_) return nullptr;
   return at_[slot(addr)];
 }
 
@@ -121,9 +118,7 @@ bool Holes::consistent(const Segment* arena) const {
     }
     ++all;
   }
-  size_t pointers = 0;
-  for (const Block* hole : at_) pointers += hole != nullptr;
-  return listed == count_ && all == count_ && pointers == count_;
+  return listed == count_ && all == count_;
 }
 
 }  // namespace pyalloc

@@ -69,7 +69,7 @@ class Holes {
   size_t granule_ = 0;
   size_t count_ = 0;
   size_t slots_ = 0;        // the arena's granules
-  std::vector<Block*> at_;  // per granule: the hole that starts there (up to the highest hole yet)
+  SlotTable at_;            // per granule: the hole that starts there
   BitIndex all_;            // the granules where a hole starts
   std::vector<BitIndex> by_class_;  // likewise per size class (kClasses; arenas only, in start)
   std::vector<size_t> in_class_;    // holes per class

@@ -8,18 +8,27 @@
 namespace pyalloc {
 
 void SliverIndex::start(size_t granule, size_t granules) {
+  // An index stopped and started again (a device that hovers near full)
+  // clears what it listed, not every slot.
+  for (size_t s = roomy_.next(0); s != BitIndex::kNone; s = roomy_.next(s + 1)) roomy_at_[s] = nullptr;
+  const size_t units = granule / kBlockAlign;
+  for (const Kind kind : {kEnd, kStart}) {
+    if (head_[kind].size() != units) {
+      head_[kind].assign(units, nullptr);
+    } else {
+      for (size_t u = units_[kind].next(0); u != BitIndex::kNone; u = units_[kind].next(u + 1)) head_[kind][u] = nullptr;
+    }
+    units_[kind].reset(units);
+  }
+  if (roomy_at_.size() != granules) roomy_at_.reset(granules);  // once per arena
   granule_ = granule;
-  granules_ = granules;
-  roomy_at_.clear();
   roomy_.reset(granules);
   roomy_count_ = 0;
   whole_granules_ = 0;
-  const size_t units = granule / kBlockAlign;
-  for (const Kind kind : {kEnd, kStart}) {
-    head_[kind].assign(units, nullptr);
-    units_[kind].reset(units);
-  }
+  twins_to_check_.clear();
 }
+
+void SliverIndex::stop() { granule_ = 0; }
 
 std::vector<size_t> SliverIndex::take_twins_to_check() {
   std::vector<size_t> slots = std::move(twins_to_check_);

@@ -57,6 +57,8 @@ class SliverIndex {
   // Turns the index on, empty, for an arena of `granules` granules of
   // `granule` bytes.
   void start(size_t granule, size_t granules);
+  // Turns it off; its storage stays for the next start().
+  void stop();
 
   // A free block of the arena enters or leaves the index (sliver_index_inl.hpp).
   inline void insert(Block* block);
@@ -102,8 +104,7 @@ class SliverIndex {
   size_t granule_ = 0;
   std::vector<Block*> head_[2];  // per offset unit
   BitIndex units_[2];            // the units u with head_[kind][u] != nullptr
-  size_t granules_ = 0;
-  std::vector<Block*> roomy_at_;  // per granule: the roomy block whose first whole granule it is
+  SlotTable roomy_at_;            // per granule: the roomy block whose first whole granule it is
   BitIndex roomy_;                // the granules with roomy_at_[slot] != nullptr
   size_t roomy_count_ = 0;
   size_t whole_granules_ = 0;

@@ -2,8 +2,6 @@
 // path (Note [Sliver index] in sliver_index.hpp).
 #pragma once
 
-#include <algorithm>
-
 #include "blocks/sliver_index.hpp"
 #include "blocks/types.hpp"
 
@@ -69,7 +67,6 @@ inline void SliverIndex::insert(Block* block) {
   block->sliver_kinds = kinds;
   if (const size_t whole = whole_granules(block, granule_)) {
     const size_t slot = first_whole(block, granule_);
-    if (slot >= roomy_at_.size()) roomy_at_.resize(std::min(granules_, std::max(slot + 1, 2 * roomy_at_.size())), nullptr);
     roomy_at_[slot] = block;
     roomy_.insert(slot);
     ++roomy_count_;

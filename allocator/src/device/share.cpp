@@ -250,7 +250,7 @@ void DeviceAllocator::drop_sliver_indexes(bool always) {
   }
   for (Pool* pool : pools()) {
     for (Segment* arena : pool->arenas) {
-      arena->slivers = SliverIndex{};
+      arena->slivers.stop();
       arena->indexed = false;
     }
   }
