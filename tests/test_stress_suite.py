@@ -430,3 +430,12 @@ def test_the_plot_has_one_legend_and_draws_plain_segments_visibly_under_the_mode
     plain, native = lines["pyalloc-plain reserved"], lines["native (model) reserved"]
     assert list(plain.get_ydata()) == list(native.get_ydata())  # the same curve here...
     assert plain.get_linewidth() > 2 * native.get_linewidth() and native.get_linestyle() == "--"  # ...both seen
+
+
+def test_a_replay_ignores_the_configuration_the_process_had() -> None:
+    """A program's (or an earlier test's) memory_fraction, max_cached or round_power2 stays out of a
+    policy's replay: min capacity is the same as from a fresh configuration."""
+    flat = flatten(generators.generate("interleaved_lifetimes", quick=True), "interleaved_lifetimes")
+    fresh = find_min_capacity(flat, "pyalloc-plain")
+    pyalloc.configure("backend=sim,memory_fraction=0.75,max_cached=64MiB,round_power2=4,small_segment=4MiB")
+    assert find_min_capacity(flat, "pyalloc-plain") == fresh == find_min_capacity(flat, "native")

@@ -155,8 +155,12 @@ def _pointer(arr: array, ctype: Any) -> Any:
 def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
     """A fresh single-device allocator of ``capacity`` bytes on ``backend``."""
     # configure() applies keys on top of the current configuration: name every
-    # key a policy may set, so one replay's policy never leaks into the next.
-    settings = f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,vmm=auto,plan=0,lifetime=0,share=1,reuse=1"
+    # key that changes where blocks go, at its default, so that neither one
+    # replay's policy nor the program's own configuration (a test's
+    # memory_fraction, say) leaks into the next.
+    settings = (f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,"
+                "memory_fraction=1,max_cached=unlimited,small_segment=2MiB,large_segment=20MiB,round_power2=0,"
+                "vmm=auto,plan=0,lifetime=0,share=1,reuse=1")
     core.configure(settings + ("," + conf if conf else ""))
 
 

@@ -373,21 +373,19 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
   return done;
 }
 
-// Up to `n` new granules from the backend, within the reserved limit.
-std::vector<PhysHandle> DeviceAllocator::new_granules(size_t n) {
+// Appends up to `n` new granules from the backend to `handles`, within the
+// reserved limit.
+void DeviceAllocator::new_granules(size_t n, std::vector<PhysHandle>* handles) {
   const size_t g = granule_;
-  std::vector<PhysHandle> handles;
-  handles.reserve(n);
   const size_t limit = reserved_limit();
-  while (handles.size() < n) {
-    const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + handles.size() * g;
+  for (size_t made = 0; made < n; ++made) {
+    const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + made * g;
     if (reserved > limit || limit - reserved < g) break;
     PhysHandle h;
     if (!succeeded(backend_->phys_create(device_, g, &h))) break;
     ++stats_.num_device_alloc;
-    handles.push_back(h);
+    handles->push_back(h);
   }
-  return handles;
 }
 
 void DeviceAllocator::release_granules(const std::vector<PhysHandle>& handles) {
@@ -411,7 +409,8 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
 
   // Gather every handle first, so a failure leaves the arena as it was.
-  std::vector<PhysHandle> handles;
+  std::vector<PhysHandle>& handles = grow_handles_;  // capacity kept between growths
+  handles.clear();
   if (!stitch && reuses_first(w.granules * g)) {
     const size_t n = reuse_granules(pool, arena, w.granules, lo, hi, &handles);
     if (n > 0) {
@@ -419,8 +418,7 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
       stats_.reused_bytes += static_cast<int64_t>(n * g);
     }
   }
-  std::vector<PhysHandle> fresh = new_granules(w.granules - handles.size());
-  handles.insert(handles.end(), fresh.begin(), fresh.end());
+  new_granules(w.granules - handles.size(), &handles);
   if (handles.size() < w.granules && stitch) {
     const size_t before = handles.size();
     unmap_free_granules(w.granules - before, lo, hi, &handles);
@@ -500,11 +498,8 @@ bool DeviceAllocator::reuses_first(size_t fresh) {
 size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
                                        std::vector<PhysHandle>* handles) {
   const size_t g = granule_;
-  struct Donor {
-    Block* block;
-    uintptr_t lo, hi;
-  };
-  std::vector<Donor> donors;
+  std::vector<Donor>& donors = donors_;  // capacity kept between growths
+  donors.clear();
   size_t found = 0;
   const uint64_t cold_after = static_cast<uint64_t>(stats_.allocation.current(kStatAll)) / 4;
   pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {

@@ -302,7 +302,7 @@ class DeviceAllocator {
   template <typename F>
   void for_each_arena(F fn);
   size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* keep);
-  std::vector<PhysHandle> new_granules(size_t n);
+  void new_granules(size_t n, std::vector<PhysHandle>* handles);
   void release_granules(const std::vector<PhysHandle>& handles);
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
   bool reuses_first(size_t fresh);
@@ -429,6 +429,13 @@ class DeviceAllocator {
   std::deque<PendingFree> pending_;
   size_t cached_free_bytes_ = 0;                   // sum of free block sizes
   uint64_t next_segment_id_ = 0;
+  // Scratch of grow_arena and reuse_granules (under the lock; never nested).
+  struct Donor {
+    Block* block;
+    uintptr_t lo, hi;  // its whole granules
+  };
+  std::vector<PhysHandle> grow_handles_;
+  std::vector<Donor> donors_;
   uint64_t frees_ = 0;                             // blocks cached so far: Block::freed_at's clock
   std::string last_backend_error_;
   size_t device_total_ = 0;  // 0 until device_total() asked the backend

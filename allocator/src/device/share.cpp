@@ -94,7 +94,8 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
   if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
     if (plan.fresh >= granules_taken(cached, rounded, granule_)) return nullptr;
   }
-  std::vector<PhysHandle> handles = new_granules(plan.fresh);
+  std::vector<PhysHandle> handles;
+  new_granules(plan.fresh, &handles);
   SharePlan now = plan;
   if (handles.size() < plan.fresh) {
     unmap_free_granules(plan.fresh - handles.size(), 0, 0, &handles);
