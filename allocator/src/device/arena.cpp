@@ -117,7 +117,8 @@
 // search for a window (best_window) walks the more holes that moving
 // leaves: 2.5 to 3 times the instructions per operation of
 // tools/bench/scale.py at 10^3 and 10^4 live blocks with no limit, as the
-// allocator keeps reserved memory near live instead of 19% above it.
+// allocator kept reserved memory near live instead of 19% above it, until
+// donors had to be cold (Note [Cold donors]).
 // Moving a granule leaves a hole between live blocks, so live blocks spread
 // over more of the address space: an arena reserves kArenaSpan times the
 // device's size of it, not twice (with twice, interleaved_lifetimes at a
@@ -470,23 +471,26 @@ bool DeviceAllocator::reuses_first(size_t fresh) {
 }
 
 // Note [Cold donors]
-// Reuse takes granules only from free blocks that have gone unused while a
-// quarter as many blocks were freed as there are live allocations
-// (Block::freed_at, against the count of frees): a block freed moments ago
-// is what the next requests of its size would have found. Taking from any
-// free block, as reuse first did, kept the cache so small on a churn that
+// Reuse takes granules only from cold free blocks: memory that no request
+// freed as it is (a split's remainder, a hole just mapped: Block::freed_at
+// 0), or a block that stayed free while a quarter as many blocks were freed
+// as there are live allocations (freed_at against frees_). A block freed
+// moments ago is what the next requests of its size would find. Taking from
+// any free block, as reuse first did, kept the cache so small on a churn that
 // never repeats (tools/bench/scale.py) that misses came in a cascade, each
-// moving granules out of the block that the next request would have hit:
-// at 10^3 live blocks with no limit, 880 growths in 20,000 pairs instead of
-// 526 without reuse, and 890 instructions per operation instead of 352 (the
-// search for a window walking the holes the moves leave, 150 per growth).
-// With cold donors, 641 growths and 527 instructions per operation; reserved
-// memory 1.10 times the peak of allocated bytes, between reuse from any block
-// (1.02) and none (1.18). On the stress suite it kept peak reserved memory
-// below both models of PyTorch's allocator on every workload and changed no
-// min capacity for the worse (docs/benchmarks/2026-11-25-cold-donors-cpu.md).
-// Half instead of a quarter left vit_l_b256_s224 (40,488 MiB) and
-// interleaved_lifetimes (772) above the expandable_segments model (40,426, 742).
+// moving granules out of the block the next request would have hit: at 10^3
+// live blocks with no limit, 880 growths in 20,000 pairs against 526
+// without reuse, and 890 instructions per operation against 352, a third of
+// them in best_window walking the holes the moves leave (150 a growth).
+// With cold donors, about 650 growths and 501 instructions, and reserved
+// memory 1.07 times the peak live bytes, between reuse from any block (1.02)
+// and none (1.19). On the stress suite peak reserved memory stays below both
+// models of PyTorch's allocator on every workload, and min capacity moves by
+// one granule at most (docs/benchmarks/2026-11-25-cold-donors-cpu.md).
+// Tried: half instead of a quarter left interleaved_lifetimes at 786 MiB
+// reserved, above the expandable_segments model's 742; a remainder that
+// keeps the stamp of the block it was split from left llama1b_b32_s4096_ckpt
+// at 81,446 MiB, as without reuse.
 //
 
 // Takes up to `n` granules from cold free blocks (Note [Cold donors]) of
