@@ -133,6 +133,7 @@ bool DeviceAllocator::check(std::string* error) {
   heap.live = &live_;
   for (const PendingFree& p : pending_) heap.pending.push_back(p.block);
   heap.cached_free_bytes = cached_free_bytes_;
+  heap.frees = frees_;
   heap.stats = &stats_;
   // A pool that serves nothing holds nothing: the long pool with placement
   // off (I11), the small pool with vmm=shared (I12).

@@ -312,6 +312,7 @@ bool check_heap(const HeapView& heap, std::string* error) {
           if (!in_free_set) return fail("I3: " + bname + " is free but not in its pool's free set");
           if (in_live || in_pending) return fail("I4/I5: " + bname + " is free but listed live or pending");
           if (b->requested != 0) return fail(bname + ": free block keeps a requested size");
+          if (b->freed_at > heap.frees) return fail(bname + ": freed later than the last free (Block::freed_at)");
           ++free_blocks_walked;
           sums.cached_free += static_cast<int64_t>(b->size);
           if (b->size != seg->size) {

@@ -39,6 +39,7 @@ struct HeapView {
   const PtrMap<Block*>* live = nullptr;
   std::vector<const Block*> pending;  // the pending-free list, in order
   size_t cached_free_bytes = 0;
+  uint64_t frees = 0;  // the clock of Block::freed_at
   const DeviceStats* stats = nullptr;
   std::vector<PoolRule> rules;
 };
