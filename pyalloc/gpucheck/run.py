@@ -9,7 +9,8 @@ with Python frames read by memory_viz; and an A/B/C of a GPT-2-size and a ResNet
 loop with variable shapes under PyTorch's default allocator, PyTorch with
 ``expandable_segments:True`` and pyalloc: the largest batch each trains, then the step time and
 peak reserved of each at one batch near full memory (90% of the smallest largest batch); last,
-the offload check (issue 20, :mod:`pyalloc.gpucheck.offload`), on a GPT-like and a ResNet-like
+with a quarter of the budget kept for it, the offload check (issue 20,
+:mod:`pyalloc.gpucheck.offload`), on a GPT-like and a ResNet-like
 model under PyTorch's own allocator: the plain step, ``torch.utils.checkpoint`` on every block,
 ``save_on_cpu(pin_memory=True)`` and ``pyalloc.offload``, each column's largest batch and time per
 sample at it, and at one common batch (90% of the plain step's largest) each column's step time
