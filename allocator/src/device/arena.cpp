@@ -485,8 +485,9 @@ bool DeviceAllocator::reuses_first(size_t fresh) {
 // With cold donors, about 650 growths and 501 instructions, and reserved
 // memory 1.07 times the peak live bytes, between reuse from any block (1.02)
 // and none (1.19). On the stress suite peak reserved memory stays below both
-// models of PyTorch's allocator on every workload, and min capacity moves by
-// one granule at most (docs/benchmarks/2026-11-25-cold-donors-cpu.md).
+// models of PyTorch's allocator on every workload; min capacity is 2 MiB
+// higher on four workloads and 2 to 8 MiB lower on three
+// (docs/benchmarks/2026-11-25-cold-donors-cpu.md).
 // Tried: half instead of a quarter left interleaved_lifetimes at 786 MiB
 // reserved, above the expandable_segments model's 742; a remainder that
 // keeps the stamp of the block it was split from left llama1b_b32_s4096_ckpt
