@@ -6,8 +6,8 @@
 // rest of one word of `bits`, then `words` (one bit per 64 members) to the
 // next non-empty word. Insert and erase are a store or two: an arena keeps
 // its holes in these (holes.hpp), and the sliver index its offset lists and
-// roomy blocks (Note [Sliver index] in sliver_index.hpp), updated on every
-// change of a free set near a full device. The words grow with the largest
+// roomy blocks (Note [Sliver index] in sliver_index.hpp), through BlockTable,
+// updated on every change of a free set near a full device. The words grow with the largest
 // member inserted (doubling, up to the bound given to reset): an arena uses
 // the low end of its reservation, eight times the device's size.
 #pragma once
@@ -112,46 +112,94 @@ class BitIndex {
   size_t limit_words_ = 0;
 };
 
-// A table of one Block pointer per granule of an arena, all null at first:
-// pages the system zeroes when first touched (an anonymous mapping), so a
-// table for the 327,680 granules of an 80 GiB device's arena costs what its
-// used low end touches, not 2.5 MiB written up front (which a near-full
+// Blocks by slot (a granule of an arena, an offset unit of the sliver
+// index): at most one block per slot, the slots listed in a BitIndex, so that
+// the next and the last listed are found in a few word reads. The pointers
+// live on an anonymous mapping: pages the system zeroes when first touched,
+// so a table for the 327,680 granules of an 80 GiB device's arena costs what
+// its used low end touches, not 2.5 MiB written up front (which a near-full
 // device paid in the middle of a request when the sliver index came on).
-class SlotTable {
+class BlockTable {
  public:
-  SlotTable() = default;
-  SlotTable(const SlotTable&) = delete;
-  SlotTable& operator=(const SlotTable&) = delete;
-  ~SlotTable() { unmap(); }
+  BlockTable() = default;
+  BlockTable(const BlockTable&) = delete;
+  BlockTable& operator=(const BlockTable&) = delete;
+  ~BlockTable() { unmap(); }
 
-  // n slots, all null; throws std::bad_alloc when the system has no room.
+  // Empty, for slots 0 to n - 1; throws std::bad_alloc when the system has
+  // no room. A table of n slots already clears only what it listed.
   void reset(size_t n) {
-    unmap();
-    if (n == 0) return;
-    void* p = mmap(nullptr, n * sizeof(Block*), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    slots_ = static_cast<Block**>(p);
-    size_ = n;
+    if (n == slots_) {
+      for_each([&](size_t slot, Block*) {
+        table_[slot] = nullptr;
+        return true;
+      });
+    } else {
+      unmap();
+      if (n != 0) {
+        void* p = mmap(nullptr, n * sizeof(Block*), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw std::bad_alloc();
+        table_ = static_cast<Block**>(p);
+        slots_ = n;
+      }
+    }
+    listed_.reset(n);
+    count_ = 0;
   }
-  size_t size() const { return size_; }
-  Block*& operator[](size_t i) {
-    assert(i < size_);
-    return slots_[i];
+
+  size_t slots() const { return slots_; }
+  size_t size() const { return count_; }  // slots listed
+  Block* at(size_t slot) const {
+    assert(slot < slots_);
+    return table_[slot];
   }
-  Block* operator[](size_t i) const {
-    assert(i < size_);
-    return slots_[i];
+  // Lists `block` at `slot`, which must be free.
+  void insert(size_t slot, Block* block) {
+    assert(slot < slots_ && table_[slot] == nullptr && block != nullptr);
+    table_[slot] = block;
+    listed_.insert(slot);
+    ++count_;
+  }
+  // Unlists `slot`, which must be listed.
+  void erase(size_t slot) {
+    assert(slot < slots_ && table_[slot] != nullptr);
+    table_[slot] = nullptr;
+    listed_.erase(slot);
+    --count_;
+  }
+  // Another block at `slot`, which must be listed.
+  void replace(size_t slot, Block* block) {
+    assert(slot < slots_ && table_[slot] != nullptr && block != nullptr);
+    table_[slot] = block;
+  }
+  // The block at the lowest listed slot >= `slot`, or nullptr.
+  Block* next(size_t slot) const {
+    const size_t s = listed_.next(slot);
+    return s == BitIndex::kNone ? nullptr : table_[s];
+  }
+  // The block at the highest listed slot <= `slot`, or nullptr.
+  Block* prev(size_t slot) const {
+    const size_t s = listed_.prev(slot);
+    return s == BitIndex::kNone ? nullptr : table_[s];
+  }
+  // Calls f(slot, block) for every listed slot, lowest first, while f returns true.
+  template <class F>
+  void for_each(F&& f) const {
+    for (size_t s = listed_.next(0); s != BitIndex::kNone && f(s, table_[s]); s = listed_.next(s + 1)) {
+    }
   }
 
  private:
   void unmap() {
-    if (slots_ != nullptr) munmap(slots_, size_ * sizeof(Block*));
-    slots_ = nullptr;
-    size_ = 0;
+    if (table_ != nullptr) munmap(table_, slots_ * sizeof(Block*));
+    table_ = nullptr;
+    slots_ = 0;
   }
 
-  Block** slots_ = nullptr;
-  size_t size_ = 0;
+  Block** table_ = nullptr;
+  size_t slots_ = 0;
+  size_t count_ = 0;
+  BitIndex listed_;
 };
 
 }  // namespace pyalloc

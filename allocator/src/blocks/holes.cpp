@@ -10,12 +10,10 @@ namespace pyalloc {
 void Holes::start(uintptr_t base, size_t bytes, size_t granule) {
   base_ = base;
   granule_ = granule;
-  slots_ = bytes / granule;
-  count_ = 0;
-  at_.reset(slots_);
-  all_.reset(slots_);
+  const size_t slots = bytes / granule;
+  all_.reset(slots);
   by_class_.assign(kClasses, BitIndex{});
-  for (BitIndex& c : by_class_) c.reset(slots_);
+  for (BitIndex& c : by_class_) c.reset(slots);
   in_class_.assign(kClasses, 0);
   nonempty_[0] = nonempty_[1] = 0;
 }
@@ -30,10 +28,7 @@ size_t Holes::size_class(size_t bytes) const {
 void Holes::insert(Block* hole) {
   assert(granule_ != 0 && hole->size % granule_ == 0 && (hole->addr - base_) % granule_ == 0);
   const size_t s = slot(hole->addr);
-  assert(s < slots_ && at_[s] == nullptr);
-  at_[s] = hole;
-  all_.insert(s);
-  ++count_;
+  all_.insert(s, hole);
   const size_t c = size_class(hole->size);
   by_class_[c].insert(s);
   ++in_class_[c];
@@ -42,37 +37,28 @@ void Holes::insert(Block* hole) {
 
 void Holes::erase(Block* hole) {
   const size_t s = slot(hole->addr);
-  assert(s < slots_ && at_[s] == hole);
-  at_[s] = nullptr;
+  assert(all_.at(s) == hole);
   all_.erase(s);
-  --count_;
   const size_t c = size_class(hole->size);
   by_class_[c].erase(s);
   if (--in_class_[c] == 0) nonempty_[c / 64] &= ~(uint64_t{1} << (c % 64));
 }
 
-bool Holes::contains(const Block* hole) const {
-  if (hole->addr < base_ || (hole->addr - base_) % granule_ != 0) return false;
-  const size_t s = slot(hole->addr);
-  return s < slots_ && at_[s] == hole && all_.test(s);
-}
+bool Holes::contains(const Block* hole) const { return at(hole->addr) == hole; }
 
 Block* Holes::at(uintptr_t addr) const {
-  if (addr < base_ || (addr - base_) % granule_ != 0 || slot(addr) >= slots_) return nullptr;
-  return at_[slot(addr)];
+  if (addr < base_ || (addr - base_) % granule_ != 0 || slot(addr) >= all_.slots()) return nullptr;
+  return all_.at(slot(addr));
 }
 
 Block* Holes::first_from(uintptr_t addr) const {
   if (granule_ == 0) return nullptr;
-  const size_t from = addr <= base_ ? 0 : (addr - base_ + granule_ - 1) / granule_;
-  const size_t s = all_.next(from);
-  return s == BitIndex::kNone ? nullptr : at_[s];
+  return all_.next(addr <= base_ ? 0 : (addr - base_ + granule_ - 1) / granule_);
 }
 
 Block* Holes::last_to(uintptr_t addr) const {
   if (granule_ == 0 || addr < base_) return nullptr;
-  const size_t s = all_.prev(slot(addr));
-  return s == BitIndex::kNone ? nullptr : at_[s];
+  return all_.prev(slot(addr));
 }
 
 Block* Holes::lowest_fitting(size_t bytes) const {
@@ -88,7 +74,7 @@ Block* Holes::lowest_fitting(size_t bytes) const {
     c += static_cast<size_t>(__builtin_ctzll(rest));
     const BitIndex& holes = by_class_[c];
     for (size_t s = holes.next(0); s != BitIndex::kNone; s = holes.next(s + 1)) {
-      Block* hole = at_[s];
+      Block* hole = all_.at(s);
       if (best != nullptr && hole->addr >= best->addr) break;  // lowest first: nothing lower here
       if (hole->size >= bytes) {
         best = hole;
@@ -104,21 +90,20 @@ bool Holes::consistent(const Segment* arena) const {
   for (size_t c = 0; c < kClasses; ++c) {
     size_t here = 0;
     for (size_t s = by_class_[c].next(0); s != BitIndex::kNone; s = by_class_[c].next(s + 1)) {
-      if (!all_.test(s) || at_[s] == nullptr || size_class(at_[s]->size) != c) return false;
+      if (all_.at(s) == nullptr || size_class(all_.at(s)->size) != c) return false;
       ++here;
     }
     if (here != in_class_[c] || (here == 0) == ((nonempty_[c / 64] >> (c % 64) & 1) != 0)) return false;
     listed += here;
   }
   size_t all = 0;
-  for (size_t s = all_.next(0); s != BitIndex::kNone; s = all_.next(s + 1)) {
-    const Block* hole = at_[s];
-    if (hole == nullptr || hole->segment != arena || hole->state != BlockState::kHole || slot(hole->addr) != s) {
-      return false;
-    }
+  bool ok = true;
+  all_.for_each([&](size_t s, const Block* hole) {
+    ok = hole->segment == arena && hole->state == BlockState::kHole && slot(hole->addr) == s;
     ++all;
-  }
-  return listed == count_ && all == count_;
+    return ok;
+  });
+  return ok && listed == all_.size() && all == all_.size();
 }
 
 }  // namespace pyalloc

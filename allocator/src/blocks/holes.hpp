@@ -39,15 +39,14 @@ class Holes {
   void insert(Block* hole);
   void erase(Block* hole);
 
-  size_t size() const { return count_; }
+  size_t size() const { return all_.size(); }
   bool contains(const Block* hole) const;
   // The hole that starts at `addr`, or nullptr.
   Block* at(uintptr_t addr) const;
   // Calls f(hole) for every hole, lowest first, while f returns true.
   template <class F>
   void for_each(F&& f) const {
-    for (size_t s = all_.next(0); s != BitIndex::kNone && f(at_[s]); s = all_.next(s + 1)) {
-    }
+    all_.for_each([&](size_t, Block* hole) { return f(hole); });
   }
   // The lowest hole that starts at or after `addr`, or nullptr.
   Block* first_from(uintptr_t addr) const;
@@ -67,11 +66,8 @@ class Holes {
 
   uintptr_t base_ = 0;
   size_t granule_ = 0;
-  size_t count_ = 0;
-  size_t slots_ = 0;        // the arena's granules
-  SlotTable at_;            // per granule: the hole that starts there
-  BitIndex all_;            // the granules where a hole starts
-  std::vector<BitIndex> by_class_;  // likewise per size class (kClasses; arenas only, in start)
+  BlockTable all_;                  // per granule: the hole that starts there
+  std::vector<BitIndex> by_class_;  // the granules where one starts, per size class (kClasses; arenas only)
   std::vector<size_t> in_class_;    // holes per class
   uint64_t nonempty_[2] = {0, 0};   // bit c: by_class_[c] holds a hole
 };

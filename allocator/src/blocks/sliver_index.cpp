@@ -8,22 +8,9 @@
 namespace pyalloc {
 
 void SliverIndex::start(size_t granule, size_t granules) {
-  // An index stopped and started again (a device that hovers near full)
-  // clears what it listed, not every slot.
-  for (size_t s = roomy_.next(0); s != BitIndex::kNone; s = roomy_.next(s + 1)) roomy_at_[s] = nullptr;
-  const size_t units = granule / kBlockAlign;
-  for (const Kind kind : {kEnd, kStart}) {
-    if (head_[kind].size() != units) {
-      head_[kind].assign(units, nullptr);
-    } else {
-      for (size_t u = units_[kind].next(0); u != BitIndex::kNone; u = units_[kind].next(u + 1)) head_[kind][u] = nullptr;
-    }
-    units_[kind].reset(units);
-  }
-  if (roomy_at_.size() != granules) roomy_at_.reset(granules);  // once per arena
   granule_ = granule;
-  roomy_.reset(granules);
-  roomy_count_ = 0;
+  for (const Kind kind : {kEnd, kStart}) heads_[kind].reset(granule / kBlockAlign);
+  roomy_.reset(granules);  // an index stopped and started again clears what it listed
   whole_granules_ = 0;
   twins_to_check_.clear();
 }
@@ -43,8 +30,7 @@ bool SliverIndex::noted(size_t slot) const {
 }
 
 Block* SliverIndex::first_from_unit(Kind kind, size_t unit) const {
-  const size_t found = units_[kind].next(unit);
-  return found == BitIndex::kNone ? nullptr : head_[kind][found];
+  return heads_[kind].next(unit);
 }
 
 Block* SliverIndex::first(Kind kind, size_t from) const {

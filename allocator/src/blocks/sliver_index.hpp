@@ -75,7 +75,7 @@ class SliverIndex {
   inline Block* roomy_from(size_t slot) const;
   // Whether `block` is listed as roomy.
   inline bool is_roomy(const Block* block) const;
-  size_t roomy_count() const { return roomy_count_; }
+  size_t roomy_count() const { return roomy_.size(); }
   // How many whole granules the roomy blocks hold, together.
   size_t whole_granules() const { return whole_granules_; }
   // The granule of the arena where roomy `block`'s first whole granule lies.
@@ -102,11 +102,8 @@ class SliverIndex {
   Block* first_from_unit(Kind kind, size_t unit) const;
 
   size_t granule_ = 0;
-  std::vector<Block*> head_[2];  // per offset unit
-  BitIndex units_[2];            // the units u with head_[kind][u] != nullptr
-  SlotTable roomy_at_;            // per granule: the roomy block whose first whole granule it is
-  BitIndex roomy_;                // the granules with roomy_at_[slot] != nullptr
-  size_t roomy_count_ = 0;
+  BlockTable heads_[2];  // per offset unit: the first sliver of the list
+  BlockTable roomy_;     // per granule: the roomy block whose first whole granule it is
   size_t whole_granules_ = 0;
   std::vector<size_t> twins_to_check_;
 };

@@ -20,12 +20,15 @@ inline size_t SliverIndex::offset(Kind kind, const Block* block, size_t g) {
 }
 
 inline void SliverIndex::link(Kind kind, Block* block, size_t unit) {
-  Block*& head = head_[kind][unit];
+  Block* head = heads_[kind].at(unit);
   block->sliver_prev[kind] = nullptr;
   block->sliver_next[kind] = head;
-  if (head != nullptr) head->sliver_prev[kind] = block;
-  head = block;
-  units_[kind].insert(unit);
+  if (head != nullptr) {
+    head->sliver_prev[kind] = block;
+    heads_[kind].replace(unit, block);
+  } else {
+    heads_[kind].insert(unit, block);
+  }
 }
 
 inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
@@ -34,9 +37,10 @@ inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
   if (next != nullptr) next->sliver_prev[kind] = prev;
   if (prev != nullptr) {
     prev->sliver_next[kind] = next;
+  } else if (next != nullptr) {
+    heads_[kind].replace(unit, next);
   } else {
-    head_[kind][unit] = next;
-    if (next == nullptr) units_[kind].erase(unit);
+    heads_[kind].erase(unit);
   }
   block->sliver_prev[kind] = block->sliver_next[kind] = nullptr;
 }
@@ -66,10 +70,7 @@ inline void SliverIndex::insert(Block* block) {
   }
   block->sliver_kinds = kinds;
   if (const size_t whole = whole_granules(block, granule_)) {
-    const size_t slot = first_whole(block, granule_);
-    roomy_at_[slot] = block;
-    roomy_.insert(slot);
-    ++roomy_count_;
+    roomy_.insert(first_whole(block, granule_), block);
     whole_granules_ += whole;
   }
   const uintptr_t base = block->segment->base;
@@ -86,10 +87,8 @@ inline void SliverIndex::erase(Block* block) {
   block->sliver_kinds = 0;
   if (const size_t whole = whole_granules(block, granule_)) {
     const size_t slot = first_whole(block, granule_);
-    assert(slot < roomy_at_.size() && roomy_at_[slot] == block);
-    roomy_at_[slot] = nullptr;
+    assert(roomy_.at(slot) == block);
     roomy_.erase(slot);
-    --roomy_count_;
     whole_granules_ -= whole;
   }
 }
@@ -98,15 +97,12 @@ inline size_t SliverIndex::first_whole(const Block* block, size_t g) {
   return round_up_to(block->addr - block->segment->base, g) / g;
 }
 
-inline Block* SliverIndex::roomy_from(size_t slot) const {
-  const size_t found = roomy_.next(slot);
-  return found == BitIndex::kNone ? nullptr : roomy_at_[found];
-}
+inline Block* SliverIndex::roomy_from(size_t slot) const { return roomy_.next(slot); }
 
 inline bool SliverIndex::is_roomy(const Block* block) const {
   if (whole_granules(block, granule_) == 0) return false;
   const size_t slot = first_whole(block, granule_);
-  return slot < roomy_at_.size() && roomy_at_[slot] == block;
+  return slot < roomy_.slots() && roomy_.at(slot) == block;
 }
 
 }  // namespace pyalloc
