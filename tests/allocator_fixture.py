@@ -96,13 +96,17 @@ def fresh_conf(backend: str, extra: str = "") -> str:
 MECHANISM_VARIANTS = ["host", "sim", "sim-plain"]
 
 
-def mechanism_allocator(variant: str, extra: str) -> Iterator[Allocator]:
-    """The body of a mechanism's fixture (params=MECHANISM_VARIANTS): a fresh
-    allocator with `extra`, whose leftovers are freed and checked afterwards."""
-    a = fresh_allocator(variant, extra)
+def checked(a: Allocator) -> Iterator[Allocator]:
+    """The body of a fixture: `a`, whose leftovers are freed and checked afterwards."""
     yield a
     a.free_all()
     pyalloc.check(0)
+
+
+def mechanism_allocator(variant: str, extra: str) -> Iterator[Allocator]:
+    """The body of a mechanism's fixture (params=MECHANISM_VARIANTS): a fresh
+    allocator with `extra`, whose leftovers are freed and checked afterwards."""
+    yield from checked(fresh_allocator(variant, extra))
 
 
 def rebuilt(backend: str, vmm: str, extra: str = "") -> Allocator:

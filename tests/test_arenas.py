@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fill, fresh_conf, holds, rebuilt
+from allocator_fixture import Allocator, checked, fill, fresh_conf, holds, rebuilt
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -22,10 +22,7 @@ GRANULE = 2 * MiB
 
 @pytest.fixture(params=["host", "sim"])
 def arenas(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    a = rebuilt(request.param, "vmm=on")
-    yield a
-    a.free_all()
-    pyalloc.check(0)
+    yield from checked(rebuilt(request.param, "vmm=on"))
 
 
 def pending_bytes(a: Allocator) -> int:

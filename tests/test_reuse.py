@@ -14,17 +14,14 @@ from typing import Iterator
 import pytest
 
 import pyalloc
-from allocator_fixture import Allocator, fill, holds, rebuilt
+from allocator_fixture import Allocator, checked, fill, holds, rebuilt
 
 MiB = 1 << 20
 
 
 @pytest.fixture(params=["host", "sim"])
 def arenas(request: pytest.FixtureRequest) -> Iterator[Allocator]:
-    a = rebuilt(request.param, "vmm=shared")
-    yield a
-    a.free_all()
-    pyalloc.check(0)
+    yield from checked(rebuilt(request.param, "vmm=shared"))
 
 
 def _hole_between_live_blocks(a: Allocator) -> tuple[int, int]:
