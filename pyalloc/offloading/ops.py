@@ -160,7 +160,7 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         t2 = time.thread_time()
         outs, _ = tree_flatten(out)
-        writes = [reads[sum(1 for x in leaves[:i] if isinstance(x, torch.Tensor))] for i in mutated]
+        writes = [recorded[i].key for i in mutated]  # mutated positions hold tensors
         outputs: list[tuple[ProfileKey, Geometry] | None] = []
         view = not mutated
         for o in outs:
@@ -190,12 +190,11 @@ class Recipe:
     geometry: list[list[Geometry | None]]  # per operator: its outputs' geometry (SOURCE, FAKE)
     mutated: list[list[int]]  # per operator: flattened argument positions it writes (SKIP)
     sources: dict[int, int] = field(default_factory=dict)  # operator -> the save (index in the call) whose storage it made
-    source_saves: frozenset[int] = frozenset()  # saves (index in the call) the region holds until its re-run
     seconds: float = 0.0  # estimated re-run time
     op_seconds: float = 0.0  # of which the computed operators' own
     replay: "list[ReplayStep] | None" = None  # the computed operators alone (Note [Operator replay])
     drops: dict[int, tuple["ProfileKey", Geometry]] = field(default_factory=dict)  # dropped save -> storage, geometry
-    source_keys: dict[int, "ProfileKey"] = field(default_factory=dict)  # source save -> its storage
+    source_keys: dict[int, "ProfileKey"] = field(default_factory=dict)  # saves (index in the call) the region holds until its re-run -> their storage
     input_geometry: list[Geometry] = field(default_factory=list)  # the call's tensor inputs, as profiled
     replay_index: dict[int, int] = field(default_factory=dict)  # operator -> its replay step
     transient: int = 0  # bytes the re-run makes: dropped saves and temporaries
@@ -325,7 +324,7 @@ class CallOps:
         source_keys.update({self.saved_at[k]: k for k in used_sources})
         return Recipe([op.func for op in ops], actions, [[o[1] if o is not None else None for o in op.outputs]
                                                          for op in ops],
-                      [op.mutated for op in ops], sources, frozenset(source_keys), seconds=seconds,
+                      [op.mutated for op in ops], sources, seconds=seconds,
                       op_seconds=op_seconds, transient=transient, replay=replay, drops=drop_saves,
                       source_keys=source_keys, input_geometry=self.input_geometry,
                       replay_index={j: i for i, j in enumerate(sorted(needed))} if replay is not None else {})
@@ -372,14 +371,6 @@ def _nbytes(g: Geometry) -> int:
     shape, stride, _, dtype, _ = g
     span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
     return span * dtype.itemsize
-
-
-def _alias(source: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-    """A tensor on ``source``'s storage with ``geometry``, no view of it (autograd sets the
-    history of an operator's output on it)."""
-    shape, stride, offset, dtype, device = geometry
-    out = torch.empty(0, dtype=dtype, device=device)
-    return out.set_(source.untyped_storage(), offset, shape, stride)
 
 
 def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[torch.Tensor],
@@ -471,7 +462,7 @@ class SelectiveRerun(TorchDispatchMode):
             return written[0] if len(written) == 1 else tuple(written)
         geometry = r.geometry[j]
         if action == SOURCE:
-            out = _alias(self.sources[r.sources[j]], geometry[0])  # type: ignore[arg-type]
+            out = _view(self.sources[r.sources[j]].untyped_storage(), geometry[0])  # type: ignore[arg-type]
             flat = [out]
         else:
             flat = [torch.empty_strided(g[0], g[1], dtype=g[3], device=g[4]) for g in geometry]  # type: ignore[index]

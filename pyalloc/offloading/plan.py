@@ -396,7 +396,7 @@ class _Planner:
     as the budget tightens.
     """
 
-    def __init__(self, profile: Profile, like: "_Planner | None" = None) -> None:
+    def __init__(self, profile: Profile, like: "_Planner | None" = None, selective: bool = True) -> None:
         self.calls = profile.calls
         self.packs = profile.packs
         self.dropped: dict[ProfileKey, int] = {}
@@ -425,12 +425,13 @@ class _Planner:
         self.candidates = [c for call in self.calls for c in (self._region(call), *self._outputs(call))
                            if c is not None and c.drops and not (c.drops & set(c.pins))]
         self.first_touch: dict[ProfileKey, tuple[int, bool]] = {}  # storage -> first operator, made by it
-        for j, op in enumerate(profile.ops):
-            for k in op.reads:
-                self.first_touch.setdefault(k, (j, False))
-            for k in op.writes:
-                self.first_touch.setdefault(k, (j, True))
-        self.candidates += [v for c in list(self.candidates) if c.kind == REGION for v in self._selective(c, profile)]
+        if selective:  # Note [Selective re-runs]: variants from the operators the profile recorded
+            for j, op in enumerate(profile.ops):
+                for k in op.reads:
+                    self.first_touch.setdefault(k, (j, False))
+                for k in op.writes:
+                    self.first_touch.setdefault(k, (j, True))
+            self.candidates += [v for c in list(self.candidates) if c.kind == REGION for v in self._selective(c, profile)]
         self.variants = {}
         for c in self.candidates:
             if c.kind == OUTPUT:
@@ -600,19 +601,9 @@ class _Planner:
                     return None
                 replaced.append(d)
                 added.append(min(options, key=lambda v: v.seconds))
-        for d in replaced:
-            self._apply(d, -1)
-            self.chosen.remove(d)
-        for a in added:
-            self._apply(a, +1)
-            self.chosen.append(a)
+        self._take((replaced, added))
         result = (self.estimate(), self.seconds(), replaced, added)
-        for a in added:
-            self._apply(a, -1)
-            self.chosen.remove(a)
-        for d in replaced:
-            self._apply(d, +1)
-            self.chosen.append(d)
+        self._take((added, replaced))
         return result
 
     def seed(self, regions: list[_Candidate]) -> None:
@@ -688,12 +679,7 @@ class _Planner:
                         break
                     self._take(move)
             if self.estimate() > budget or self.seconds() >= spent:
-                for d in list(self.chosen):
-                    self._apply(d, -1)
-                self.chosen = []
-                for d in before:
-                    self._apply(d, +1)
-                    self.chosen.append(d)
+                self._take((list(self.chosen), before))
 
     Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
 
@@ -737,9 +723,7 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
     as it can when that is below the floor. See Note [Planned recompute]. ``floor_bytes``: the
     floor estimated before for this profile (planning to 0 from every start is the slow part).
     ``selective``: whether selective regions (Note [Selective re-runs]) are candidates."""
-    base = _Planner(profile)
-    if not selective:
-        base.candidates = [c for c in base.candidates if c.recipe is None]
+    base = _Planner(profile, selective=selective)
     starts: list[list[_Candidate]] = [[], *base.seeds()]
     if floor_bytes is None:
         floor_bytes = min(_planned(profile, base, seed, 0).estimate() for seed in starts)

@@ -198,7 +198,7 @@ class Region(_Rerun):
         mode: SelectiveRerun | None = None
         if self.recipe is not None:
             sources = {i: h.tensor if isinstance(h, KeptSave) else h for i, h in self.sources.items()}
-            if len(sources) == len(self.recipe.source_saves):
+            if len(sources) == len(self.recipe.source_keys):
                 verify = self.step.verify and self.recipe.replay is not None
                 if not verify and self._replay(sources):
                     return
@@ -551,7 +551,7 @@ class PlannedStep:
             self._diverge()
         kept: Any = KeptSave(self.bytes, t) if is_activation(t) else t
         region = self._regions[-1] if self._regions else None
-        if region is not None and region.recipe is not None and seq - region.first_seq in region.recipe.source_saves:
+        if region is not None and region.recipe is not None and seq - region.first_seq in region.recipe.source_keys:
             region.sources[seq - region.first_seq] = kept  # the re-run takes it instead of computing it
         return kept
 

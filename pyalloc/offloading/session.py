@@ -240,7 +240,8 @@ class ActivationOffload:
                     self._profile = Profile(lambda: self._overhead_s)
                     self._profile.start()
                     stack.callback(self._profile.stop)
-                    stack.enter_context(self._profile.recorder)
+                    if self.selective:  # only selective regions read the operators
+                        stack.enter_context(self._profile.recorder)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
                 self._recording = self.recompute
                 if self.recompute and self._mode_stack is None:
