@@ -65,17 +65,14 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch import nn
 
-from ..offloading.bench_models import Workload, gpu_workloads, probed, train_step, workloads
-from ..offloading.session import ActivationOffload, OffloadFloorWarning, offload
+from ..offloading.bench_models import Workload, gpu_workloads, probed, settle, train_step, workloads
+from ..offloading.session import ActivationOffload, offload
 from .batch_search import BatchSearch, largest_batch
 
 COLUMNS = ("baseline", "checkpoint", "save_on_cpu", "pyalloc")
 BUDGET_FRACTION = 0.5  # pyalloc's budget, of the baseline's saved-activation bytes at the common batch
 COMMON_FRACTION = 0.9  # the common batch, of the baseline's largest
 SEARCH_STEPS = 3  # steps a batch must run to count as training
-SETTLE_STEPS = 12
-"""A pyalloc session's plan settles within a few steps (two, on the benchmark's models); this many
-at most before the steps that count."""
 HOST_FRACTION = 0.5  # of the host's available memory, the most save_on_cpu's search may pin
 
 Grads = dict[str, torch.Tensor]
@@ -117,13 +114,7 @@ class Column:
         if self.name != "pyalloc":
             return
         self.session = offload(budget=self.budget, swap=False)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(SETTLE_STEPS):
-                self.step(x)
-                if self.session.stats()["plan_settled"]:
-                    break
-        self.floor_warned = any(issubclass(w.category, OffloadFloorWarning) for w in caught)
+        self.floor_warned = settle(self.session, lambda: self.step(x))
 
     def step(self, x: torch.Tensor) -> Grads:
         with self._around():

@@ -13,6 +13,7 @@ model at 224x224 inputs). Every model runs in float32.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .plan import is_activation, storage_key, tensor_leaves
 from .regions import KeptSave, SavedBytes
+from .session import ActivationOffload, OffloadFloorWarning
 
 
 class CheckpointProbe:
@@ -250,3 +252,20 @@ def probed(model: nn.Module, x: torch.Tensor) -> tuple[int, list[int], list[int]
         for h in handles:
             h.remove()
     return counter.peak, at_start, [sum(d.values()) for d in saved]
+
+
+SETTLE_STEPS = 12
+"""A session's plan settles within a few steps (two, on these models); this many at most."""
+
+
+def settle(session: ActivationOffload, step: Callable[[], object]) -> bool:
+    """Runs ``step`` (a training step under ``session``) until the session's plan settled, so that
+    the steps that count are steady-state steps; whether the session warned that the budget is
+    below its floor meanwhile."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(SETTLE_STEPS):
+            step()
+            if session.stats()["plan_settled"]:
+                break
+    return any(issubclass(w.category, OffloadFloorWarning) for w in caught)

@@ -37,14 +37,13 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from pyalloc.offloading.bench_models import Workload, probed, train_step, workloads
-from pyalloc.offloading.session import ActivationOffload, OffloadFloorWarning, offload
+from pyalloc.offloading.bench_models import Workload, probed, settle, train_step, workloads
+from pyalloc.offloading.session import ActivationOffload, offload
 
 
 # ---- measurement ---------------------------------------------------------------------------
@@ -84,15 +83,6 @@ class _Config:
         self.times.append(time.thread_time() - t0)
 
 
-def _settle(config: _Config) -> None:
-    """Runs a session's profiled step and its plan search: the timed steps are steady-state steps."""
-    assert config.session is not None
-    for _ in range(12):
-        config.step()
-        if config.session.stats()["plan_settled"]:
-            return
-
-
 def bench_model(name: str, workload: Workload, batch: int, reps: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     base_model, x = workload.make_model(), workload.make_input(batch)
@@ -109,10 +99,7 @@ def bench_model(name: str, workload: Workload, batch: int, reps: int) -> list[di
         choice = {} if _SELECTIVE is None else {"selective": _SELECTIVE}
         session = offload(budget=limit, pressure_callback=False, **choice)
         config = _Config(label, copy.deepcopy(base_model), x, session)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _settle(config)
-        floor_warned[label] = any(issubclass(w.category, OffloadFloorWarning) for w in caught)
+        floor_warned[label] = settle(session, config.step)
         configs.append(config)
     exact = {}
     for c in configs:
