@@ -152,7 +152,7 @@ class ThreadState(threading.local):
 
     def modules(self) -> list[torch.nn.Module]:
         """The running modules, outermost first, the inherited ones included while valid."""
-        if self.inherited and self.inherited_valid():
+        if self.inherited_valid():
             return self.inherited + self.module_stack
         return self.module_stack
 
@@ -310,7 +310,7 @@ class StorageTracker(TorchDispatchMode):
     def module_pre(self, module: torch.nn.Module, _args: Any) -> None:
         state = self.thread
         stack = state.module_stack
-        if not stack and not (state.inherited and state.inherited_valid()):
+        if not stack and not state.inherited_valid():
             ident = id(module)
             entry = self.top_modules.get(ident)
             if entry is None or entry[0]() is not module:

@@ -245,7 +245,9 @@ class Profile:
         return [c for c in self.calls if c.parent < 0]
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # first: dynamo must not trace the profile
+        # First: dynamo must not trace the profile; and what a compiled region saves is kept
+        # (its modules are not seen, so nothing there is planned).
+        if torch.compiler.is_compiling():
             return
         busy, self.busy = self.busy, True  # what the hook runs is not the module's (DTR records it)
         try:
@@ -265,10 +267,7 @@ class Profile:
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         if self._suspended is None and isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
             self._suspend(module)
-        # Not inside torch.compile's tracing: what a compiled region saves is kept (its modules
-        # are not seen, so nothing there is planned).
-        if self.paused or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
-                or threading.get_ident() != self._thread:
+        if self.paused or not torch.is_grad_enabled() or threading.get_ident() != self._thread:
             return
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
@@ -290,8 +289,8 @@ class Profile:
     def _leave(self, module: torch.nn.Module, output: Any) -> None:
         if self._suspended is module:
             self._resume()
-        if self.paused or not self._open or torch.compiler.is_compiling() \
-                or threading.get_ident() != self._thread or self._open[-1][0].module() is not module:
+        if self.paused or not self._open or threading.get_ident() != self._thread \
+                or self._open[-1][0].module() is not module:
             return
         self._close(self._open[-1][0], output)
 
