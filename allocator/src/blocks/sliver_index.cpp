@@ -2,13 +2,16 @@
 #include "blocks/sliver_index.hpp"
 
 #include <algorithm>
+#include <cassert>
 
 #include "blocks/sliver_index_inl.hpp"
 
 namespace pyalloc {
 
 void SliverIndex::start(size_t granule, size_t granules) {
+  assert(granule != 0 && (granule & (granule - 1)) == 0);
   granule_ = granule;
+  shift_ = static_cast<unsigned>(__builtin_ctzll(granule));
   for (const Kind kind : {kEnd, kStart}) heads_[kind].reset(granule / kBlockAlign);
   roomy_.reset(granules);  // an index stopped and started again clears what it listed
   whole_granules_ = 0;

@@ -55,7 +55,7 @@ class SliverIndex {
 
   bool on() const { return granule_ != 0; }
   // Turns the index on, empty, for an arena of `granules` granules of
-  // `granule` bytes.
+  // `granule` bytes, a power of two (arena_for refuses other granularities).
   void start(size_t granule, size_t granules);
   // Turns it off; its storage stays for the next start().
   void stop();
@@ -97,11 +97,22 @@ class SliverIndex {
   static inline bool lends(Kind kind, const Block* block, size_t granule);
 
  private:
+  // Where a block lies in the arena's granules (sliver_index_inl.hpp).
+  struct Place {
+    size_t end_unit;       // its offset unit as a free end; 0: it is none
+    size_t start_unit;     // as a free start; 0: it is none
+    size_t end_granule;    // the granule where it would be a free end
+    size_t start_granule;  // the granule where it would be a free start
+    size_t first_whole;    // its first whole granule, if any
+    size_t whole;          // how many whole granules it holds
+  };
+  inline Place place(const Block* block) const;
   void link(Kind kind, Block* block, size_t unit);
   void unlink(Kind kind, Block* block, size_t unit);
   Block* first_from_unit(Kind kind, size_t unit) const;
 
   size_t granule_ = 0;
+  unsigned shift_ = 0;  // log2(granule_)
   BlockTable heads_[2];  // per offset unit: the first sliver of the list
   BlockTable roomy_;     // per granule: the roomy block whose first whole granule it is
   size_t whole_granules_ = 0;

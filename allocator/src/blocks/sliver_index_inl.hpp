@@ -58,38 +58,65 @@ inline bool SliverIndex::lends(Kind kind, const Block* block, size_t g) {
   return !block->segment->twinned[(kind == kEnd ? lo : lo + block->size) / g];
 }
 
+// Where `block` lies in its arena's granules, in the index's terms: one
+// pass over its bounds with the granule's shift and mask, for insert and
+// erase (the static helpers above say the same, one question at a time, for
+// pyalloc_check).
+inline SliverIndex::Place SliverIndex::place(const Block* block) const {
+  const size_t mask = granule_ - 1;
+  const size_t lo = block->addr - block->segment->base;
+  const size_t hi = lo + block->size;
+  const size_t first = (lo + mask) & ~mask;  // the first granule boundary at or after lo
+  const size_t last = hi & ~mask;            // the last at or before hi
+  Place p;
+  p.end_unit = (lo & mask) != 0 && hi >= first ? (lo & mask) / kBlockAlign : 0;
+  p.start_unit = (hi & mask) != 0 && lo <= last ? (hi & mask) / kBlockAlign : 0;
+  p.end_granule = lo >> shift_;
+  p.start_granule = hi >> shift_;
+  p.first_whole = first >> shift_;
+  p.whole = last > first ? (last - first) >> shift_ : 0;
+  return p;
+}
+
 // `block` is not listed (its sliver_kinds may be stale from an index dropped
-// since: it is set here, not added to).
+// since: it is set here, not added to). Twins are rare: an arena without any
+// skips their lookups.
 inline void SliverIndex::insert(Block* block) {
+  const Place p = place(block);
+  const Segment* arena = block->segment;
+  const bool twins = !arena->twins.empty();
   uint8_t kinds = 0;
-  for (const Kind kind : {kEnd, kStart}) {
-    const size_t off = offset(kind, block, granule_);
-    if (off == 0 || !lends(kind, block, granule_)) continue;
-    link(kind, block, off / kBlockAlign);
-    kinds |= static_cast<uint8_t>(1u << kind);
+  if (p.end_unit != 0 && !(twins && arena->twinned[p.end_granule])) {
+    link(kEnd, block, p.end_unit);
+    kinds |= 1u << kEnd;
+  }
+  if (p.start_unit != 0 && !(twins && arena->twinned[p.start_granule])) {
+    link(kStart, block, p.start_unit);
+    kinds |= 1u << kStart;
   }
   block->sliver_kinds = kinds;
-  if (const size_t whole = whole_granules(block, granule_)) {
-    roomy_.insert(first_whole(block, granule_), block);
-    whole_granules_ += whole;
+  if (p.whole != 0) {
+    roomy_.insert(p.first_whole, block);
+    whole_granules_ += p.whole;
   }
-  const uintptr_t base = block->segment->base;
-  for (const Block* beside : {block->prev, block->next}) {
-    if (beside != nullptr && beside->state == BlockState::kLent) check_twin((beside->addr - base) / granule_);
+  if (twins) {
+    for (const Block* beside : {block->prev, block->next}) {
+      if (beside != nullptr && beside->state == BlockState::kLent) check_twin((beside->addr - arena->base) >> shift_);
+    }
   }
 }
 
 inline void SliverIndex::erase(Block* block) {
-  for (const Kind kind : {kEnd, kStart}) {
-    if (!(block->sliver_kinds & (1u << kind))) continue;
-    unlink(kind, block, offset(kind, block, granule_) / kBlockAlign);
-  }
+  const uint8_t kinds = block->sliver_kinds;
+  if (kinds == 0 && block->size < granule_) return;  // no sliver, too small to be roomy
+  const Place p = place(block);
+  if (kinds & (1u << kEnd)) unlink(kEnd, block, p.end_unit);
+  if (kinds & (1u << kStart)) unlink(kStart, block, p.start_unit);
   block->sliver_kinds = 0;
-  if (const size_t whole = whole_granules(block, granule_)) {
-    const size_t slot = first_whole(block, granule_);
-    assert(roomy_.at(slot) == block);
-    roomy_.erase(slot);
-    whole_granules_ -= whole;
+  if (p.whole != 0) {
+    assert(roomy_.at(p.first_whole) == block);
+    roomy_.erase(p.first_whole);
+    whole_granules_ -= p.whole;
   }
 }
 

@@ -151,8 +151,9 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
     if (a->stream == stream) return a;
   }
   const size_t g = granule();
-  if (g == 0 || g % kBlockAlign != 0) {
-    last_backend_error_ = "the backend has no usable virtual-memory granularity";
+  if (g == 0 || g % kBlockAlign != 0 || (g & (g - 1)) != 0) {
+    last_backend_error_ = "the backend's virtual-memory granularity (" + std::to_string(g) +
+                          " bytes) is not a power of two of at least 512 bytes";
     return nullptr;
   }
   // kArenaSpan times the device, so that address space is rarely what runs
