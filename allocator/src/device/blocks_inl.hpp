@@ -17,8 +17,17 @@ namespace pyalloc {
 
 // ---- Block objects ------------------------------------------------------------------
 
+// Blocks come kBlockSlab at a time (Note [Block layout] in blocks/types.hpp):
+// one aligned allocation instead of one each, and the blocks a walk passes
+// lie near each other. They return to the system with the allocator.
 PYALLOC_INLINE Block* DeviceAllocator::new_block() {
-  if (spare_blocks_.empty()) return new Block;
+  if (spare_blocks_.empty()) {
+    block_slabs_.emplace_back(new Block[kBlockSlab]);
+    make_spare_room(kBlockSlab);
+    Block* slab = block_slabs_.back().get();
+    for (size_t i = kBlockSlab; i-- > 1;) spare_blocks_.push_back(&slab[i]);
+    return &slab[0];
+  }
   Block* b = spare_blocks_.back();
   spare_blocks_.pop_back();
   return b;

@@ -35,17 +35,9 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* back
 }
 
 DeviceAllocator::~DeviceAllocator() {
-  // Host-side bookkeeping only: no backend call (see Note [Shutdown]).
-  for (auto& entry : segments_) {
-    Block* b = entry.second->head;
-    while (b != nullptr) {
-      Block* next = b->next;
-      delete b;
-      b = next;
-    }
-    delete entry.second;
-  }
-  for (Block* b : spare_blocks_) delete b;
+  // Host-side bookkeeping only: no backend call (see Note [Shutdown]). The
+  // blocks go with block_slabs_.
+  for (auto& entry : segments_) delete entry.second;
 }
 
 // ---- settings and limits -------------------------------------------------------------

@@ -412,7 +412,8 @@ class DeviceAllocator {
   // share_from_: above it the pressure ladder's rules apply.
   size_t reuse_below_ = 0;
 
-  std::vector<Block*> spare_blocks_;  // recycled Block objects
+  std::vector<Block*> spare_blocks_;  // Block objects not in use: recycled, or from a slab
+  std::vector<std::unique_ptr<Block[]>> block_slabs_;  // every Block, kBlockSlab at a time
   Pool small_pool_;
   Pool large_pool_;
   std::vector<std::unique_ptr<Pool>> user_pools_;  // index = pool id - 1
