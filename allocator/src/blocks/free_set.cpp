@@ -42,9 +42,7 @@ bool FreeSet::validate(std::string* error) const {
         if (b->bin_prev != prev) return *error = "free-set list links are broken", false;
         if (b->stream != bins->stream) return *error = "free-set holds a block under another stream", false;
         if (size_class(b->size) != c || b->bin_class != c) return *error = "free-set holds a block in the wrong size class", false;
-        if (c >= kExactClasses && prev != nullptr && !before(prev, b)) {
-          return *error = "free-set range class is not sorted by (size, address)", false;
-        }
+        if (prev != nullptr && !before(prev, b)) return *error = "free-set class is not sorted by (size, address)", false;
       }
     }
   }

@@ -6,25 +6,12 @@
 //   - below 64 KiB one class per 512 B step, so a class holds one size;
 //   - above, TLSF-style: each power-of-two interval split into 16 classes,
 //     so the sizes in a class differ by less than 1/16.
-// Each class is an intrusive list. A range class is sorted by (size,
-// address); an exact class, whose blocks all have one size, is a stack: a
-// block freed goes to its head. Two bitmaps (classes, and words of classes)
-// find the first non-empty class at or above a request's class in a few
-// instructions. Best fit is then exact: within the request's own class, the
-// first block that is large enough; otherwise the head of the next non-empty
-// class, whose blocks are all larger. Among equal sizes a range class gives
-// the lowest address, as an ordered set on (stream, size, address) does
-// (PyTorch's), and an exact class the block freed last.
-//
-// Why exact classes are stacks: keeping a class in address order costs a
-// walk of the class on every free, one cache miss per block passed, and
-// many blocks of one small size are what a model with 10^5 live blocks has.
-// On tools/bench/scale.cpp's churn at 10^5 live blocks (sizes 512 B to
-// ~600 KB, no limit) that walk was half the time: 579-653 ns per operation
-// with it, 297-339 without (three runs each), and 327 instructions and 16.1
-// D1 misses per operation against 229 and 8.9 (callgrind). In the stress suite only one figure
-// moved, lstm_varlen's min capacity, 198 -> 196 MiB: which of several
-// equal blocks below 64 KiB is reused hardly matters to fragmentation.
+// Each class is an intrusive list sorted by (size, address). Two bitmaps
+// (classes, and words of classes) find the first non-empty class at or above
+// a request's class in a few instructions. Best fit is then exact: within
+// the request's own class, the first block that is large enough; otherwise
+// the head of the next non-empty class, whose blocks are all larger. Ties go
+// to the lowest address, as with an ordered set on (stream, size, address).
 //
 // The bitmaps are cleared lazily: a class's bit is set when a block goes
 // into it, and cleared only when best_fit's search finds the class empty.
@@ -33,9 +20,9 @@
 // no bitmap.
 //
 // Cost: lookup and erase are O(1) plus the walk of the request's class for
-// sizes of 64 KiB and more; insertion is O(1) below 64 KiB and above walks
-// one class to keep it sorted, linear in the blocks of that class (RMM's
-// coalescing free list makes the same trade). Used under the device lock only.
+// sizes of 64 KiB and more; insertion walks one class to keep it sorted,
+// linear in the blocks of that class (RMM's coalescing free list makes the
+// same trade). Used under the device lock only.
 #pragma once
 
 #include <cstddef>
@@ -53,7 +40,6 @@ struct Block;
 class FreeSet {
  public:
   static constexpr int kExactClasses = 128;  // 512 B .. 64 KiB - 512 B, one size each
-  static constexpr size_t kExactLimit = size_t{kExactClasses} << 9;  // the smallest size of a range class
   static constexpr int kSubClasses = 16;     // per power of two above 64 KiB
   static constexpr int kClasses = kExactClasses + 37 * kSubClasses;  // sizes up to 2^53 B
   static constexpr int kWords = (kClasses + 63) / 64;
@@ -107,7 +93,7 @@ class FreeSet {
   }
 
   // Calls fn(block) for the free blocks of `stream` of at least `size` bytes,
-  // smallest first (class by class, each in its order), until fn
+  // smallest first (class by class, each in (size, address) order), until fn
   // returns false. fn must not change the set (collect, then change).
   template <typename F>
   void for_each_at_least(StreamId stream, size_t size, F fn) const {
@@ -121,7 +107,7 @@ class FreeSet {
     }
   }
 
-  // The structure's own invariants: sorted range classes, right classes and
+  // The structure's own invariants: sorted classes, right classes and
   // streams, a bit set for every non-empty class. False with *error.
   bool validate(std::string* error) const;
 

@@ -9,11 +9,9 @@
 
 namespace pyalloc {
 
-// Whether `a` goes before `b` in their class: (size, address) order in a
-// range class; in an exact class, whose blocks have one size, never, so that
-// a block freed goes to the head (Note [Free sets]).
+// (size, address) order within a class.
 inline bool FreeSet::before(const Block* a, const Block* b) {
-  return a->size != b->size ? a->size < b->size : (a->addr < b->addr) & (a->size >= kExactLimit);
+  return a->size != b->size ? a->size < b->size : a->addr < b->addr;
 }
 
 inline FreeSet::StreamBins* FreeSet::find(StreamId stream) const {

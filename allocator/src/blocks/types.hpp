@@ -15,8 +15,7 @@
 //                the long pool (requests predicted long-lived, Note
 //                [Lifetime-aware placement]).
 //   free set     a pool's free blocks by stream and size class (Note [Free
-//                sets]): best fit; among equal sizes the lowest address
-//                from 64 KiB up, the block freed last below.
+//                sets]): best fit, lowest address first among equal sizes.
 //   stream       the stream a segment was allocated for. A free block is
 //                reused only by requests on the same stream.
 //   stream use   another stream the block was used on (record_stream). Such
