@@ -4,6 +4,7 @@ found it exact; and ReLU outputs (saved by the ReLU itself, before it returns) d
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -155,3 +156,69 @@ def test_a_refill_found_inexact_in_the_profile_is_never_used(monkeypatch) -> Non
     monkeypatch.setattr(batchnorm, "refill", off_by_one_ulp)
     st, _ = _session_run()
     assert st["batchnorm_refills_total"] == 0 and st["drops_total"] > 0
+
+
+def test_a_strided_batch_norm_at_its_initial_weights_is_not_refilled() -> None:
+    """At weight 1 and bias 0 (the default initialisation) the kernel's strided path and the refill
+    agree on the profiled output; they part after the first optimizer step, so the profile must
+    not mark it (a second reader's probe: every planned step's gradients differed)."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), _Transposed(8), nn.ReLU())
+    profile = Profile()
+    profile.start()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (profile.note_pack(t), t)[1], lambda t: t):
+        _step(model, _input(), 0)
+    profile.stop()
+    (bn,) = [c for c in profile.calls if isinstance(c.module(), nn.BatchNorm2d)]
+    assert bn.refill_seconds < 0
+
+
+class _Swap(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(2, 3)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_refills_stay_exact_while_an_optimizer_moves_the_weights(strided: bool) -> None:
+    """Batch norms at their initial weights, an SGD step after each step: the planned steps'
+    gradients equal the plain steps' every step. Contiguous inputs: refilled (the kernel's path
+    is the refill's whatever the weights). Strided ones: re-run whole (refilled, they differed
+    from the second step on)."""
+    def model_() -> nn.Module:
+        torch.manual_seed(0)
+        swap: list[nn.Module] = [_Swap()] if strided else []
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1, bias=False), *swap, nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, bias=False), *swap, nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1, bias=False), *swap, nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Flatten(), nn.Linear(32 * 16 * 16, 10))
+
+    def run(model: nn.Module, session: object = None) -> list[dict[str, torch.Tensor]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        out = []
+        for seed in range(4):  # one thread is deterministic this long (oneDNN's convolutions)
+            with session if session is not None else contextlib.nullcontext():
+                out.append(_step(model, x, seed))
+            for p, g in zip(model.parameters(), out[-1].values()):
+                p.grad = g.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = _input()
+        expected = run(model_())
+        saved = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: KeptSave(saved, t) if is_activation(t) else t,
+                                                      lambda h: h.tensor if isinstance(h, KeptSave) else h):
+            _step(model_(), x, 0)
+        session = offload(budget=saved.peak // 2, pressure_callback=False)
+        got = run(model_(), session)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(expected, got):
+        _assert_bitwise_equal(a, b)
+    refills = session.stats()["batchnorm_refills_total"]
+    assert refills == 0 if strided else refills > 0

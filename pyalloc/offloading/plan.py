@@ -329,9 +329,9 @@ class Profile:
             if module is not None and inputs and refillable(module) and not autocast_state():
                 t0 = time.thread_time()
                 with self._peek(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
-                    refill = exact_refill_seconds(module, inputs[0], out)
+                    seconds = exact_refill_seconds(module, inputs[0], out)
                 self._checks_s += time.thread_time() - t0
-                call.refill_seconds = -1.0 if refill is None else refill
+                call.refill_seconds = -1.0 if seconds is None else seconds
             inner = self._outputs.get(key)
             made_inside = inner is not None and inner[0] > call.index and inner[1]() is out
             if not call.out_is_input and not made_inside:  # the innermost call that made it
@@ -565,7 +565,10 @@ class _Planner:
                 continue
             seen.add(tuple(chain))
             seconds = sum(self.calls[i].rerun_seconds for i in chain)
-            out.append(_Candidate(call, OUTPUT, {key}, pins, chain, seconds, call.out_nbytes))
+            # a chain's re-run holds a call's output and the next one's at once
+            sizes = [self.calls[i].out_nbytes for i in chain]
+            transient = max([call.out_nbytes] + [a + b for a, b in zip(sizes, sizes[1:])])
+            out.append(_Candidate(call, OUTPUT, {key}, pins, chain, seconds, transient))
         return out
 
     # -- state -----------------------------------------------------------------------------
@@ -839,22 +842,22 @@ class PlanSearch:
         return int(self.budget * (1 + BUDGET_SLACK))
 
     def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None,
-                 selective: dict[tuple[int, int], float] | None = None) -> bool:
-        """Takes a planned step's measured peak and re-run seconds per call (by key); returns
-        whether the plan changed."""
+                 selective: dict[tuple[int, int], float] | None = None,
+                 refills: dict[tuple[int, int], float] | None = None) -> bool:
+        """Takes a planned step's measured peak and re-run seconds per call (by key: whole
+        re-runs, selective regions, batch-norm refills); returns whether the plan changed."""
         self.last_peak = peak
         if self.settled:
             return False
         plan = self.plan
         self.trials.append((plan, peak))
-        reruns = reruns or {}
-        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()))
+        reruns, refills = reruns or {}, refills or {}
+        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()) + sum(refills.values()))
         for call in self.profile.calls:
-            measured = reruns.get(call.key)
-            if measured is not None and call.refill_seconds >= 0:
-                call.refill_seconds = measured  # the step refilled it (regions.Output.regenerate)
-            elif measured is not None:
+            if (measured := reruns.get(call.key)) is not None:
                 call.seconds = measured
+            if (measured := refills.get(call.key)) is not None:
+                call.refill_seconds = measured
         for key, seconds in (selective or {}).items():
             recipe = plan.recipes.get(key)
             if recipe is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .batchnorm import refill, saved_statistics
+from . import batchnorm
 from .calls import autocast_state
 from .ops import RerunMismatch, SelectiveRerun, StopRerun, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
@@ -387,7 +387,7 @@ class Output(_Rerun):
         self.out_key = key
         self.out_ref = weakref.ref(output)
         if self.refill_geometry is not None:
-            self.statistics = saved_statistics(output)
+            self.statistics = batchnorm.saved_statistics(output)
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
@@ -422,12 +422,12 @@ class Output(_Rerun):
             if t._version != v:
                 return None  # run() says why it cannot re-run
         t0 = time.thread_time()
-        out = refill(self.module, inputs[0], *stats)
+        out = batchnorm.refill(self.module, inputs[0], *stats)
         seconds = time.thread_time() - t0
         st = self.step.session._stats
         st["batchnorm_refills_total"] += 1
         st["recompute_seconds_total"] += seconds
-        self.step.rerun_seconds[self.key] = self.step.rerun_seconds.get(self.key, 0.0) + seconds
+        self.step.refill_seconds[self.key] = self.step.refill_seconds.get(self.key, 0.0) + seconds
         return out
 
     def output(self) -> torch.Tensor:
@@ -515,6 +515,7 @@ class PlannedStep:
         self.dropped = 0
         self.dropped_bytes = 0
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
+        self.refill_seconds: dict[tuple[int, int], float] = {}  # the same, batch-norm refills
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
