@@ -428,6 +428,16 @@ def _selective_session(name: str, fraction: float, baselines,
     return session, model, x
 
 
+def _only_the_model_cheap(profile: Profile) -> None:
+    """Times set, not measured: every call inside the model as dear as a second, batch norms not
+    refilled (Note [Batch-norm refills]). Else the CNN's cheapest plan at half the bytes
+    regenerates ReLU outputs (through refilled batch norms) and has no selective region to test."""
+    for call in profile.calls:
+        call.refill_seconds = -1.0
+        if call.parent >= 0:
+            call.seconds = 1.0
+
+
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
 @pytest.mark.parametrize("checked", [False, True])
 def test_selective_regions_replay_their_operators_exactly(name, checked, baselines, monkeypatch) -> None:
@@ -438,7 +448,7 @@ def test_selective_regions_replay_their_operators_exactly(name, checked, baselin
 
     monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1 if checked else 1000)
     grads, state, _ = baselines[name]
-    session, model, x = _selective_session(name, 0.5, baselines)
+    session, model, x = _selective_session(name, 0.5, baselines, _only_the_model_cheap if name == "cnn" else lambda p: None)
     for seed in range(1, STEPS):
         with session:
             _assert_bitwise_equal(grads[seed], _step(model, x, seed))

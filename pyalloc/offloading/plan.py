@@ -15,9 +15,12 @@ Note [Planned recompute]
       inputs and captures what autograd saves, in order (what ``torch.utils.checkpoint`` does,
       chosen per call instead of by hand);
     - an *output*: a module call whose output is saved by later calls (a GELU's output saved by
-      the next linear layer); the session keeps the module's inputs (held anyway when something
-      saves them, or regenerated the same way through the module that made them, up to
-      ``MAX_CHAIN`` deep) and re-runs the module when the output is needed.
+      the next linear layer), or by the call itself before it returned (a ReLU saves its
+      result: the step holds that save until the call returns its storage); the session keeps
+      the module's inputs (held anyway when something saves them, or regenerated the same way
+      through the module that made them, up to ``MAX_CHAIN`` deep) and re-runs the module when
+      the output is needed. A training-mode batch norm on the way is refilled from its saved
+      statistics instead of re-run (Note [Batch-norm refills] in batchnorm.py).
 
     - a *selective region*: a module call whose saves are partly kept, partly dropped; the
       dropped ones are refilled by replaying only the operators they need (Note [Selective
@@ -57,6 +60,7 @@ Note [Idle steps]
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import time
 import weakref
@@ -65,6 +69,8 @@ from typing import Any, Callable
 
 import torch
 
+from .batchnorm import exact_refill_seconds, refillable
+from .calls import autocast_state
 from .ops import CallOps, OpRecorder, Recipe
 
 __all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
@@ -152,10 +158,17 @@ class CallInfo:
     out_nbytes: int = 0
     out_version: int = -1
     out_is_input: bool = False
+    refill_seconds: float = -1.0  # a batch norm refilled from its saved statistics: the refill's
+    # time (Note [Batch-norm refills] in batchnorm.py); -1: re-run whole
 
     @property
     def key(self) -> tuple[int, int]:
         return (id(self.module()), self.ordinal)
+
+    @property
+    def rerun_seconds(self) -> float:
+        """What regenerating the call's output costs: its refill, or its forward again."""
+        return self.refill_seconds if self.refill_seconds >= 0 else self.seconds
 
 
 @dataclass
@@ -177,8 +190,10 @@ class Profile:
     """Records one step: module calls (through global module hooks) and saves (fed by the
     session's pack hook). See Note [Planned recompute]."""
 
-    def __init__(self, overhead: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, overhead: Callable[[], float] = lambda: 0.0,
+                 peek: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self._overhead = overhead  # seconds the session spent on itself so far (DTR's recording)
+        self._peek = peek  # while it is entered, reading saved tensors changes nothing in the session
         self.calls: list[CallInfo] = []
         self.packs: list[PackInfo] = []
         self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []  # call, start, inputs, versions
@@ -193,6 +208,7 @@ class Profile:
         self.recorder = OpRecorder(self._key, self._recording)
         self.ops = self.recorder.ops
         self._suspended: torch.nn.Module | None = None  # a compiled module running without the recorder
+        self._checks_s = 0.0  # time spent checking batch-norm refills (not the model's)
         # measured re-run times of selective regions: (call index, dropped storages) -> seconds
         self.selective_seconds: dict[tuple[int, frozenset[ProfileKey]], float] = {}
 
@@ -202,7 +218,7 @@ class Profile:
 
     def _clock(self) -> float:
         """Thread CPU time less the session's and the operator recording's own."""
-        return time.thread_time() - self._overhead() - self.recorder.overhead_s
+        return time.thread_time() - self._overhead() - self.recorder.overhead_s - self._checks_s
 
     def start(self) -> None:
         """Installs the global module hooks for one step."""
@@ -309,10 +325,20 @@ class Profile:
             call.out_nbytes = out.untyped_storage().nbytes()
             call.out_version = out._version
             call.out_is_input = key in call.input_keys
+            module = call.module()
+            if module is not None and inputs and refillable(module) and not autocast_state():
+                t0 = time.thread_time()
+                with self._peek(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
+                    seconds = exact_refill_seconds(module, inputs[0], out)
+                self._checks_s += time.thread_time() - t0
+                call.refill_seconds = -1.0 if seconds is None else seconds
             inner = self._outputs.get(key)
             made_inside = inner is not None and inner[0] > call.index and inner[1]() is out
             if not call.out_is_input and not made_inside:  # the innermost call that made it
                 self._outputs[key] = (call.index, weakref.ref(out))
+                for p in self.packs[call.first_pack:]:
+                    if p.key == key and p.producer < 0:
+                        p.producer = call.index  # saved inside the call before it returned (a ReLU's result)
 
     def _key(self, t: torch.Tensor) -> ProfileKey:
         """``t``'s storage, told apart from an earlier storage at the same address.
@@ -538,8 +564,11 @@ class _Planner:
             if not self._chain(call, 0, reach, chain, pins) or tuple(chain) in seen:
                 continue
             seen.add(tuple(chain))
-            seconds = sum(self.calls[i].seconds for i in chain)
-            out.append(_Candidate(call, OUTPUT, {key}, pins, chain, seconds, call.out_nbytes))
+            seconds = sum(self.calls[i].rerun_seconds for i in chain)
+            # a chain's re-run holds a call's output and the next one's at once
+            sizes = [self.calls[i].out_nbytes for i in chain]
+            transient = max([call.out_nbytes] + [a + b for a, b in zip(sizes, sizes[1:])])
+            out.append(_Candidate(call, OUTPUT, {key}, pins, chain, seconds, transient))
         return out
 
     # -- state -----------------------------------------------------------------------------
@@ -576,9 +605,11 @@ class _Planner:
     def seconds(self) -> float:
         """Re-run time per step: a call re-run for several chosen candidates counts once (a
         regenerated output is cached while dropped saves still need it); a selective region
-        costs its recipe's time."""
-        calls = {i for c in self.chosen if c.recipe is None for i in c.chain}
-        return sum(self.calls[i].seconds for i in calls) + sum(c.seconds for c in self.chosen if c.recipe is not None)
+        costs its recipe's time; an output regenerated by a batch-norm refill, the refill's."""
+        whole = {i for c in self.chosen if c.kind == REGION and c.recipe is None for i in c.chain}
+        outputs = {i for c in self.chosen if c.kind == OUTPUT for i in c.chain} - whole
+        return sum(self.calls[i].seconds for i in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
+            + sum(c.seconds for c in self.chosen if c.recipe is not None)
 
     def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
         """The estimate and recompute time with ``c`` taken, what it replaces and what comes
@@ -811,20 +842,22 @@ class PlanSearch:
         return int(self.budget * (1 + BUDGET_SLACK))
 
     def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None,
-                 selective: dict[tuple[int, int], float] | None = None) -> bool:
-        """Takes a planned step's measured peak and re-run seconds per call (by key); returns
-        whether the plan changed."""
+                 selective: dict[tuple[int, int], float] | None = None,
+                 refills: dict[tuple[int, int], float] | None = None) -> bool:
+        """Takes a planned step's measured peak and re-run seconds per call (by key: whole
+        re-runs, selective regions, batch-norm refills); returns whether the plan changed."""
         self.last_peak = peak
         if self.settled:
             return False
         plan = self.plan
         self.trials.append((plan, peak))
-        reruns = reruns or {}
-        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()))
+        reruns, refills = reruns or {}, refills or {}
+        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()) + sum(refills.values()))
         for call in self.profile.calls:
-            measured = reruns.get(call.key)
-            if measured is not None:
+            if (measured := reruns.get(call.key)) is not None:
                 call.seconds = measured
+            if (measured := refills.get(call.key)) is not None:
+                call.refill_seconds = measured
         for key, seconds in (selective or {}).items():
             recipe = plan.recipes.get(key)
             if recipe is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from . import batchnorm
 from .calls import autocast_state
 from .ops import RerunMismatch, SelectiveRerun, StopRerun, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
@@ -353,7 +354,7 @@ class Output(_Rerun):
     """A planned output call: its output's saves are dropped and regenerated on use."""
 
     def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
-                 kwargs: dict, links: dict[int, _Link]) -> None:
+                 kwargs: dict, links: dict[int, _Link], refill_geometry: Any = None) -> None:
         def link(x: Any) -> Any:
             return links.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
@@ -367,6 +368,26 @@ class Output(_Rerun):
         self.links = list(links.values())
         for lk in self.links:
             lk.record.linkers += 1
+        # a batch norm refilled from its saved statistics (Note [Batch-norm refills] in
+        # batchnorm.py): its input's profiled geometry; the statistics, taken when it returns
+        self.refill_geometry = refill_geometry if not self.autocast else None
+        self.statistics: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.inside: list[OutputSlot] | None = []  # saves of the output made before the call returned
+
+    def returned(self, output: Any) -> None:
+        """The call returned ``output``. Saves made inside the call that the plan drops (a
+        ReLU saves its result) are let go if they are the output's storage, else kept; a batch
+        norm to refill takes the statistics it saved."""
+        inside, self.inside = self.inside or [], None
+        key = storage_key(output) if isinstance(output, torch.Tensor) else None
+        for slot in inside:
+            slot.confirm(key)
+        if key is None:
+            return
+        self.out_key = key
+        self.out_ref = weakref.ref(output)
+        if self.refill_geometry is not None:
+            self.statistics = batchnorm.saved_statistics(output)
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
@@ -379,12 +400,35 @@ class Output(_Rerun):
         args, kwargs = self.args, self.kwargs
         if self.links:
             args, kwargs = _substitute(args, resolve), _substitute(kwargs, resolve)
-        out = self.run(args, kwargs, None)
+        out = self._refill(args, kwargs)
+        if out is None:
+            out = self.run(args, kwargs, None)
         if not isinstance(out, torch.Tensor):
             from .session import OffloadError
 
             raise OffloadError(f"re-running {type(self.module).__name__} did not return a tensor")
         return out.detach()
+
+    def _refill(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The batch norm's output from its saved statistics, or None: not a refill, or its input
+        is not laid out as in the profiled step (where the refill was checked exact)."""
+        stats = self.statistics
+        inputs = tensor_leaves((args, kwargs))
+        if stats is None or len(inputs) != 1 or (tuple(inputs[0].shape), tuple(inputs[0].stride()),
+                                                 inputs[0].storage_offset(), inputs[0].dtype,
+                                                 inputs[0].device) != self.refill_geometry:
+            return None
+        for t, v in self.versions:
+            if t._version != v:
+                return None  # run() says why it cannot re-run
+        t0 = time.thread_time()
+        out = batchnorm.refill(self.module, inputs[0], *stats)
+        seconds = time.thread_time() - t0
+        st = self.step.session._stats
+        st["batchnorm_refills_total"] += 1
+        st["recompute_seconds_total"] += seconds
+        self.step.refill_seconds[self.key] = self.step.refill_seconds.get(self.key, 0.0) + seconds
+        return out
 
     def output(self) -> torch.Tensor:
         """The output for a later call's re-run: cached while dropped saves of it are pending
@@ -402,6 +446,7 @@ class Output(_Rerun):
         self.cache = None
         if self.pending > 0 or self.linkers > 0:
             return
+        self.statistics = None
         self.release()
         self.args, self.kwargs, self.versions = (), {}, []
         links, self.links = self.links, []
@@ -411,7 +456,9 @@ class Output(_Rerun):
 
 
 class OutputSlot(_Counted):
-    """A save of a planned output call's output (or a view of it), dropped."""
+    """A save of a planned output call's output (or a view of it), dropped. A save made inside
+    the call, before it returned, holds its tensor (uncounted: the call's output is alive
+    anyway) until the call returns and it is found to be the output's storage."""
 
     __slots__ = ("record", "tensor", "geometry")
 
@@ -421,6 +468,22 @@ class OutputSlot(_Counted):
         self.tensor: torch.Tensor | None = None
         self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
         record.pending += 1
+        if record.inside is not None:
+            self.tensor = t
+            record.inside.append(self)
+
+    def confirm(self, out_key: StorageKey | None) -> None:
+        """The call returned (its output's storage: ``out_key``): drop the tensor if it is the
+        output's, else keep it as a kept save would be."""
+        record, t = self.record, self.tensor
+        assert record is not None and t is not None
+        if out_key is not None and storage_key(t) == out_key:
+            self.tensor = None
+            return
+        self.record = None
+        record.pending -= 1
+        self.count(t)
+        record.step._diverge()
 
     def get(self) -> torch.Tensor:
         record = self.record
@@ -452,6 +515,7 @@ class PlannedStep:
         self.dropped = 0
         self.dropped_bytes = 0
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
+        self.refill_seconds: dict[tuple[int, int], float] = {}  # the same, batch-norm refills
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
@@ -497,7 +561,9 @@ class PlannedStep:
                 self._regions.append(record)
             elif key in self.plan.outputs:
                 links = self._links(tensor_leaves((args, kwargs)))
-                record = Output(self, key, module, args, kwargs, links)
+                info = self.plan.outputs[key]
+                geometry = info.input_geometry[0] if info.refill_seconds >= 0 and info.input_geometry else None
+                record = Output(self, key, module, args, kwargs, links, geometry)
                 self._outputs[key] = record
         self._open.append((module, record))
 
@@ -517,10 +583,10 @@ class PlannedStep:
         _, record = self._open.pop()
         if isinstance(record, Region):
             self._regions.pop()
-        elif isinstance(record, Output) and isinstance(output, torch.Tensor):
-            record.out_key = storage_key(output)
-            record.out_ref = weakref.ref(output)
-            self._made[record.out_key] = (weakref.ref(output), record)
+        elif isinstance(record, Output):
+            record.returned(output)
+            if isinstance(output, torch.Tensor):
+                self._made[storage_key(output)] = (weakref.ref(output), record)
 
     # -- saved-tensor hooks ----------------------------------------------------------------
 
@@ -544,8 +610,8 @@ class PlannedStep:
             self._diverge()
         elif action == OUTPUT:
             record = self._outputs.get(plan.owners[seq])  # type: ignore[arg-type]
-            if record is not None and record.out_ref is not None and record.out_ref() is not None \
-                    and storage_key(t) == record.out_key:
+            if record is not None and (record.inside is not None or record.out_ref is not None
+                                       and record.out_ref() is not None and storage_key(t) == record.out_key):
                 self._count_drop(t)
                 return OutputSlot(record, t)
             self._diverge()

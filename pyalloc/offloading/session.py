@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -135,6 +135,7 @@ class ActivationOffload:
         self._passthrough = autograd_entry_points()
         self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offloading.process)
         self._inert = False  # left behind in a forked child: packs and calls pass through
+        self._peeking = False  # unpacks change nothing (the profile reads batch-norm statistics)
         self._clock = 0
         self._pack_seq = 0
         self.resident_bytes = 0
@@ -155,7 +156,8 @@ class ActivationOffload:
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
-            "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total")}
+            "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
+            "batchnorm_refills_total")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -237,7 +239,7 @@ class ActivationOffload:
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
-                    self._profile = Profile(lambda: self._overhead_s)
+                    self._profile = Profile(lambda: self._overhead_s, self._peek)
                     self._profile.start()
                     stack.callback(self._profile.stop)
                     if self.selective:  # only selective regions read the operators
@@ -290,7 +292,7 @@ class ActivationOffload:
         if run.diverged or run.stale:
             self._search = None  # profile the next step again
             return
-        if search.measured(peak, run.rerun_seconds, run.selective_seconds):
+        if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds):
             st["replans_total"] += 1
         if search.settled and search.plan.empty and peak > search.limit:
             self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
@@ -468,9 +470,21 @@ class ActivationOffload:
                 return  # an alias of the call's own input: replay would need it first
             h.producer = (call, "pack", self._pack_seq - call.pack_start - 1, t._version)
 
+    @contextlib.contextmanager
+    def _peek(self) -> Iterator[None]:
+        """Unpacks of resident handles change nothing meanwhile (no clock tick, use or prefetch):
+        the profiled step reads saved tensors without changing what DTR evicts."""
+        peeking, self._peeking = self._peeking, True
+        try:
+            yield
+        finally:
+            self._peeking = peeking
+
     def _unpack(self, h: Any) -> torch.Tensor:
         if not isinstance(h, SavedActivation):
             return h
+        if self._peeking and h.state == RESIDENT:
+            return self._use(h)
         with self._lock:
             if self._host:
                 self._host.reap(wait=False)
