@@ -139,7 +139,9 @@ def test_the_offload_check_runs_every_column_and_checkpoint_and_pyalloc_are_exac
         ours = columns["pyalloc"]
         # the session dropped and recomputed: its saves stayed near its budget, well under the plain step's
         assert ours["saved_peak_bytes"] <= 1.05 * f["budget_bytes"] < f["baseline_saved_bytes"]
-        assert ours["regions"] > 0 and not ours["below_floor_warned"]
+        # its plan re-runs regions or regenerates outputs (the ResNet-like one: outputs alone,
+        # through batch-norm refills)
+        assert ours["regions"] + ours["outputs"] > 0 and not ours["below_floor_warned"]
 
 
 def test_the_offload_check_is_in_the_targets_and_in_gpu_check_md(offload_run: tuple[dict[str, Any], str]) -> None:

@@ -259,7 +259,7 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int,
             stats = column.session.stats()
             rows[column.name].update(saved_peak_bytes=int(stats["step_saved_bytes_peak"]),
                                      floor_bytes=int(stats["plan_floor_bytes"]), regions=int(stats["plan_regions"]),
-                                     below_floor_warned=column.floor_warned)
+                                     outputs=int(stats["plan_outputs"]), below_floor_warned=column.floor_warned)
         column.stop()
     return repeatable, rows
 
