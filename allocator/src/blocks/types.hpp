@@ -133,7 +133,7 @@ struct Segment;
 // live blocks a churn's blocks no longer fit the CPU's caches and each block
 // a walk passes costs a miss: one line per block instead of two took the
 // D1 misses of tools/bench/scale.cpp's churn at 10^5 live blocks from 26.8
-// to 16.5 per operation (callgrind's cache simulation). Blocks come 64 to a
+// to 16.1 per operation (callgrind's cache simulation). Blocks come 64 to a
 // slab (kBlockSlab, DeviceAllocator::new_block): an aligned allocation each
 // cost ~60 instructions in glibc's memalign.
 constexpr size_t kBlockSlab = 64;
