@@ -500,3 +500,36 @@ def test_selective_false_plans_whole_module_re_runs_only(baselines) -> None:
     st = session.stats()
     assert st["plan_selective_regions"] == 0 and st["drops_total"] > 0
     assert session._search is not None and session._search.selective is False
+
+
+def test_a_chain_of_regenerated_outputs_re_runs_each_call_once(baselines) -> None:
+    """Dropping a LayerNorm's, the next Linear's and the GELU's outputs of one MLP: backward
+    regenerates the GELU's output through the Linear and the LayerNorm, and their outputs, which
+    their own dropped saves need next, are cached meanwhile, so each call re-runs once a step
+    (the plan's cost counts it once). Times set, not measured, as in the test above."""
+    _, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)
+    x = make_input()
+    session = offload(budget=peak // 2, pressure_callback=False)
+    with session:
+        _step(model, x, 0)
+    search = session._search
+    assert search is not None
+    profile = search.profile
+    cost = {"GELU": 0.1, "LayerNorm": 0.1, "Dropout": 0.1, "Linear": 0.5, "MultiheadAttention": 30.0}
+    for call in reversed(profile.calls):
+        children = [c for c in profile.calls if c.parent == call.index]
+        call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
+    search.plan = make_plan(profile, search.budget, selective=False)
+    search.settled = True
+    names = [c.name for c in search.plan.outputs.values()]
+    assert {"LayerNorm", "Linear", "GELU"} <= set(names), names
+    expected = {seed: g for seed, g in enumerate(baselines["gpt"][0])}
+    for seed in (1, 2):
+        before = session.stats()["replays_total"]
+        with session:
+            got = _step(model, x, seed)
+        _assert_bitwise_equal(expected[seed], got)
+        assert session.stats()["replays_total"] - before == len(search.plan.outputs) + len(search.plan.regions)

@@ -442,9 +442,14 @@ class Output(_Rerun):
 
     def finish(self) -> None:
         """No dropped save needs the output any more: let go of the inputs (and the linked
-        calls', when no other output call needs them)."""
+        calls', when no other output call needs them). Called too when a later call that
+        regenerated its input through this one is done with it: while dropped saves of the
+        output are pending, the cached output stays (they will want it; dropping it re-ran the
+        call once more for them)."""
+        if self.pending > 0:
+            return
         self.cache = None
-        if self.pending > 0 or self.linkers > 0:
+        if self.linkers > 0:
             return
         self.statistics = None
         self.release()
