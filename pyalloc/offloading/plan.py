@@ -20,7 +20,8 @@ Note [Planned recompute]
       the module's inputs (held anyway when something saves them, or regenerated the same way
       through the module that made them, up to ``MAX_CHAIN`` deep) and re-runs the module when
       the output is needed. A training-mode batch norm on the way is refilled from its saved
-      statistics instead of re-run (Note [Batch-norm refills] in batchnorm.py).
+      statistics instead of re-run (Note [Batch-norm refills] in batchnorm.py), a dropout from
+      its saved noise (Note [Dropout refills] in dropout.py).
 
     - a *selective region*: a module call whose saves are partly kept, partly dropped; the
       dropped ones are refilled by replaying only the operators they need (Note [Selective
@@ -69,7 +70,7 @@ from typing import Any, Callable
 
 import torch
 
-from .batchnorm import exact_refill_seconds, refillable
+from .refills import exact_refill_seconds, kind as refill_kind
 from .calls import autocast_state
 from .ops import CallOps, OpRecorder, Recipe
 
@@ -158,8 +159,8 @@ class CallInfo:
     out_nbytes: int = 0
     out_version: int = -1
     out_is_input: bool = False
-    refill_seconds: float = -1.0  # a batch norm refilled from its saved statistics: the refill's
-    # time (Note [Batch-norm refills] in batchnorm.py); -1: re-run whole
+    refill_seconds: float = -1.0  # refilled from what it saved (a batch norm's statistics, a
+    # dropout's noise: refills.py): the refill's time; -1: re-run whole
 
     @property
     def key(self) -> tuple[int, int]:
@@ -326,7 +327,7 @@ class Profile:
             call.out_version = out._version
             call.out_is_input = key in call.input_keys
             module = call.module()
-            if module is not None and inputs and refillable(module) and not autocast_state():
+            if module is not None and inputs and refill_kind(module) is not None and not autocast_state():
                 t0 = time.thread_time()
                 with self._peek(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
                     seconds = exact_refill_seconds(module, inputs[0], out)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import batchnorm
+from . import refills
 from .calls import autocast_state
 from .ops import RerunMismatch, SelectiveRerun, StopRerun, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
@@ -368,16 +368,16 @@ class Output(_Rerun):
         self.links = list(links.values())
         for lk in self.links:
             lk.record.linkers += 1
-        # a batch norm refilled from its saved statistics (Note [Batch-norm refills] in
-        # batchnorm.py): its input's profiled geometry; the statistics, taken when it returns
+        # a call refilled from what its forward saved (a batch norm's statistics, a dropout's
+        # noise: refills.py): its input's profiled geometry; the refill, taken when it returns
         self.refill_geometry = refill_geometry if not self.autocast else None
-        self.statistics: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.refiller: tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
         self.inside: list[OutputSlot] | None = []  # saves of the output made before the call returned
 
     def returned(self, output: Any) -> None:
         """The call returned ``output``. Saves made inside the call that the plan drops (a
-        ReLU saves its result) are let go if they are the output's storage, else kept; a batch
-        norm to refill takes the statistics it saved."""
+        ReLU saves its result) are let go if they are the output's storage, else kept; a call to
+        refill takes what it saved (a batch norm's statistics, a dropout's noise)."""
         inside, self.inside = self.inside or [], None
         key = storage_key(output) if isinstance(output, torch.Tensor) else None
         for slot in inside:
@@ -387,7 +387,7 @@ class Output(_Rerun):
         self.out_key = key
         self.out_ref = weakref.ref(output)
         if self.refill_geometry is not None:
-            self.statistics = batchnorm.saved_statistics(output)
+            self.refiller = refills.refiller(self.module, output)
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
@@ -410,11 +410,11 @@ class Output(_Rerun):
         return out.detach()
 
     def _refill(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """The batch norm's output from its saved statistics, or None: not a refill, or its input
+        """The output from what the call saved (refills.py), or None: not a refill, or its input
         is not laid out as in the profiled step (where the refill was checked exact)."""
-        stats = self.statistics
+        refiller = self.refiller
         inputs = tensor_leaves((args, kwargs))
-        if stats is None or len(inputs) != 1 or (tuple(inputs[0].shape), tuple(inputs[0].stride()),
+        if refiller is None or len(inputs) != 1 or (tuple(inputs[0].shape), tuple(inputs[0].stride()),
                                                  inputs[0].storage_offset(), inputs[0].dtype,
                                                  inputs[0].device) != self.refill_geometry:
             return None
@@ -422,10 +422,11 @@ class Output(_Rerun):
             if t._version != v:
                 return None  # run() says why it cannot re-run
         t0 = time.thread_time()
-        out = batchnorm.refill(self.module, inputs[0], *stats)
+        kind, refill = refiller
+        out = refill(inputs[0])
         seconds = time.thread_time() - t0
         st = self.step.session._stats
-        st["batchnorm_refills_total"] += 1
+        st[f"{kind}_refills_total"] += 1
         st["recompute_seconds_total"] += seconds
         self.step.refill_seconds[self.key] = self.step.refill_seconds.get(self.key, 0.0) + seconds
         return out
@@ -451,7 +452,7 @@ class Output(_Rerun):
         self.cache = None
         if self.linkers > 0:
             return
-        self.statistics = None
+        self.refiller = None
         self.release()
         self.args, self.kwargs, self.versions = (), {}, []
         links, self.links = self.links, []

@@ -157,7 +157,7 @@ class ActivationOffload:
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
-            "batchnorm_refills_total")}
+            "batchnorm_refills_total", "dropout_refills_total")}
 
     # -- per-step state --------------------------------------------------------------------
 
