@@ -125,9 +125,11 @@ class _Rerun:
             pass
 
     def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None,
-            mode: SelectiveRerun | None = None) -> Any:
+            mode: SelectiveRerun | None = None, times: dict[tuple[int, int], float] | None = None) -> Any:
         """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves;
-        ``mode``: a selective re-run's (Note [Selective re-runs] in ops.py)."""
+        ``mode``: a selective re-run's (Note [Selective re-runs] in ops.py); ``times``: where
+        the re-run's time goes (by default the step's ``rerun_seconds``, or its
+        ``selective_seconds`` with a mode)."""
         for t, v in self.versions:
             if t._version != v:
                 from .session import OffloadError
@@ -168,7 +170,8 @@ class _Rerun:
             seconds = time.thread_time() - t0
             st["replays_total"] += 1
             st["recompute_seconds_total"] += seconds
-            times = step.selective_seconds if mode is not None else step.rerun_seconds
+            if times is None:
+                times = step.selective_seconds if mode is not None else step.rerun_seconds
             times[self.key] = times.get(self.key, 0.0) + seconds
         return out
 
@@ -209,6 +212,8 @@ class Region(_Rerun):
         def capture(t: torch.Tensor) -> None:
             if mode is None:
                 captured.append(t.detach())
+                if len(captured) > last_wanted:
+                    raise StopRerun()  # every dropped save is in: the rest of the forward is not needed
                 return
             mode.paused = True  # detach is an operator: not the module's
             captured.append(t.detach())
@@ -216,8 +221,9 @@ class Region(_Rerun):
             if len(captured) > last_wanted:
                 mode.done = True  # every dropped save is in: stop at the next operator
 
+        whole = self.step.region_seconds
         try:
-            self.run(self.args, self.kwargs, capture, mode)
+            self.run(self.args, self.kwargs, capture, mode, None if mode is not None else whole)
         except StopRerun:
             pass
         except RerunMismatch:  # another code path than the profile's: re-run whole
@@ -225,7 +231,10 @@ class Region(_Rerun):
             captured.clear()
             mode = None
             self.step.session._stats["selective_fallbacks_total"] += 1
-            self.run(self.args, self.kwargs, capture)
+            try:
+                self.run(self.args, self.kwargs, capture, None, whole)
+            except StopRerun:
+                pass
         if mode is not None and mode.stale:
             self.step.stale = True
         self.sources = {}
@@ -523,6 +532,7 @@ class PlannedStep:
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
         self.refill_seconds: dict[tuple[int, int], float] = {}  # the same, batch-norm refills
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
+        self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
         self._ordinals: dict[int, int] = {}

@@ -292,7 +292,7 @@ class ActivationOffload:
         if run.diverged or run.stale:
             self._search = None  # profile the next step again
             return
-        if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds):
+        if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds, run.region_seconds):
             st["replans_total"] += 1
         if search.settled and search.plan.empty and peak > search.limit:
             self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
