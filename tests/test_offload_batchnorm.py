@@ -116,7 +116,8 @@ def test_the_profile_marks_refills_only_where_it_found_them_exact() -> None:
     bns = [c for c in profile.calls if isinstance(c.module(), nn.BatchNorm2d)]
     # the last one is fed a strided view: its refill differs from the forward, it is re-run whole
     assert [c.refill_seconds >= 0 for c in bns] == [True, True, True, False]
-    assert all(c.refill_seconds < 0 for c in profile.calls if c not in bns)
+    dropouts = [c for c in profile.calls if isinstance(c.module(), nn.modules.dropout._DropoutNd)]
+    assert all(c.refill_seconds < 0 for c in profile.calls if c not in bns and c not in dropouts)
 
 
 def _session_run() -> tuple[dict[str, float], int]:

@@ -294,6 +294,16 @@ def test_retained_graph_backward_twice_is_exact(baselines) -> None:
     _assert_planned_steps_exact(twice, peak // 4)
 
 
+def _whole_forwards(profile: Profile) -> None:
+    """Every region costed at its whole forward time: the share of a call before its last save
+    (what a region's re-run runs) is measured in the profile, and a test with set times must not
+    depend on it."""
+    for call in profile.calls:
+        call.start, call.end = 0.0, 1.0
+    for p in profile.packs:
+        p.at = 1.0
+
+
 def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
     """At 50% the greedy takes GELU and LayerNorm outputs (cheap to re-run per byte) before it
     re-runs whole blocks; at 0 it re-runs more, for fewer bytes. Forward times are set, not
@@ -309,6 +319,7 @@ def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
     for call in reversed(profile.calls):  # children before parents: a parent costs their sum
         children = [c for c in profile.calls if c.parent == call.index]
         call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
+    _whole_forwards(profile)
     half = make_plan(profile, _saved_bytes_peak(model, x) // 2)
     assert half.estimate_bytes <= _saved_bytes_peak(model, x) // 2
     assert any(c.name == "GELU" for c in half.outputs.values())
@@ -500,3 +511,85 @@ def test_selective_false_plans_whole_module_re_runs_only(baselines) -> None:
     st = session.stats()
     assert st["plan_selective_regions"] == 0 and st["drops_total"] > 0
     assert session._search is not None and session._search.selective is False
+
+
+def test_a_chain_of_regenerated_outputs_re_runs_each_call_once(baselines) -> None:
+    """Dropping a LayerNorm's, the next Linear's and the GELU's outputs of one MLP: backward
+    regenerates the GELU's output through the Linear and the LayerNorm, and their outputs, which
+    their own dropped saves need next, are cached meanwhile, so each call re-runs once a step
+    (the plan's cost counts it once). Times set, not measured, as in the test above."""
+    _, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)
+    x = make_input()
+    session = offload(budget=peak // 2, pressure_callback=False)
+    with session:
+        _step(model, x, 0)
+    search = session._search
+    assert search is not None
+    profile = search.profile
+    cost = {"GELU": 0.1, "LayerNorm": 0.1, "Dropout": 0.1, "Linear": 0.5, "MultiheadAttention": 30.0}
+    for call in reversed(profile.calls):
+        children = [c for c in profile.calls if c.parent == call.index]
+        call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
+    _whole_forwards(profile)
+    search.plan = make_plan(profile, search.budget, selective=False)
+    search.settled = True
+    names = [c.name for c in search.plan.outputs.values()]
+    assert {"LayerNorm", "Linear", "GELU"} <= set(names), names
+    expected = {seed: g for seed, g in enumerate(baselines["gpt"][0])}
+    for seed in (1, 2):
+        before = session.stats()["replays_total"]
+        with session:
+            got = _step(model, x, seed)
+        _assert_bitwise_equal(expected[seed], got)
+        assert session.stats()["replays_total"] - before == len(search.plan.outputs) + len(search.plan.regions)
+
+
+class _Tail(nn.Module):
+    """Counts its forward calls; saves nothing (a product with a Python number)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * 0.5
+
+
+def test_a_region_re_run_stops_after_its_last_dropped_save() -> None:
+    """A block planned as a region: its re-run in backward refills the dropped saves and stops
+    there, so the block's tail (after the last save) runs once a step, in forward only; the
+    gradients are the plain steps'. The planner costs the region at the profiled time up to that
+    save, then at the measured re-run's."""
+    def model_() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), _Tail()) for _ in range(3)]
+        return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(64 * 32, 10))
+
+    torch.manual_seed(123)
+    x = torch.randn(16, 32, 64)
+    plain = model_()
+    expected = [_step(plain, x, seed) for seed in range(4)]
+    model = model_()
+    session = offload(budget=_saved_bytes_peak(model_(), x) // 2, pressure_callback=False)
+    with session:
+        _assert_bitwise_equal(expected[0], _step(model, x, 0))  # profiled
+    search = session._search
+    assert search is not None
+    profile = search.profile
+    for call in profile.calls:  # outputs dear: the plan re-runs blocks as regions
+        call.seconds = 1.0 if isinstance(call.module(), nn.Sequential) and call.parent >= 0 else 5.0
+    search.plan = make_plan(profile, search.budget, selective=False)
+    search.settled = True
+    blocks = [c for c in search.plan.regions.values() if c.parent >= 0]
+    assert blocks and not search.plan.outputs
+    tails = [m for m in model.modules() if isinstance(m, _Tail)]
+    for seed in range(1, 4):
+        before = [t.calls for t in tails]
+        with session:
+            _assert_bitwise_equal(expected[seed], _step(model, x, seed))
+        assert [t.calls - b for t, b in zip(tails, before)] == [1, 1, 1]
+    assert session.stats()["replays_total"] >= 3 * len(blocks)

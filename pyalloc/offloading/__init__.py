@@ -4,7 +4,8 @@ What lives here: the session behind ``pyalloc.offload`` (``session``: Activation
 planned policy (``plan``: the profiled step, the greedy planner and the plan search, Note
 [Planned recompute]; ``regions``: a step run under a plan, module re-runs; ``ops``: the aten
 operators of the profiled step and selective re-runs, Note [Selective re-runs]; ``batchnorm``: batch-norm
-outputs refilled from their saved statistics, Note [Batch-norm refills]), the torch calls DTR
+outputs refilled from their saved statistics, Note [Batch-norm refills]; ``dropout``: dropout outputs
+refilled from their saved noise, Note [Dropout refills]; ``refills``: the two kinds behind one call), the torch calls DTR
 records and replays (``calls``, Note [Producers and replay]; ``args``: taking call arguments
 apart), the DTR cost model (``cost``, Note [Free neighbours]), host swap (``swap``: host buffers
 and side-stream copies, Note [Copies on CUDA]), DTR's saved-activation handle (``saved``),

@@ -13,14 +13,19 @@ Note [Planned recompute]
     - a *region*: a module call whose saves are all dropped but for its inputs, which the
       session keeps; the first use of a dropped save in backward re-runs the module on those
       inputs and captures what autograd saves, in order (what ``torch.utils.checkpoint`` does,
-      chosen per call instead of by hand);
+      chosen per call instead of by hand). The re-run stops at the last dropped save (the
+      capture raises, as checkpoint's own recompute does): what the forward computes after it,
+      such as a block's last linear layer, dropout and residual sum, is not needed. The planner
+      costs a region at its forward time up to that save (its share of the profiled call), then
+      at the measured re-run's;
     - an *output*: a module call whose output is saved by later calls (a GELU's output saved by
       the next linear layer), or by the call itself before it returned (a ReLU saves its
       result: the step holds that save until the call returns its storage); the session keeps
       the module's inputs (held anyway when something saves them, or regenerated the same way
       through the module that made them, up to ``MAX_CHAIN`` deep) and re-runs the module when
       the output is needed. A training-mode batch norm on the way is refilled from its saved
-      statistics instead of re-run (Note [Batch-norm refills] in batchnorm.py).
+      statistics instead of re-run (Note [Batch-norm refills] in batchnorm.py), a dropout from
+      its saved noise (Note [Dropout refills] in dropout.py).
 
     - a *selective region*: a module call whose saves are partly kept, partly dropped; the
       dropped ones are refilled by replaying only the operators they need (Note [Selective
@@ -69,7 +74,7 @@ from typing import Any, Callable
 
 import torch
 
-from .batchnorm import exact_refill_seconds, refillable
+from .refills import exact_refill_seconds, kind as refill_kind
 from .calls import autocast_state
 from .ops import CallOps, OpRecorder, Recipe
 
@@ -147,6 +152,10 @@ class CallInfo:
     end_op: int = 0
     last_desc: int = -1  # calls index..last_desc are this call and the calls it made
     seconds: float = 0.0
+    start: float = 0.0  # the profile's clock when the call began and returned (PackInfo.at: when a
+    end: float = 0.0  # save was made)
+    region_seconds: float = -1.0  # a whole re-run as a region, measured (it stops after the last
+    # dropped save: Note [Planned recompute]); -1: not measured yet
     input_keys: list[ProfileKey] = field(default_factory=list)
     input_activation: list[bool] = field(default_factory=list)
     input_nbytes: list[int] = field(default_factory=list)
@@ -158,8 +167,8 @@ class CallInfo:
     out_nbytes: int = 0
     out_version: int = -1
     out_is_input: bool = False
-    refill_seconds: float = -1.0  # a batch norm refilled from its saved statistics: the refill's
-    # time (Note [Batch-norm refills] in batchnorm.py); -1: re-run whole
+    refill_seconds: float = -1.0  # refilled from what it saved (a batch norm's statistics, a
+    # dropout's noise: refills.py): the refill's time; -1: re-run whole
 
     @property
     def key(self) -> tuple[int, int]:
@@ -184,6 +193,7 @@ class PackInfo:
     signature: tuple[tuple[int, ...], torch.dtype]
     stride: tuple[int, ...] = ()
     offset: int = 0
+    at: float = 0.0  # the profile's clock when it was saved
 
 
 class Profile:
@@ -300,7 +310,8 @@ class Profile:
         call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         call.input_geometry = [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device) for t in inputs]
         self.calls.append(call)
-        self._open.append((call, self._clock(), inputs, [t._version for t in inputs]))
+        call.start = self._clock()
+        self._open.append((call, call.start, inputs, [t._version for t in inputs]))
 
     def _leave(self, module: torch.nn.Module, output: Any) -> None:
         if self._suspended is module:
@@ -312,7 +323,8 @@ class Profile:
 
     def _close(self, call: CallInfo, output: Any) -> None:
         _, t0, inputs, versions = self._open.pop()
-        call.seconds = max(0.0, self._clock() - t0)
+        call.end = self._clock()
+        call.seconds = max(0.0, call.end - t0)
         call.end_pack = len(self.packs)
         call.end_op = len(self.ops)
         call.last_desc = len(self.calls) - 1
@@ -326,7 +338,7 @@ class Profile:
             call.out_version = out._version
             call.out_is_input = key in call.input_keys
             module = call.module()
-            if module is not None and inputs and refillable(module) and not autocast_state():
+            if module is not None and inputs and refill_kind(module) is not None and not autocast_state():
                 t0 = time.thread_time()
                 with self._peek(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
                     seconds = exact_refill_seconds(module, inputs[0], out)
@@ -370,7 +382,7 @@ class Profile:
         inner = self._open[-1][0].index if self._open else -1
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), is_activation(t), inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
-                                   tuple(t.stride()), int(t.storage_offset())))
+                                   tuple(t.stride()), int(t.storage_offset()), self._clock()))
 
 
 @dataclass
@@ -478,7 +490,21 @@ class _Planner:
             if p.key not in inputs and all(call.first_pack <= s < call.end_pack for s in self.saves[p.key]):
                 drops.add(p.key)
         pins = self._pins(call)
-        return _Candidate(call, REGION, drops, pins, [call.index], call.seconds, sum(rebuild.values()))
+        return _Candidate(call, REGION, drops, pins, [call.index], self._region_seconds(call, drops),
+                          sum(rebuild.values()))
+
+    def _region_seconds(self, call: CallInfo, drops: set[ProfileKey]) -> float:
+        """A region's re-run time: measured, or its forward time scaled by the share of the
+        profiled call that came before its last dropped save (the re-run stops there: Note
+        [Planned recompute])."""
+        if call.region_seconds >= 0:
+            return call.region_seconds
+        last = max((seq for seq in range(call.first_pack, call.end_pack) if self.packs[seq].key in drops),
+                   default=-1)
+        span = call.end - call.start
+        if last < 0 or span <= 0:
+            return call.seconds
+        return call.seconds * min(1.0, max(0.0, (self.packs[last].at - call.start) / span))
 
     def _selective(self, full: _Candidate, profile: Profile) -> list[_Candidate]:
         """Selective variants of a region (Note [Selective re-runs]): its droppable storages in
@@ -606,9 +632,9 @@ class _Planner:
         """Re-run time per step: a call re-run for several chosen candidates counts once (a
         regenerated output is cached while dropped saves still need it); a selective region
         costs its recipe's time; an output regenerated by a batch-norm refill, the refill's."""
-        whole = {i for c in self.chosen if c.kind == REGION and c.recipe is None for i in c.chain}
-        outputs = {i for c in self.chosen if c.kind == OUTPUT for i in c.chain} - whole
-        return sum(self.calls[i].seconds for i in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
+        whole = [c for c in self.chosen if c.kind == REGION and c.recipe is None]
+        outputs = {i for c in self.chosen if c.kind == OUTPUT for i in c.chain} - {c.call.index for c in whole}
+        return sum(c.seconds for c in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
             + sum(c.seconds for c in self.chosen if c.recipe is not None)
 
     def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
@@ -843,21 +869,26 @@ class PlanSearch:
 
     def measured(self, peak: int, reruns: dict[tuple[int, int], float] | None = None,
                  selective: dict[tuple[int, int], float] | None = None,
-                 refills: dict[tuple[int, int], float] | None = None) -> bool:
-        """Takes a planned step's measured peak and re-run seconds per call (by key: whole
-        re-runs, selective regions, batch-norm refills); returns whether the plan changed."""
+                 refills: dict[tuple[int, int], float] | None = None,
+                 regions: dict[tuple[int, int], float] | None = None) -> bool:
+        """Takes a planned step's measured peak and re-run seconds per call (by key: outputs'
+        re-runs, selective regions, refills, whole regions' re-runs up to their last dropped
+        save); returns whether the plan changed."""
         self.last_peak = peak
         if self.settled:
             return False
         plan = self.plan
         self.trials.append((plan, peak))
-        reruns, refills = reruns or {}, refills or {}
-        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()) + sum(refills.values()))
+        reruns, refills, regions = reruns or {}, refills or {}, regions or {}
+        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()) + sum(refills.values())
+                                  + sum(regions.values()))
         for call in self.profile.calls:
             if (measured := reruns.get(call.key)) is not None:
                 call.seconds = measured
             if (measured := refills.get(call.key)) is not None:
                 call.refill_seconds = measured
+            if (measured := regions.get(call.key)) is not None:
+                call.region_seconds = measured
         for key, seconds in (selective or {}).items():
             recipe = plan.recipes.get(key)
             if recipe is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import batchnorm
+from . import refills
 from .calls import autocast_state
 from .ops import RerunMismatch, SelectiveRerun, StopRerun, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
@@ -125,9 +125,11 @@ class _Rerun:
             pass
 
     def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None,
-            mode: SelectiveRerun | None = None) -> Any:
+            mode: SelectiveRerun | None = None, times: dict[tuple[int, int], float] | None = None) -> Any:
         """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves;
-        ``mode``: a selective re-run's (Note [Selective re-runs] in ops.py)."""
+        ``mode``: a selective re-run's (Note [Selective re-runs] in ops.py); ``times``: where
+        the re-run's time goes (by default the step's ``rerun_seconds``, or its
+        ``selective_seconds`` with a mode)."""
         for t, v in self.versions:
             if t._version != v:
                 from .session import OffloadError
@@ -168,7 +170,8 @@ class _Rerun:
             seconds = time.thread_time() - t0
             st["replays_total"] += 1
             st["recompute_seconds_total"] += seconds
-            times = step.selective_seconds if mode is not None else step.rerun_seconds
+            if times is None:
+                times = step.selective_seconds if mode is not None else step.rerun_seconds
             times[self.key] = times.get(self.key, 0.0) + seconds
         return out
 
@@ -209,6 +212,8 @@ class Region(_Rerun):
         def capture(t: torch.Tensor) -> None:
             if mode is None:
                 captured.append(t.detach())
+                if len(captured) > last_wanted:
+                    raise StopRerun()  # every dropped save is in: the rest of the forward is not needed
                 return
             mode.paused = True  # detach is an operator: not the module's
             captured.append(t.detach())
@@ -216,8 +221,9 @@ class Region(_Rerun):
             if len(captured) > last_wanted:
                 mode.done = True  # every dropped save is in: stop at the next operator
 
+        whole = self.step.region_seconds
         try:
-            self.run(self.args, self.kwargs, capture, mode)
+            self.run(self.args, self.kwargs, capture, mode, None if mode is not None else whole)
         except StopRerun:
             pass
         except RerunMismatch:  # another code path than the profile's: re-run whole
@@ -225,7 +231,10 @@ class Region(_Rerun):
             captured.clear()
             mode = None
             self.step.session._stats["selective_fallbacks_total"] += 1
-            self.run(self.args, self.kwargs, capture)
+            try:
+                self.run(self.args, self.kwargs, capture, None, whole)
+            except StopRerun:
+                pass
         if mode is not None and mode.stale:
             self.step.stale = True
         self.sources = {}
@@ -368,16 +377,16 @@ class Output(_Rerun):
         self.links = list(links.values())
         for lk in self.links:
             lk.record.linkers += 1
-        # a batch norm refilled from its saved statistics (Note [Batch-norm refills] in
-        # batchnorm.py): its input's profiled geometry; the statistics, taken when it returns
+        # a call refilled from what its forward saved (a batch norm's statistics, a dropout's
+        # noise: refills.py): its input's profiled geometry; the refill, taken when it returns
         self.refill_geometry = refill_geometry if not self.autocast else None
-        self.statistics: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.refiller: tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
         self.inside: list[OutputSlot] | None = []  # saves of the output made before the call returned
 
     def returned(self, output: Any) -> None:
         """The call returned ``output``. Saves made inside the call that the plan drops (a
-        ReLU saves its result) are let go if they are the output's storage, else kept; a batch
-        norm to refill takes the statistics it saved."""
+        ReLU saves its result) are let go if they are the output's storage, else kept; a call to
+        refill takes what it saved (a batch norm's statistics, a dropout's noise)."""
         inside, self.inside = self.inside or [], None
         key = storage_key(output) if isinstance(output, torch.Tensor) else None
         for slot in inside:
@@ -387,7 +396,7 @@ class Output(_Rerun):
         self.out_key = key
         self.out_ref = weakref.ref(output)
         if self.refill_geometry is not None:
-            self.statistics = batchnorm.saved_statistics(output)
+            self.refiller = refills.refiller(self.module, output)
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
@@ -410,11 +419,11 @@ class Output(_Rerun):
         return out.detach()
 
     def _refill(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """The batch norm's output from its saved statistics, or None: not a refill, or its input
+        """The output from what the call saved (refills.py), or None: not a refill, or its input
         is not laid out as in the profiled step (where the refill was checked exact)."""
-        stats = self.statistics
+        refiller = self.refiller
         inputs = tensor_leaves((args, kwargs))
-        if stats is None or len(inputs) != 1 or (tuple(inputs[0].shape), tuple(inputs[0].stride()),
+        if refiller is None or len(inputs) != 1 or (tuple(inputs[0].shape), tuple(inputs[0].stride()),
                                                  inputs[0].storage_offset(), inputs[0].dtype,
                                                  inputs[0].device) != self.refill_geometry:
             return None
@@ -422,10 +431,11 @@ class Output(_Rerun):
             if t._version != v:
                 return None  # run() says why it cannot re-run
         t0 = time.thread_time()
-        out = batchnorm.refill(self.module, inputs[0], *stats)
+        kind, refill = refiller
+        out = refill(inputs[0])
         seconds = time.thread_time() - t0
         st = self.step.session._stats
-        st["batchnorm_refills_total"] += 1
+        st[f"{kind}_refills_total"] += 1
         st["recompute_seconds_total"] += seconds
         self.step.refill_seconds[self.key] = self.step.refill_seconds.get(self.key, 0.0) + seconds
         return out
@@ -442,11 +452,16 @@ class Output(_Rerun):
 
     def finish(self) -> None:
         """No dropped save needs the output any more: let go of the inputs (and the linked
-        calls', when no other output call needs them)."""
-        self.cache = None
-        if self.pending > 0 or self.linkers > 0:
+        calls', when no other output call needs them). Called too when a later call that
+        regenerated its input through this one is done with it: while dropped saves of the
+        output are pending, the cached output stays (they will want it; dropping it re-ran the
+        call once more for them)."""
+        if self.pending > 0:
             return
-        self.statistics = None
+        self.cache = None
+        if self.linkers > 0:
+            return
+        self.refiller = None
         self.release()
         self.args, self.kwargs, self.versions = (), {}, []
         links, self.links = self.links, []
@@ -517,6 +532,7 @@ class PlannedStep:
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
         self.refill_seconds: dict[tuple[int, int], float] = {}  # the same, batch-norm refills
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
+        self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
         self._ordinals: dict[int, int] = {}

@@ -157,7 +157,7 @@ class ActivationOffload:
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
-            "batchnorm_refills_total")}
+            "batchnorm_refills_total", "dropout_refills_total")}
 
     # -- per-step state --------------------------------------------------------------------
 
@@ -292,7 +292,7 @@ class ActivationOffload:
         if run.diverged or run.stale:
             self._search = None  # profile the next step again
             return
-        if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds):
+        if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds, run.region_seconds):
             st["replans_total"] += 1
         if search.settled and search.plan.empty and peak > search.limit:
             self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
