@@ -593,3 +593,51 @@ def test_a_region_re_run_stops_after_its_last_dropped_save() -> None:
             _assert_bitwise_equal(expected[seed], _step(model, x, seed))
         assert [t.calls - b for t, b in zip(tails, before)] == [1, 1, 1]
     assert session.stats()["replays_total"] >= 3 * len(blocks)
+
+
+class _Fallback(nn.Module):
+    """A fast path guarded by ``except Exception`` whose fallback turns the fast path off for good
+    (a kernel-fallback pattern): its last save (the GELU's input) is inside the ``try``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(64, 256), nn.Linear(256, 64)
+        self.fast = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin2(self.lin1(x))
+        if self.fast:
+            try:
+                return torch.nn.functional.gelu(h) * 0.5
+            except Exception:
+                self.fast = False
+        return torch.tanh(h) * 0.5
+
+
+def test_a_module_that_catches_exceptions_does_not_catch_a_re_run_s_stop() -> None:
+    """The stop of a region's re-run is no Exception: a forward's ``except Exception`` lets it
+    through, so the fallback never runs in a re-run and later steps stay the plain steps (a second
+    reader's probe: with the stop an Exception, the flag turned off and steps 2 and 3 differed)."""
+    def model_() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[_Fallback() for _ in range(3)], nn.Flatten(), nn.Linear(64 * 32, 10))
+
+    torch.manual_seed(123)
+    x = torch.randn(16, 32, 64)
+    plain = model_()
+    expected = [_step(plain, x, seed) for seed in range(4)]
+    model = model_()
+    session = offload(budget=_saved_bytes_peak(model_(), x) // 2, pressure_callback=False)
+    with session:
+        _assert_bitwise_equal(expected[0], _step(model, x, 0))  # profiled
+    search = session._search
+    assert search is not None
+    for call in search.profile.calls:  # outputs dear: the plan re-runs the blocks as regions
+        call.seconds = 1.0 if isinstance(call.module(), _Fallback) else 5.0
+    search.plan = make_plan(search.profile, search.budget, selective=False)
+    search.settled = True
+    assert any(isinstance(c.module(), _Fallback) for c in search.plan.regions.values())
+    for seed in range(1, 4):
+        with session:
+            _assert_bitwise_equal(expected[seed], _step(model, x, seed))
+    assert all(m.fast for m in model.modules() if isinstance(m, _Fallback))

@@ -223,8 +223,11 @@ class ReplayStep:
     restore: list[int]
 
 
-class StopRerun(Exception):
-    """Raised inside a selective re-run once every dropped save is captured."""
+class StopRerun(BaseException):
+    """Raised inside a re-run once every dropped save is captured. A BaseException, as
+    GeneratorExit is: a module whose forward falls back on ``except Exception`` must not catch
+    the stop and run its fallback, whose side effects (a flag it sets) would last into later
+    steps (a second reader's probe: steps 2 and 3 no longer bit-identical)."""
 
 
 class RerunMismatch(Exception):

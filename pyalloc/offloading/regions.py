@@ -208,11 +208,13 @@ class Region(_Rerun):
                     return
                 mode = SelectiveRerun(self.recipe, sources, verify)
         last_wanted = max(self.wanted, default=-1)
+        stops = [0]  # stops raised: one the module swallowed leaves the re-run returning normally
 
         def capture(t: torch.Tensor) -> None:
             if mode is None:
                 captured.append(t.detach())
                 if len(captured) > last_wanted:
+                    stops[0] += 1
                     raise StopRerun()  # every dropped save is in: the rest of the forward is not needed
                 return
             mode.paused = True  # detach is an operator: not the module's
@@ -224,6 +226,8 @@ class Region(_Rerun):
         whole = self.step.region_seconds
         try:
             self.run(self.args, self.kwargs, capture, mode, None if mode is not None else whole)
+            if stops[0] > 0:  # caught inside the forward (a bare except): what ran after may differ
+                self.step.stale = True
         except StopRerun:
             pass
         except RerunMismatch:  # another code path than the profile's: re-run whole
