@@ -4,7 +4,7 @@ plan; exact to the bit, within the budget, and free when the budget is never rea
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -559,6 +559,32 @@ class _Tail(nn.Module):
         return x * 0.5
 
 
+def _blocks_input() -> torch.Tensor:
+    torch.manual_seed(123)
+    return torch.randn(16, 32, 64)
+
+
+def _blocks_as_regions(model_: Callable[[], nn.Module], is_block: Callable[[Any], bool]
+                       ) -> tuple[nn.Module, Any, list[dict[str, torch.Tensor]]]:
+    """A model of blocks, a session at half its saved bytes whose settled plan re-runs the blocks
+    as regions (their outputs made dear), and the plain steps' gradients for seeds 0 to 3; the
+    session has run the profiled step (seed 0), checked."""
+    x = _blocks_input()
+    plain = model_()
+    expected = [_step(plain, x, seed) for seed in range(4)]
+    model = model_()
+    session = offload(budget=_saved_bytes_peak(model_(), x) // 2, pressure_callback=False)
+    with session:
+        _assert_bitwise_equal(expected[0], _step(model, x, 0))  # profiled
+    search = session._search
+    assert search is not None
+    for call in search.profile.calls:
+        call.seconds = 1.0 if is_block(call) else 5.0
+    search.plan = make_plan(search.profile, search.budget, selective=False)
+    search.settled = True
+    return model, session, expected
+
+
 def test_a_region_re_run_stops_after_its_last_dropped_save() -> None:
     """A block planned as a region: its re-run in backward refills the dropped saves and stops
     there, so the block's tail (after the last save) runs once a step, in forward only; the
@@ -569,21 +595,11 @@ def test_a_region_re_run_stops_after_its_last_dropped_save() -> None:
         blocks = [nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), _Tail()) for _ in range(3)]
         return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(64 * 32, 10))
 
-    torch.manual_seed(123)
-    x = torch.randn(16, 32, 64)
-    plain = model_()
-    expected = [_step(plain, x, seed) for seed in range(4)]
-    model = model_()
-    session = offload(budget=_saved_bytes_peak(model_(), x) // 2, pressure_callback=False)
-    with session:
-        _assert_bitwise_equal(expected[0], _step(model, x, 0))  # profiled
+    model, session, expected = _blocks_as_regions(
+        model_, lambda call: isinstance(call.module(), nn.Sequential) and call.parent >= 0)
+    x = _blocks_input()
     search = session._search
     assert search is not None
-    profile = search.profile
-    for call in profile.calls:  # outputs dear: the plan re-runs blocks as regions
-        call.seconds = 1.0 if isinstance(call.module(), nn.Sequential) and call.parent >= 0 else 5.0
-    search.plan = make_plan(profile, search.budget, selective=False)
-    search.settled = True
     blocks = [c for c in search.plan.regions.values() if c.parent >= 0]
     assert blocks and not search.plan.outputs
     tails = [m for m in model.modules() if isinstance(m, _Tail)]
@@ -622,20 +638,10 @@ def test_a_module_that_catches_exceptions_does_not_catch_a_re_run_s_stop() -> No
         torch.manual_seed(0)
         return nn.Sequential(*[_Fallback() for _ in range(3)], nn.Flatten(), nn.Linear(64 * 32, 10))
 
-    torch.manual_seed(123)
-    x = torch.randn(16, 32, 64)
-    plain = model_()
-    expected = [_step(plain, x, seed) for seed in range(4)]
-    model = model_()
-    session = offload(budget=_saved_bytes_peak(model_(), x) // 2, pressure_callback=False)
-    with session:
-        _assert_bitwise_equal(expected[0], _step(model, x, 0))  # profiled
+    model, session, expected = _blocks_as_regions(model_, lambda call: isinstance(call.module(), _Fallback))
+    x = _blocks_input()
     search = session._search
     assert search is not None
-    for call in search.profile.calls:  # outputs dear: the plan re-runs the blocks as regions
-        call.seconds = 1.0 if isinstance(call.module(), _Fallback) else 5.0
-    search.plan = make_plan(search.profile, search.budget, selective=False)
-    search.settled = True
     assert any(isinstance(c.module(), _Fallback) for c in search.plan.regions.values())
     for seed in range(1, 4):
         with session:
