@@ -534,7 +534,7 @@ class PlannedStep:
         self.dropped = 0
         self.dropped_bytes = 0
         self.rerun_seconds: dict[tuple[int, int], float] = {}  # planned call key -> re-run time
-        self.refill_seconds: dict[tuple[int, int], float] = {}  # the same, batch-norm refills
+        self.refill_seconds: dict[tuple[int, int], float] = {}  # the same, refills (refills.py)
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
         self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
         self.verify = False  # re-run selective regions through the module's code, checking the replays

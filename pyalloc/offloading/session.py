@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from ..core import add_stats_source
-from . import cost
+from . import cost, refills
 from .args import TensorMap
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
 from .plan import OUTPUT, Plan, PlanSearch, Profile
@@ -157,7 +157,7 @@ class ActivationOffload:
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
-            "batchnorm_refills_total", "dropout_refills_total")}
+            *(f"{kind}_refills_total" for kind in refills.KINDS))}
 
     # -- per-step state --------------------------------------------------------------------
 
