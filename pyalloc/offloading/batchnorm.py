@@ -24,12 +24,12 @@ Note [Batch-norm refills]
     may form the output otherwise. So nothing is assumed, and two things are checked in the
     profiled step, on the device and layout the call ran on: the refill gives the forward's
     output bit for bit, and it gives bit for bit the output of a training-mode call on the same
-    input with parameters drawn away from 1 and 0 (:func:`exact_refill_seconds`). The second
+    input with parameters drawn away from 1 and 0 (``refills.exact_refill_seconds``). The second
     check is what tells the paths apart: at weight 1 and bias 0, the default initialisation,
     the strided path and the refill agree, and after the first optimizer step they do not (a
     second reader found that: a transposed ``BatchNorm2d`` at its initial weights passed the
     first check alone, and every planned step's gradients then differed). Calls on fewer than
-    ``MIN_ELEMENTS`` elements are not refilled: a few elements could agree by chance, and a
+    ``refills.MIN_ELEMENTS`` elements are not refilled: a few elements could agree by chance, and a
     small output is not worth dropping. Only a call that passed both is refilled, and only while
     its input has the profiled geometry and no autocast is on; any other batch-norm call is
     re-run whole, as before. The planner weighs a refilled call at the refill's measured time, so
@@ -38,16 +38,12 @@ Note [Batch-norm refills]
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MIN_ELEMENTS", "exact_refill_seconds", "refill", "refillable", "saved_statistics"]
-
-MIN_ELEMENTS = 4096
-"""Batch norms on fewer elements are re-run whole (Note [Batch-norm refills])."""
+__all__ = ["refill", "refillable", "saved_statistics", "with_other_parameters"]
 
 _NODES = ("NativeBatchNormBackward0",)
 """Autograd nodes of a batch norm whose ``result1`` and ``result2`` are the batch's mean and
@@ -74,7 +70,7 @@ def saved_statistics(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
 
 def refill(module: nn.Module, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
     """``module``'s training-mode output for input ``x``, from the saved ``mean`` and ``invstd``
-    (Note [Batch-norm refills]); exact only where :func:`exact_refill_seconds` said so."""
+    (Note [Batch-norm refills]); exact only where ``refills.exact_refill_seconds`` said so."""
     return _refill(x, getattr(module, "weight", None), getattr(module, "bias", None), mean, invstd)
 
 
@@ -85,11 +81,14 @@ def _refill(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
         return torch.native_batch_norm(x, alpha, bias, mean, torch.ones_like(mean), False, 0.0, 0.0)[0]
 
 
-def _exact_for_other_parameters(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the refill gives a training-mode call's bits on ``x`` with the module's
-    parameters replaced by values away from 1 and 0 (from a fixed seed, so that every profile
-    draws the same): a kernel that forms its output otherwise than the refill agrees with it
-    at weight 1 and bias 0, not here. No running statistic is read or written."""
+def with_other_parameters(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The refill and a training-mode call's output on ``x``, both with the module's parameters
+    replaced by values away from 1 and 0 (from a fixed seed, so that every profile draws the
+    same): a kernel that forms its output otherwise than the refill agrees with it at weight 1
+    and bias 0, not here (Note [Batch-norm refills]). None for an input without channels. No
+    running statistic is read or written."""
+    if x.dim() < 2:
+        return None
     weight = getattr(module, "weight", None)
     bias = getattr(module, "bias", None)
     draw = torch.Generator().manual_seed(0x5EED)
@@ -104,24 +103,4 @@ def _exact_for_other_parameters(module: nn.Module, x: torch.Tensor) -> bool:
     w, b = drawn(weight, 0.5, 2.0), drawn(bias, -2.0, 2.0)
     with torch.no_grad():
         out, mean, invstd = torch.native_batch_norm(x, w, b, None, None, True, 0.0, float(getattr(module, "eps")))
-        got = _refill(x, w, b, mean, invstd)
-    return got.dtype == out.dtype and got.stride() == out.stride() and torch.equal(got, out)
-
-
-def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> float | None:
-    """The thread time :func:`refill` takes to give ``output`` (the module's forward output for
-    ``x``) again, or None when it does not give it bit for bit, with the same geometry, on this
-    device and layout, or does not give a training-mode call's output with other parameters
-    (Note [Batch-norm refills]). Timed on a second run: the first one's output often lands in
-    memory never touched before (seen: 3 ms instead of 0.45 ms for 4 MiB, in the profiled step),
-    and a refill costed that high would never be planned, so never measured."""
-    stats = saved_statistics(output)
-    if stats is None or x.numel() < MIN_ELEMENTS or x.dim() < 2:
-        return None
-    x = x.detach()
-    refill(module, x, *stats)
-    t0 = time.thread_time()
-    got = refill(module, x, *stats)
-    seconds = time.thread_time() - t0
-    same = got.dtype == output.dtype and got.stride() == output.stride() and torch.equal(got, output)
-    return seconds if same and _exact_for_other_parameters(module, x) else None
+        return _refill(x, w, b, mean, invstd), out

@@ -13,10 +13,10 @@ Note [Dropout refills]
 
     That is checked, not assumed, in the profiled step, on the device and layout the call ran
     on: the refill gives the forward's output bit for bit, with its strides
-    (:func:`exact_refill_seconds`). A GPU's dropout is one fused operator whose node saves a
+    (``refills.exact_refill_seconds``). A GPU's dropout is one fused operator whose node saves a
     boolean mask (``NativeDropoutBackward0``): no noise is found, and the call is re-run whole, as
     is any call whose check failed, any call under autocast, any call on fewer than
-    ``MIN_ELEMENTS`` elements, and any module that is not a stock ``nn.Dropout`` (or its 1d, 2d,
+    ``refills.MIN_ELEMENTS`` elements, and any module that is not a stock ``nn.Dropout`` (or its 1d, 2d,
     3d forms, whose noise broadcasts over a channel) in training mode, not in place, with
     ``0 < p < 1``. The planner weighs a refilled dropout at the refill's measured time, as it does
     a refilled batch norm (Note [Batch-norm refills] in batchnorm.py).
@@ -24,17 +24,12 @@ Note [Dropout refills]
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MIN_ELEMENTS", "exact_refill_seconds", "refill", "refillable", "saved_noise"]
-
-MIN_ELEMENTS = 4096
-"""Dropouts on fewer elements are re-run whole: a few elements could agree by chance, and a small
-output is not worth dropping."""
+__all__ = ["refill", "refillable", "saved_noise"]
 
 _FORWARDS = (nn.Dropout.forward, nn.Dropout1d.forward, nn.Dropout2d.forward, nn.Dropout3d.forward)
 """The stock forwards: each is ``F.dropout`` (or a feature form of it) with the module's ``p``."""
@@ -59,27 +54,7 @@ def saved_noise(output: torch.Tensor) -> torch.Tensor | None:
 
 def refill(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The dropout's output for input ``x``, from the saved ``noise`` (Note [Dropout refills]);
-    exact only where :func:`exact_refill_seconds` said so."""
+    exact only where ``refills.exact_refill_seconds`` said so."""
     with torch.no_grad():
         return torch.mul(x, noise)
 
-
-def exact_refill_seconds(x: torch.Tensor, output: torch.Tensor) -> float | None:
-    """The thread time :func:`refill` takes to give ``output`` (the dropout's forward output for
-    ``x``) again, or None when there is no saved noise or the refill does not give it bit for
-    bit, with the same geometry. Timed on a second run, as batch-norm refills are: the first
-    one's result may land in memory never touched before."""
-    noise = saved_noise(output)
-    if noise is None or x.numel() < MIN_ELEMENTS:
-        return None
-    x = x.detach()
-    try:
-        refill(x, noise)
-    except RuntimeError:  # not the input's noise (shapes that do not broadcast)
-        return None
-    t0 = time.thread_time()
-    got = refill(x, noise)
-    seconds = time.thread_time() - t0
-    same = got.dtype == output.dtype and got.shape == output.shape and got.stride() == output.stride() \
-        and torch.equal(got, output)
-    return seconds if same else None

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from .plan import ProfileKey
 
 __all__ = ["COMPUTE", "FAKE", "SKIP", "SOURCE", "OpInfo", "OpRecorder", "Recipe", "RerunMismatch",
-           "SelectiveRerun", "StopRerun", "CallOps"]
+           "SelectiveRerun", "StopRerun", "CallOps", "geometry"]
 
 COMPUTE, SOURCE, FAKE, SKIP = 0, 1, 2, 3
 
@@ -132,7 +132,8 @@ def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
     return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and id(x) in targets]
 
 
-def _geometry(t: torch.Tensor) -> Geometry:
+def geometry(t: torch.Tensor) -> Geometry:
+    """``t``'s view: shape, strides, storage offset, dtype, device."""
     return (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype, t.device)
 
 
@@ -153,7 +154,7 @@ class OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         t0 = time.thread_time()
         leaves, spec = tree_flatten((args, kwargs))
-        recorded = [TensorArg(self._key(x), _geometry(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
+        recorded = [TensorArg(self._key(x), geometry(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
         reads = tuple(x.key for x in recorded if isinstance(x, TensorArg))
         mutated = _mutated_positions(func, args, kwargs)
         t1 = time.thread_time()
@@ -168,7 +169,7 @@ class OpRecorder(TorchDispatchMode):
                 outputs.append(None)
                 continue
             k = self._key(o)
-            outputs.append((k, _geometry(o)))
+            outputs.append((k, geometry(o)))
             if k not in reads:
                 view = False
                 writes.append(k)
@@ -415,7 +416,7 @@ def _same_arguments(step: ReplayStep, args: tuple, kwargs: dict) -> bool:
         return False
     for live, recorded in zip(leaves, step.leaves):
         if isinstance(recorded, _Ref):
-            if not isinstance(live, torch.Tensor) or _geometry(live)[:4] != recorded.geometry[:4]:
+            if not isinstance(live, torch.Tensor) or geometry(live)[:4] != recorded.geometry[:4]:
                 return False
         elif isinstance(live, torch.Tensor) or type(live) is not type(recorded) or live != recorded:
             return False

@@ -76,7 +76,7 @@ import torch
 
 from .refills import exact_refill_seconds, kind as refill_kind
 from .calls import autocast_state
-from .ops import CallOps, OpRecorder, Recipe
+from .ops import CallOps, OpRecorder, Recipe, geometry
 
 __all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
            "is_activation", "make_plan", "storage_key", "tensor_leaves"]
@@ -308,7 +308,7 @@ class Profile:
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
         call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        call.input_geometry = [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device) for t in inputs]
+        call.input_geometry = [geometry(t) for t in inputs]
         self.calls.append(call)
         call.start = self._clock()
         self._open.append((call, call.start, inputs, [t._version for t in inputs]))

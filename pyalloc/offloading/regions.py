@@ -20,7 +20,7 @@ import torch
 
 from . import refills
 from .calls import autocast_state
-from .ops import RerunMismatch, SelectiveRerun, StopRerun, run_replay
+from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, geometry, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 
 if TYPE_CHECKING:
@@ -265,8 +265,7 @@ class Region(_Rerun):
         recipe = self.recipe
         assert recipe is not None
         inputs = tensor_leaves(self.args)
-        if recipe.replay is None or [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
-                                     for t in inputs] != recipe.input_geometry:
+        if recipe.replay is None or [geometry(t) for t in inputs] != recipe.input_geometry:
             return False
         for t, v in self.versions:
             if t._version != v:
@@ -367,7 +366,7 @@ class Output(_Rerun):
     """A planned output call: its output's saves are dropped and regenerated on use."""
 
     def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
-                 kwargs: dict, links: dict[int, _Link], refill_geometry: Any = None) -> None:
+                 kwargs: dict, links: dict[int, _Link], refill_geometry: Geometry | None = None) -> None:
         def link(x: Any) -> Any:
             return links.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
@@ -427,9 +426,7 @@ class Output(_Rerun):
         is not laid out as in the profiled step (where the refill was checked exact)."""
         refiller = self.refiller
         inputs = tensor_leaves((args, kwargs))
-        if refiller is None or len(inputs) != 1 or (tuple(inputs[0].shape), tuple(inputs[0].stride()),
-                                                 inputs[0].storage_offset(), inputs[0].dtype,
-                                                 inputs[0].device) != self.refill_geometry:
+        if refiller is None or len(inputs) != 1 or geometry(inputs[0]) != self.refill_geometry:
             return None
         for t, v in self.versions:
             if t._version != v:
