@@ -13,9 +13,11 @@ from torch import nn
 
 from pyalloc.offloading import batchnorm
 from pyalloc.offloading.batchnorm import refill, refillable, saved_statistics
-from pyalloc.offloading.plan import Profile, is_activation
-from pyalloc.offloading.regions import KeptSave, SavedBytes
 from pyalloc.offloading.session import offload
+
+from offload_fixture import assert_bitwise_equal as _assert_bitwise_equal
+from offload_fixture import profiled, saved_bytes_peak
+from offload_fixture import step as _step
 
 STEPS = 5  # one profiled step, then the plan search and settled steps
 
@@ -55,23 +57,9 @@ def _input() -> torch.Tensor:
     return torch.randn(16, 3, 16, 16)
 
 
-def _step(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)  # each step its own dropout masks, the same in both runs
-    model(x).square().mean().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def _plain(model: nn.Module, x: torch.Tensor) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     grads = [_step(model, x, seed) for seed in range(STEPS)]
     return grads, {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs (max abs diff {(a[k].float() - b[k].float()).abs().max()})"
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -108,11 +96,7 @@ def test_only_training_mode_stock_batch_norms_are_refillable() -> None:
 
 def test_the_profile_marks_refills_only_where_it_found_them_exact() -> None:
     model, x = _cnn(), _input()
-    profile = Profile()
-    profile.start()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (profile.note_pack(t), t)[1], lambda t: t):
-        _step(model, x, 0)
-    profile.stop()
+    profile = profiled(model, x)
     bns = [c for c in profile.calls if isinstance(c.module(), nn.BatchNorm2d)]
     # the last one is fed a strided view: its refill differs from the forward, it is re-run whole
     assert [c.refill_seconds >= 0 for c in bns] == [True, True, True, False]
@@ -126,16 +110,13 @@ def _session_run() -> tuple[dict[str, float], int]:
     peak of saved bytes."""
     model, x = _cnn(), _input()
     expected, expected_state = _plain(copy.deepcopy(model), x)
-    saved = SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: KeptSave(saved, t) if is_activation(t) else t,
-                                                  lambda h: h.tensor if isinstance(h, KeptSave) else h):
-        _step(copy.deepcopy(model), x, 0)
-    session = offload(budget=saved.peak // 2, pressure_callback=False)
+    peak = saved_bytes_peak(copy.deepcopy(model), x)
+    session = offload(budget=peak // 2, pressure_callback=False)
     for seed in range(STEPS):
         with session:
             _assert_bitwise_equal(expected[seed], _step(model, x, seed))
     _assert_bitwise_equal(expected_state, {k: v.clone() for k, v in model.state_dict().items()})
-    return session.stats(), saved.peak
+    return session.stats(), peak
 
 
 def test_planned_steps_refill_batch_norms_and_drop_relu_outputs_bit_for_bit() -> None:
@@ -165,11 +146,7 @@ def test_a_strided_batch_norm_at_its_initial_weights_is_not_refilled() -> None:
     not mark it (a second reader's probe: every planned step's gradients differed)."""
     torch.manual_seed(2)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), _Transposed(8), nn.ReLU())
-    profile = Profile()
-    profile.start()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (profile.note_pack(t), t)[1], lambda t: t):
-        _step(model, _input(), 0)
-    profile.stop()
+    profile = profiled(model, _input())
     (bn,) = [c for c in profile.calls if isinstance(c.module(), nn.BatchNorm2d)]
     assert bn.refill_seconds < 0
 
@@ -211,11 +188,7 @@ def test_refills_stay_exact_while_an_optimizer_moves_the_weights(strided: bool) 
     try:
         x = _input()
         expected = run(model_())
-        saved = SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: KeptSave(saved, t) if is_activation(t) else t,
-                                                      lambda h: h.tensor if isinstance(h, KeptSave) else h):
-            _step(model_(), x, 0)
-        session = offload(budget=saved.peak // 2, pressure_callback=False)
+        session = offload(budget=saved_bytes_peak(model_(), x) // 2, pressure_callback=False)
         got = run(model_(), session)
     finally:
         torch.set_num_threads(threads)

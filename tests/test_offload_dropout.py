@@ -12,9 +12,12 @@ from torch import nn
 
 from pyalloc.offloading import dropout, refills
 from pyalloc.offloading.dropout import refill, refillable, saved_noise
-from pyalloc.offloading.plan import Profile, is_activation
-from pyalloc.offloading.regions import KeptSave, SavedBytes
+from pyalloc.offloading.plan import Profile
 from pyalloc.offloading.session import offload
+
+from offload_fixture import assert_bitwise_equal as _assert_bitwise_equal
+from offload_fixture import profiled, saved_bytes_peak
+from offload_fixture import step as _step
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # bit-for-bit comparisons (conftest.py)
 
@@ -41,20 +44,6 @@ def _model() -> nn.Module:
 def _input() -> torch.Tensor:
     torch.manual_seed(123)
     return torch.randn(16, 32, 64)
-
-
-def _step(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)  # each step its own dropout masks, the same in both runs
-    model(x).square().mean().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs (max abs diff {(a[k] - b[k]).abs().max()})"
 
 
 @pytest.mark.parametrize("module", [nn.Dropout(0.1), nn.Dropout(0.5), nn.Dropout2d(0.3)], ids=str)
@@ -88,11 +77,7 @@ def test_only_stock_training_dropouts_that_draw_noise_are_refillable() -> None:
 
 def test_the_profile_marks_dropout_refills_it_found_exact() -> None:
     model, x = _model(), _input()
-    profile = Profile()
-    profile.start()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (profile.note_pack(t), t)[1], lambda t: t):
-        _step(model, x, 0)
-    profile.stop()
+    profile = profiled(model, x)
     drops = [c for c in profile.calls if isinstance(c.module(), nn.Dropout)]
     assert len(drops) == 4 and all(c.refill_seconds >= 0 for c in drops)
     assert all(c.refill_seconds < 0 for c in profile.calls if c not in drops)
@@ -104,15 +89,12 @@ def _session_run(fraction: float = 0.5) -> tuple[dict[str, float], int]:
     model, x = _model(), _input()
     plain = copy.deepcopy(model)
     expected = [_step(plain, x, seed) for seed in range(STEPS)]
-    saved = SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: KeptSave(saved, t) if is_activation(t) else t,
-                                                  lambda h: h.tensor if isinstance(h, KeptSave) else h):
-        _step(copy.deepcopy(model), x, 0)
-    session = offload(budget=int(saved.peak * fraction), pressure_callback=False)
+    peak = saved_bytes_peak(copy.deepcopy(model), x)
+    session = offload(budget=int(peak * fraction), pressure_callback=False)
     for seed in range(STEPS):
         with session:
             _assert_bitwise_equal(expected[seed], _step(model, x, seed))
-    return session.stats(), saved.peak
+    return session.stats(), peak
 
 
 def _dropout_outputs_dear_elsewhere(monkeypatch) -> None:

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from pyalloc.offloading.plan import BUDGET_SLACK, Profile, make_plan
-from pyalloc.offloading.regions import KeptSave, SavedBytes
-from pyalloc.offloading.plan import is_activation
 from pyalloc.offloading.session import ActivationOffload, OffloadFloorWarning, offload
+
+from offload_fixture import assert_bitwise_equal as _assert_bitwise_equal
+from offload_fixture import saved_bytes_peak as _saved_bytes_peak
+from offload_fixture import step as _step
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # bit-for-bit comparisons (conftest.py)
 
@@ -70,24 +72,6 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
 }
 
 
-def _step(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)  # each step its own dropout masks, the same in both runs
-    model(x).square().mean().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def _saved_bytes_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """The baseline's peak of saved-activation bytes, counted as the session counts them."""
-    counter = SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: KeptSave(counter, t) if is_activation(t) else t,
-            lambda h: h.tensor if isinstance(h, KeptSave) else h):
-        _step(model, x, seed=0)
-    return counter.peak
-
-
 def _train(name: str, session: ActivationOffload | None,
            steps: int = STEPS) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], list[int]]:
     """``steps`` steps; the gradients of each, the final state (batch-norm statistics) and,
@@ -115,12 +99,6 @@ def baselines() -> dict[str, tuple[list[dict[str, torch.Tensor]], dict[str, torc
         torch.manual_seed(123)
         out[name] = (grads, state, _saved_bytes_peak(make_model(), make_input()))
     return out
-
-
-def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs (max abs diff {(a[k] - b[k]).abs().max()})"
 
 
 # ---------------------------------------------------------------------------------------------

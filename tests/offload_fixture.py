@@ -1,0 +1,45 @@
+"""Helpers shared by the offload tests: one training step, its saved-activation peak, a profiled
+step, and a bit-for-bit comparison of gradients."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pyalloc.offloading.plan import Profile, is_activation
+from pyalloc.offloading.regions import KeptSave, SavedBytes
+
+
+def step(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    """One step (the loss: the output's mean square); the gradients, cleared from the model."""
+    torch.manual_seed(seed)  # each step its own dropout masks, the same in both runs
+    model(x).square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def saved_bytes_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """The baseline's peak of saved-activation bytes, counted as the session counts them."""
+    counter = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: KeptSave(counter, t) if is_activation(t) else t,
+            lambda h: h.tensor if isinstance(h, KeptSave) else h):
+        step(model, x, seed=0)
+    return counter.peak
+
+
+def profiled(model: nn.Module, x: torch.Tensor) -> Profile:
+    """The profile of one step of ``model`` on ``x`` (seed 0)."""
+    profile = Profile()
+    profile.start()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (profile.note_pack(t), t)[1], lambda t: t):
+        step(model, x, 0)
+    profile.stop()
+    return profile
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs (max abs diff {(a[k].float() - b[k].float()).abs().max()})"
