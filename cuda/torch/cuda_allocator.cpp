@@ -22,6 +22,7 @@
 // loaded only where PyTorch has CUDA (pyalloc/pytorch/layer.py builds it).
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/headeronly/version.h>
 
 #include <map>
 #include <memory>
@@ -33,6 +34,14 @@
 #include "oom.hpp"
 #include "pools.hpp"
 #include "stats.hpp"
+
+// PyTorch's allocator interface grows between releases: getContextForPointer
+// came in 2.12, markCaptureBegin/End in 2.13. The layer is compiled against
+// whichever PyTorch is imported, so those overrides exist only where the
+// base class declares them (on 2.11 a GPU machine's PyTorch refused the
+// build: "marked 'override', but does not override").
+#define PYALLOC_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace {
 
@@ -151,8 +160,10 @@ class PyallocCUDAAllocator final : public Base {
     return pyalloc::torch_layer::Imports::instance().open(c10::cuda::current_device(), handle);
   }
 
+#if PYALLOC_TORCH_AT_LEAST(2, 13)
   void markCaptureBegin(c10::DeviceIndex device) override { pools().capture_begin(device); }
   void markCaptureEnd(c10::DeviceIndex device) override { pools().capture_end(device); }
+#endif
 
   // Note [Memory history under PyTorch] (history.hpp).
   void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
@@ -163,9 +174,11 @@ class PyallocCUDAAllocator final : public Base {
 
   bool isHistoryEnabled() override { return History::instance().recording(); }
 
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
   std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
     return History::instance().context_of(ptr);
   }
+#endif
 
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool,
                                                          bool include_traces) override {

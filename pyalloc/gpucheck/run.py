@@ -93,7 +93,7 @@ def run_child(name: str, check: str, cfg: dict[str, Any], timeout: float) -> Che
     return CheckResult(name, result["status"], seconds, result.get("figures", {}), detail)
 
 
-def run_gpu_tests(timeout: float) -> CheckResult:
+def run_gpu_tests(timeout: float, log: Path | None = None) -> CheckResult:
     tests = Path(__file__).resolve().parents[2] / "tests" / "gpu"
     if not tests.is_dir():
         return CheckResult("tests/gpu", "not-run", 0.0, detail=f"{tests} is not here (run from a source checkout)")
@@ -104,8 +104,10 @@ def run_gpu_tests(timeout: float) -> CheckResult:
             done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
                                    f"--junitxml={junit}"], capture_output=True, text=True, timeout=timeout,
                                   cwd=tests.parents[1], env=_child_env("default"))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
+            _write_log(log, exc.stdout, exc.stderr)
             return CheckResult("tests/gpu", "timeout", time.monotonic() - start, detail=f"over {timeout:.0f} s")
+        _write_log(log, done.stdout, done.stderr)
         figures: dict[str, Any] = {}
         failed: list[str] = []
         if junit.is_file():
@@ -120,6 +122,15 @@ def run_gpu_tests(timeout: float) -> CheckResult:
     status = "pass" if done.returncode == 0 else "fail"
     detail = "; ".join(failed[:20]) or (done.stdout.strip().splitlines() or [""])[-1]
     return CheckResult("tests/gpu", status, time.monotonic() - start, figures, detail)
+
+
+def _write_log(log: Path | None, stdout: str | bytes | None, stderr: str | bytes | None) -> None:
+    """pytest's whole output beside the report: the report names failed tests, the log says why."""
+    if log is None:
+        return
+    text = [part.decode(errors="replace") if isinstance(part, bytes) else part for part in (stdout, stderr) if part]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("\n".join(text))
 
 
 def gpu_reason() -> str | None:
@@ -167,7 +178,7 @@ def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckRes
         return result
 
     if chosen("tests/gpu") and device == "cuda":
-        record(run_gpu_tests(min(budget.left() - reserved, args.budget * 0.3)))
+        record(run_gpu_tests(min(budget.left() - reserved, args.budget * 0.3), Path(args.out) / "tests-gpu.log"))
     for check in FEATURE_CHECKS:
         if chosen(check):
             child(check, check, {"allocator": "pyalloc"}, args.budget * 0.08)

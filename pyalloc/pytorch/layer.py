@@ -135,14 +135,23 @@ def build(kind: str) -> Path:
     out = _cache_dir() / f"{torch.__version__.replace('+', '_')}-{key.hexdigest()[:16]}" / f"libpyalloc_torch_{kind}.so"
     if out.is_file():
         return out
+    # A build that failed is remembered beside where it would be (same key: same torch, same
+    # sources), so that every later process says why at once instead of compiling again for
+    # tens of seconds (on a GPU machine, each check's fresh interpreter did).
+    failed = out.with_suffix(".failed")
+    if failed.is_file():
+        raise LayerError(failed.read_text().strip() + f" (remembered in {failed}; delete it to build again)")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         done = subprocess.run(_command(kind, torch, sources, partial), capture_output=True, text=True)
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-            raise LayerError(f"building the torch-facing layer ({kind}) against torch {torch.__version__} failed: "
-                             + ("; ".join(errors[:3]) or f"exit {done.returncode}"))
+            message = (f"building the torch-facing layer ({kind}) against torch {torch.__version__} failed: "
+                       + ("; ".join(errors[:3]) or f"exit {done.returncode}"))
+            (Path(tmp) / failed.name).write_text(message + "\n")
+            os.replace(Path(tmp) / failed.name, failed)
+            raise LayerError(message)
         os.replace(partial, out)  # atomic: a process beside this one loads a whole file or builds its own
     return out
 
