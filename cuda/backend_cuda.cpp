@@ -12,10 +12,10 @@
 //     driver.hpp.
 //   - Plain segments: cuMemAlloc_v2 / cuMemFree_v2. Virtual memory:
 //     cuMemAddressReserve, cuMemCreate (pinned device memory), cuMemMap +
-//     cuMemSetAccess, cuMemUnmap. Events come from a per-device pool of
+//     cuMemSetAccess, cuMemUnmap, a range of chunks at a time (mapping.hpp). Events come from a per-device pool of
 //     CU_EVENT_DISABLE_TIMING events (creating one costs microseconds and a
 //     driver lock; recording a reused one does not).
-//   - segment_free and unmap first wait for the device (cuCtxSynchronize):
+//   - segment_free and unmap first wait for the device (cuCtxSynchronize, once a range):
 //     block frees are stream ordered, so kernels queued before the free may
 //     still be using the memory when it goes back to the driver.
 //   - Errors come back as a Status naming the call, the device and the
@@ -49,6 +49,7 @@
 //   expected then and not reported.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -61,6 +62,7 @@
 
 #include "backends/backend.hpp"
 #include "driver.hpp"
+#include "mapping.hpp"
 #include "sharing.hpp"
 #include "ground/config.hpp"
 
@@ -295,31 +297,24 @@ class CudaBackend final : public Backend {
     call_void(device, "cuMemRelease", [&] { return api_.cuMemRelease(handle.value); });
   }
 
-  Status map(int device, uintptr_t va, PhysHandle handle) override {
-    return in_context(device, [&](DeviceState& state) -> Status {
-      CUresult rc = api_.cuMemMap(va, handle.size, 0, handle.value, 0);
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemMap", rc);
-      // A fresh mapping is inaccessible until access is granted.
-      CUmemAccessDesc access{};
-      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-      access.location.id = state.handle;
-      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      rc = api_.cuMemSetAccess(va, handle.size, &access, 1);
-      if (rc != CUDA_SUCCESS) {
-        api_.cuMemUnmap(va, handle.size);  // leave the range as we found it
-        return call_failure(device, "cuMemSetAccess", rc);
-      }
-      return Status::success();
+  Status map(int device, uintptr_t va, PhysHandle handle) override { return map_range(device, va, &handle, 1); }
+
+  Status map_range(int device, uintptr_t va, const PhysHandle* handles, size_t n) override {
+    return in_context(device, [&](DeviceState& state) {
+      return status_of(device, map_chunks(api_, state.handle, va, handles, n));  // mapping.hpp
     });
   }
 
-  void unmap(int device, uintptr_t va, size_t size) override {
+  void unmap(int device, uintptr_t va, size_t size) override { unmap_range(device, va, size, size); }
+
+  void unmap_range(int device, uintptr_t va, size_t size, size_t each) override {
     // cuMemUnmap does not wait for queued work, and a kernel still using
     // the range would fault; block frees are stream ordered, so such work
     // may exist. Wait for the device first, as segment_free does (PyTorch's
-    // expandable segments likewise synchronize before unmapping).
+    // expandable segments likewise synchronize before unmapping): once for
+    // the whole range, which may hold many granules.
     call_void(device, "cuCtxSynchronize", [&] { return api_.cuCtxSynchronize(); });
-    call_void(device, "cuMemUnmap", [&] { return api_.cuMemUnmap(va, size); });
+    call_void(device, "cuMemUnmap", [&] { return unmap_chunks(api_, va, size, each).result; });
   }
 
   // ---- events and streams --------------------------------------------------------

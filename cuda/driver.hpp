@@ -34,6 +34,14 @@ using namespace cuda_driver;  // NOLINT(google-build-using-namespace)
 // Appended to every error that stops the backend from starting.
 constexpr const char* kNoGpuHint = "use backend=host or backend=sim to run without a GPU";
 
+// What a driver call (or a sequence of them) came to: its result, and the
+// failing call's name.
+struct DriverCall {
+  CUresult result = CUDA_SUCCESS;
+  const char* call = "";  // the failing call's name
+  bool ok() const { return result == CUDA_SUCCESS; }
+};
+
 struct DriverApi {
 #define PYALLOC_DECLARE_FUNCTION(name, symbol, signature) \
   std::add_pointer_t<signature> name = nullptr;

@@ -17,12 +17,6 @@
 namespace pyalloc {
 namespace cuda_backend {
 
-struct DriverCall {
-  cuda_driver::CUresult result = cuda_driver::CUDA_SUCCESS;
-  const char* call = "";  // the failing call's name
-  bool ok() const { return result == cuda_driver::CUDA_SUCCESS; }
-};
-
 DriverCall export_segment(const DriverApi& api, uintptr_t addr, std::string* out);
 // `in` must be cuIpcGetMemHandle's 64 bytes (the caller checks the size).
 DriverCall open_segment(const DriverApi& api, const std::string& in, uintptr_t* addr);

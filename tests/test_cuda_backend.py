@@ -36,7 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECK_SOURCE = REPO_ROOT / "tests" / "native" / "cuda_driver_api_check.cpp"
 # The cuda backend: the Backend over the driver, the driver's loading, and what every backend shares.
 BACKEND_SOURCES = (REPO_ROOT / "cuda" / "backend_cuda.cpp", REPO_ROOT / "cuda" / "driver.cpp",
-                   REPO_ROOT / "cuda" / "sharing.cpp", REPO_ROOT / "allocator" / "src" / "backends" / "backend.cpp")
+                   REPO_ROOT / "cuda" / "sharing.cpp", REPO_ROOT / "cuda" / "mapping.cpp",
+                   REPO_ROOT / "allocator" / "src" / "backends" / "backend.cpp")
 LIBRARY_SOURCE_DIRS = (REPO_ROOT / "allocator", REPO_ROOT / "cuda")
 
 # How long a compile or a child process may take before the test fails.
@@ -479,7 +480,12 @@ int main() {
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  EXPECT(cuMemSetAccess(va, g, &access, 1) == CUDA_SUCCESS && cuMemSetAccess(va + g, g, &access, 1) == CUDA_SUCCESS);
+  // Access over half a mapping, or over a range with an unmapped part, is refused; over two
+  // mappings laid end to end it is granted to both in one call.
+  EXPECT(cuMemSetAccess(va, g / 2, &access, 1) != CUDA_SUCCESS && cuMemSetAccess(va, 3 * g, &access, 1) != CUDA_SUCCESS);
+  EXPECT(fake_cuda_get("misuse_bad_access") == 2);
+  EXPECT(cuMemcpyHtoD_v2(va, &byte, 1) != CUDA_SUCCESS);  // nothing was granted
+  EXPECT(cuMemSetAccess(va, 2 * g, &access, 1) == CUDA_SUCCESS);
   // A copy across the two mappings lands in both handles' bytes.
   char out[4] = {1, 2, 3, 4}, in[4] = {};
   EXPECT(cuMemcpyHtoD_v2(va + g - 2, out, 4) == CUDA_SUCCESS && cuMemcpyDtoH_v2(in, va + g - 2, 4) == CUDA_SUCCESS);
@@ -588,6 +594,41 @@ def test_virtual_memory_on_the_fake_driver_keeps_every_byte_near_a_full_device(f
     assert result["stitches"] + result["reuses"] > 0 and result["shared"] > 0
     assert result["maps"] > 0 and result["unmaps"] > 0
     assert result["reserved_after"] == 0
+
+
+# One growth of an arena by many granules, and their release: what the driver is asked
+# (Note [Backend time]). Each granule is its own cuMemCreate and cuMemMap (a granule must
+# be able to go back alone), but access is granted to the whole range at once, and the
+# device is synchronized once per range unmapped, not once per granule.
+_GROWTH_CALLS = _FAKE + """
+pyalloc.configure("backend=cuda,vmm=shared,oom_report=0")
+
+
+def counts():
+    return {k: int(fake.fake_cuda_get(k.encode())) for k in ("map", "set_access", "unmap", "synchronize")}
+
+
+before = counts()
+p = pyalloc.malloc(64 * MiB)
+grown = counts()
+pyalloc.free(p, 64 * MiB)
+pyalloc.empty_cache()
+released = counts()
+stats = pyalloc.memory_stats(0)
+emit({"grown": {k: grown[k] - before[k] for k in before}, "released": {k: released[k] - grown[k] for k in before},
+      "calls": stats["backend_memory_calls"], "ns": stats["backend_memory_ns"],
+      "reserved_after": stats["reserved_bytes.all.current"], "misuse": fake.fake_cuda_misuse_report().decode()})
+"""
+
+
+def test_an_arenas_growth_grants_access_once_and_its_release_synchronizes_once(fake_driver: Path) -> None:
+    r = _run_python(_GROWTH_CALLS, {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_CAPACITY_MIB": "256"})
+    assert r["misuse"] == ""
+    assert r["grown"]["map"] == 32 and r["grown"]["set_access"] == 1, r["grown"]  # 64 MiB: 32 granules
+    assert r["released"]["unmap"] == 32 and r["released"]["synchronize"] == 1, r["released"]
+    assert r["reserved_after"] == 0
+    # Every backend call was metered: reserve, 32 creates, one map_range, one unmap_range, 32 releases.
+    assert r["calls"] >= 1 + 32 + 1 + 1 + 32 and r["ns"] > 0
 
 
 _DEFAULT_VMM = _FAKE + """
@@ -1119,18 +1160,24 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
   return CUDA_SUCCESS;
 }
 
+// The range must be fully mapped and hold whole mappings (one, or several
+// laid end to end), as the real driver asks.
 EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t n) {
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_INIT
-  auto m = g_mappings.find(ptr);
-  if (m == g_mappings.end() || m->second.size != size || desc == nullptr || n != 1 ||
-      desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-      desc->location.id != g_handles[m->second.handle].device ||
-      desc->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) {
+  bool ok = size != 0 && desc != nullptr && n == 1 && desc->location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
+            desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  for (CUdeviceptr at = ptr; ok && at < ptr + size;) {
+    auto m = g_mappings.find(at);
+    ok = m != g_mappings.end() && at + m->second.size <= ptr + size &&
+         desc->location.id == g_handles[m->second.handle].device;
+    if (ok) at += m->second.size;
+  }
+  if (!ok) {
     count("misuse_bad_access");
     return CUDA_ERROR_INVALID_VALUE;
   }
-  m->second.access = true;
+  for (CUdeviceptr at = ptr; at < ptr + size; at += g_mappings[at].size) g_mappings[at].access = true;
   count("set_access");
   return CUDA_SUCCESS;
 }

@@ -20,6 +20,23 @@ Status cannot_share(const Backend& b) {
 
 }  // namespace
 
+Status Backend::map_range(int device, uintptr_t va, const PhysHandle* handles, size_t n) {
+  uintptr_t at = va;
+  for (size_t i = 0; i < n; ++i) {
+    Status s = map(device, at, handles[i]);
+    if (!s.ok) {
+      if (at > va) unmap(device, va, at - va);  // all or none
+      return s;
+    }
+    at += handles[i].size;
+  }
+  return Status::success();
+}
+
+void Backend::unmap_range(int device, uintptr_t va, size_t size, size_t each) {
+  for (size_t off = 0; off < size; off += each) unmap(device, va + off, each);
+}
+
 Status Backend::segment_export(int, uintptr_t, size_t, std::string*) { return cannot_share(*this); }
 Status Backend::phys_export(int, PhysHandle, std::string*) { return cannot_share(*this); }
 Status Backend::segment_import(int, const std::string&, uintptr_t*, size_t*) { return cannot_share(*this); }

@@ -78,8 +78,15 @@ class Backend {
   virtual void phys_release(int device, PhysHandle handle) = 0;
   // Maps `handle` at `va` (inside a reservation) with read-write access.
   virtual Status map(int device, uintptr_t va, PhysHandle handle) = 0;
-  // Unmaps [va, va+size); the reservation stays.
+  // Maps handles[0..n) end to end from `va`: all of them, or none (a failure
+  // leaves the range unmapped). The default maps one at a time; cuda grants
+  // access to the whole range in one call (Note [Backend time]).
+  virtual Status map_range(int device, uintptr_t va, const PhysHandle* handles, size_t n);
+  // Unmaps [va, va+size), one whole mapping; the reservation stays.
   virtual void unmap(int device, uintptr_t va, size_t size) = 0;
+  // Unmaps [va, va+size), mappings of `each` bytes laid end to end. The
+  // default unmaps one at a time; cuda waits for queued work once for all.
+  virtual void unmap_range(int device, uintptr_t va, size_t size, size_t each);
 
   // ---- events and streams ----------------------------------------------------
   // Records an event capturing the work queued on `stream` so far.

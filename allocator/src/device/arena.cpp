@@ -255,42 +255,39 @@ Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
 // ---- mapping and unmapping -------------------------------------------------------
 
 // Maps handles (taken from the back of `handles`) over the granule-aligned
-// range [lo, hi) of `hole`; what gets mapped becomes free and coalesces.
-// Returns the free block now holding [lo, hi), or nullptr when a map failed
-// (what was mapped before the failure is free; the rest stays a hole).
+// range [lo, hi) of `hole`, which becomes free and coalesces. Returns the
+// free block now holding [lo, hi), or nullptr when the map failed (the hole
+// and `handles` stay as they were).
 Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles) {
   Segment* arena = hole->segment;
   const size_t g = granule_;
-  uintptr_t mapped_to = lo;
-  bool ok = true;
-  while (mapped_to < hi) {
-    const PhysHandle h = handles->back();
-    if (!succeeded(backend_->map(device_, mapped_to, h))) {
-      ok = false;
-      break;
-    }
-    handles->pop_back();
-    arena->phys[(mapped_to - arena->base) / g] = h;
-    trace_.record(TraceAction::kSegmentMap, mapped_to, g, arena->stream);
-    mapped_to += g;
+  // The granules of [lo, hi) in one backend call, all or none (Note
+  // [Backend time]): the handles from the back of `handles`, the last first.
+  const size_t n = (hi - lo) / g;
+  if (n == 0 || handles->size() < n) return nullptr;
+  std::vector<PhysHandle>& range = map_handles_;  // capacity kept between growths
+  range.assign(handles->rbegin(), handles->rbegin() + static_cast<std::ptrdiff_t>(n));
+  if (!succeeded(backend_->map_range(device_, lo, range.data(), n))) return nullptr;
+  handles->resize(handles->size() - n);
+  for (size_t i = 0; i < n; ++i) {
+    arena->phys[(lo - arena->base) / g + i] = range[i];
+    trace_.record(TraceAction::kSegmentMap, lo + i * g, g, arena->stream);
   }
-  if (mapped_to == lo) return nullptr;
-  // Counted once for the range: the peak is the same, as the loop only adds.
-  arena->mapped += mapped_to - lo;
-  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(mapped_to - lo));
-  // Carve [lo, mapped_to) out of the hole as a free block; what lies before
-  // and after stays a hole.
+  arena->mapped += hi - lo;
+  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(hi - lo));
+  // Carve [lo, hi) out of the hole as a free block; what lies before and
+  // after stays a hole.
   arena->holes.erase(hole);
   Block* middle = hole;
   if (lo > hole->addr) {
     middle = split_block(hole, lo - hole->addr);
     arena->holes.insert(hole);
   }
-  if (end_of(middle) > mapped_to) arena->holes.insert(split_block(middle, mapped_to - middle->addr));
+  if (end_of(middle) > hi) arena->holes.insert(split_block(middle, hi - middle->addr));
   middle->state = BlockState::kFree;
   Block* merged = insert_coalesced(middle);
   reserved_changed();
-  return ok ? merged : nullptr;
+  return merged;
 }
 
 // Unmaps the granule-aligned range [lo, hi) of the free block `block`
@@ -300,10 +297,10 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi,
   Segment* arena = block->segment;
   const size_t g = granule_;
   Block* middle = carve_free(block, lo, hi);
+  breaks_capture();
+  backend_->unmap_range(device_, lo, hi - lo, g);  // one call (Note [Backend time])
   for (uintptr_t va = lo; va < hi; va += g) {
     PhysHandle& slot = arena->phys[(va - arena->base) / g];
-    breaks_capture();
-    backend_->unmap(device_, va, g);
     trace_.record(TraceAction::kSegmentUnmap, va, g, arena->stream);
     if (keep != nullptr) {
       keep->push_back(slot);

@@ -11,10 +11,11 @@
 
 namespace pyalloc {
 
-DeviceAllocator::DeviceAllocator(int device, const Config& config, Backend* backend,
+DeviceAllocator::DeviceAllocator(int device, const Config& config, MeteredBackend* backend,
                                  DeviceHooks& hooks)
     : device_(device),
       backend_(backend),
+      meter_(backend->meter(device)),
       hooks_(hooks),
       small_segment_(config.small_segment),
       large_segment_(config.large_segment),

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "backends/backend.hpp"
+#include "backends/metered.hpp"
 #include "observe/snapshot.hpp"
 #include "blocks/arena.hpp"
 #include "blocks/ptr_map.hpp"
@@ -88,7 +89,8 @@ enum class FreeResult { kOk, kUnknownPointer, kDoubleFree, kSizeMismatch, kStrea
 
 class DeviceAllocator {
  public:
-  DeviceAllocator(int device, const Config& config, Backend* backend, DeviceHooks& hooks);
+  // `backend` is the runtime's metered backend (Note [Backend time]).
+  DeviceAllocator(int device, const Config& config, MeteredBackend* backend, DeviceHooks& hooks);
   ~DeviceAllocator();
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
@@ -369,6 +371,7 @@ class DeviceAllocator {
 
   const int device_;
   Backend* const backend_;
+  BackendMeter& meter_;  // backend_'s figures for this device (Note [Backend time])
   DeviceHooks& hooks_;
   const size_t small_segment_;
   const size_t large_segment_;
@@ -436,6 +439,7 @@ class DeviceAllocator {
     uintptr_t lo, hi;  // its whole granules
   };
   std::vector<PhysHandle> grow_handles_;
+  std::vector<PhysHandle> map_handles_;  // fill_hole's range, in mapping order
   std::vector<Donor> donors_;
   uint64_t frees_ = 0;                             // blocks cached so far: Block::freed_at's clock
   std::string last_backend_error_;

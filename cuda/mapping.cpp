@@ -1,0 +1,51 @@
+// mapping.cpp: the driver calls of mapping.hpp.
+#include "mapping.hpp"
+
+#include <algorithm>
+
+namespace pyalloc {
+namespace cuda_backend {
+
+using namespace cuda_driver;  // NOLINT(google-build-using-namespace)
+
+DriverCall map_chunks(const DriverApi& api, CUdevice device, uintptr_t va, const PhysHandle* handles, size_t n) {
+  DriverCall failed{};
+  size_t mapped = 0;
+  uintptr_t end = va;
+  for (; mapped < n; ++mapped) {
+    const CUresult rc = api.cuMemMap(end, handles[mapped].size, 0, handles[mapped].value, 0);
+    if (rc != CUDA_SUCCESS) {
+      failed = {rc, "cuMemMap"};
+      break;
+    }
+    end += handles[mapped].size;
+  }
+  if (failed.ok() && end > va) {
+    // A fresh mapping is inaccessible until access is granted.
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    const CUresult rc = api.cuMemSetAccess(va, end - va, &access, 1);
+    if (rc != CUDA_SUCCESS) failed = {rc, "cuMemSetAccess"};
+  }
+  if (!failed.ok()) {  // all or none: leave the range as it was
+    for (uintptr_t at = va; mapped > 0; --mapped, ++handles) {
+      api.cuMemUnmap(at, handles->size);
+      at += handles->size;
+    }
+  }
+  return failed;
+}
+
+DriverCall unmap_chunks(const DriverApi& api, uintptr_t va, size_t size, size_t each) {
+  DriverCall first{};
+  for (size_t off = 0; off < size; off += each) {
+    const CUresult rc = api.cuMemUnmap(va + off, std::min(each, size - off));
+    if (rc != CUDA_SUCCESS && first.ok()) first = {rc, "cuMemUnmap"};
+  }
+  return first;
+}
+
+}  // namespace cuda_backend
+}  // namespace pyalloc
