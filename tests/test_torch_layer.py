@@ -133,6 +133,30 @@ def test_a_compiler_that_fails_is_a_layer_error_naming_it(tmp_path: Path, monkey
     assert not list(tmp_path.rglob("*.so"))  # nothing half-written left in the cache
 
 
+def test_a_failed_build_is_remembered_and_a_changed_command_builds_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every gpu-check child compiled a build that could not succeed, ~20 s each, and timed out:
+    the failure is remembered under the same sources and compiler command."""
+    calls = tmp_path / "calls"
+    failing = tmp_path / "failing-cxx"
+    failing.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'layer.cpp:1:1: error: planted' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("PYALLOC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(failing))
+    with pytest.raises(layer.LayerError, match="error: planted"):
+        layer.build("ops")
+    with pytest.raises(layer.LayerError, match=r"error: planted.*\(remembered in .*\.failed; delete it to build again\)"):
+        layer.build("ops")
+    assert calls.read_text().count("x") == 1  # the second call compiled nothing
+    other = tmp_path / "other-cxx"  # another compiler: another command, built again
+    other.write_text(failing.read_text())
+    other.chmod(0o755)
+    monkeypatch.setenv("CXX", str(other))
+    with pytest.raises(layer.LayerError, match="error: planted"):
+        layer.build("ops")
+    assert calls.read_text().count("x") == 2
+
+
 def test_the_cuda_allocator_compiles_against_the_installed_pytorch(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDAPluggableAllocator subclass: built against this torch's headers and

@@ -135,16 +135,18 @@ def build(kind: str) -> Path:
     out = _cache_dir() / f"{torch.__version__.replace('+', '_')}-{key.hexdigest()[:16]}" / f"libpyalloc_torch_{kind}.so"
     if out.is_file():
         return out
-    # A build that failed is remembered beside where it would be (same key: same torch, same
-    # sources), so that every later process says why at once instead of compiling again for
-    # tens of seconds (on a GPU machine, each check's fresh interpreter did).
-    failed = out.with_suffix(".failed")
+    # A build that failed is remembered beside where it would be, under the same key and the
+    # same compiler command (a fixed toolchain or newly installed headers build again), so that
+    # every later process says why at once instead of compiling again for tens of seconds (on a
+    # GPU machine, each check's fresh interpreter did, and timed out).
+    command = _command(kind, torch, sources, out)
+    failed = out.with_name(f"{out.stem}-{hashlib.sha256(' '.join(command).encode()).hexdigest()[:12]}.failed")
     if failed.is_file():
         raise LayerError(failed.read_text().strip() + f" (remembered in {failed}; delete it to build again)")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
-        done = subprocess.run(_command(kind, torch, sources, partial), capture_output=True, text=True)
+        done = subprocess.run(command[:-1] + [str(partial)], capture_output=True, text=True)
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
             message = (f"building the torch-facing layer ({kind}) against torch {torch.__version__} failed: "
