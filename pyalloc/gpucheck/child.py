@@ -268,7 +268,7 @@ def check_snapshot(cfg: dict[str, Any]) -> Figures:
 # ---- training loops: the A/B/C ------------------------------------------------------------
 
 
-def _gpt2(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any]]:
+def _gpt2(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any], int]:
     """A GPT-2-size decoder (124M: 12 layers, hidden 768, 12 heads, vocabulary 50257)."""
     nn, F = torch.nn, torch.nn.functional
     hidden, layers, heads, vocab = (64, 2, 4, 512) if tiny else (768, 12, 12, 50257)
@@ -304,35 +304,39 @@ def _gpt2(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any]]:
             return F.cross_entropy(logits.float().view(-1, vocab), ids.view(-1))
 
     model = GPT2()
-    lengths = (32, 48, 64) if tiny else (256, 384, 512, 768, 1024)
+    lengths = (48, 32, 64) if tiny else (768, 256, 1024, 512)  # a cycle: every step of it, in this order
 
     def batch(size: int, step: int) -> Any:
-        t = lengths[random.Random(step).randrange(len(lengths))]
-        return (torch.randint(0, vocab, (size, t)),)
+        return (torch.randint(0, vocab, (size, lengths[step % len(lengths)])),)
 
-    return model, batch
+    return model, batch, len(lengths)
 
 
-def _resnet50(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any]]:
+def _resnet50(torch: Any, tiny: bool) -> tuple[Any, Callable[[int, int], Any], int]:
     from pyalloc.traces.meta_models import ResNet50
 
     model = ResNet50(False)
-    sides = (64, 96) if tiny else (160, 192, 224, 256)
+    sides = (96, 64) if tiny else (224, 160, 256, 192)  # a cycle, as the GPT-2 model's lengths
 
     def batch(size: int, step: int) -> Any:
-        side = sides[random.Random(step).randrange(len(sides))]
+        side = sides[step % len(sides)]
         return torch.randn(size, 3, side, side), torch.randint(0, 1000, (size,))
 
-    return model, batch
+    return model, batch, len(sides)
 
 
 MODELS = {"gpt2": _gpt2, "resnet50": _resnet50}
 
 
 def check_train(cfg: dict[str, Any]) -> Figures:
-    """A training loop with variable shapes under one allocator. mode "max-batch": the largest
-    batch that trains three steps (doubling, then bisecting, in this process, as a batch-size
-    finder does); mode "time": the median step time at cfg["batch"] over cfg["steps"] steps."""
+    """A training loop with variable shapes under one allocator: each model's shapes come in a
+    fixed cycle (sequence lengths, image sides), one a step. mode "max-batch": the largest batch
+    that trains one whole cycle (doubling, then bisecting, in this process, as a batch-size finder
+    does), so that every shape the timed loop meets was tried (the first GPU run searched three
+    steps that missed the longest sequence, and the timed loop then ran out of memory at 90% of the
+    batch found); mode "time": after one cycle, the median step time at cfg["batch"] over
+    cfg["steps"] steps, rounded up to whole cycles. Under pyalloc the figures add its own counters
+    (:func:`_pyalloc_figures`): where its time went."""
     torch = _torch()
     device = cfg.get("device", "cuda")
     if device == "cuda":
@@ -341,7 +345,7 @@ def check_train(cfg: dict[str, Any]) -> Figures:
     tiny = device != "cuda"
     torch.manual_seed(cfg.get("seed", 0))
     with torch.device(device):
-        model, make_batch = MODELS[cfg["model"]](torch, tiny)
+        model, make_batch, cycle = MODELS[cfg["model"]](torch, tiny)
     model = model.to(device, torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if cfg["model"] == "gpt2" else \
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -361,7 +365,7 @@ def check_train(cfg: dict[str, Any]) -> Figures:
 
     def trains(size: int) -> bool:
         try:
-            for number in range(3):
+            for number in range(cycle):
                 step(size, number)
             sync()
             return True
@@ -370,6 +374,7 @@ def check_train(cfg: dict[str, Any]) -> Figures:
             return False
 
     figures: Figures = {"allocator": allocator, "model": cfg["model"]}
+    started = time.monotonic()
     if cfg["mode"] == "max-batch":
         found = largest_batch(trains, cfg.get("start_batch", 1), cfg.get("max_batch", 1 << 16),
                               time.monotonic() + cfg.get("seconds", 120))
@@ -378,14 +383,15 @@ def check_train(cfg: dict[str, Any]) -> Figures:
                               f"(first failing: {found.first_failing})")
         figures.update(largest_batch=found.largest, first_failing_batch=found.first_failing)
     else:
-        size, steps = cfg["batch"], cfg.get("steps", 10)
-        for number in range(3):
+        size = cfg["batch"]
+        steps = -(-cfg.get("steps", 10) // cycle) * cycle  # whole cycles
+        for number in range(cycle):
             step(size, number)
         sync()
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for number in range(3, 3 + steps):
+        for number in range(cycle, cycle + steps):
             start = time.perf_counter()
             step(size, number)
             sync()
@@ -393,6 +399,66 @@ def check_train(cfg: dict[str, Any]) -> Figures:
         figures.update(batch=size, median_step_seconds=statistics.median(times), steps=steps)
     if device == "cuda":
         figures["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    figures["seconds"] = round(time.monotonic() - started, 2)
+    figures.update(_pyalloc_figures(cfg))
+    return figures
+
+
+def _pyalloc_figures(cfg: dict[str, Any]) -> Figures:
+    """pyalloc's own counters since the process began, where it is the allocator: how often its
+    slow path ran and what it did (retries, stitches, reuses, OOMs), and the time it spent in the
+    backend's memory calls and waiting for streams (Note [Backend time]), in seconds."""
+    if cfg.get("allocator") != "pyalloc":
+        return {}
+    import pyalloc
+
+    s = pyalloc.memory_stats(0)
+    keys = ("num_alloc_retries", "num_ooms", "num_stitches", "num_reuses", "num_device_alloc",
+            "num_device_free", "backend_memory_calls", "backend_waits")
+    figures: Figures = {f"pyalloc.{k}": s[k] for k in keys}
+    figures["pyalloc.backend_memory_seconds"] = round(s["backend_memory_ns"] / 1e9, 3)
+    figures["pyalloc.backend_wait_seconds"] = round(s["backend_wait_ns"] / 1e9, 3)
+    return figures
+
+
+def check_growth(cfg: dict[str, Any]) -> Figures:
+    """What growing costs under one allocator: tensors of mixed sizes (2 MiB to 1 GiB, the same
+    seeded sequence under every allocator) allocated until cfg["fraction"] of the device's free
+    memory is live, timed (``fill_seconds``: every byte new to the allocator); all freed and the
+    same sequence allocated again (``refill_seconds``: served from the cache); all freed and
+    ``empty_cache()`` (``release_seconds``). Under pyalloc its counters say how much of it was the
+    driver's memory calls (Note [Backend time])."""
+    torch = _torch()
+    _require_cuda(cfg)
+    allocator = _setup(cfg)
+    free, _ = torch.cuda.mem_get_info()
+    target = int(cfg.get("fraction", 0.6) * free)
+    rng = random.Random(cfg.get("seed", 0))
+    sizes: list[int] = []
+    while sum(sizes) < target:
+        sizes.append(min(rng.choice((2, 6, 20, 64, 200, 512, 1024)) << 20, target - sum(sizes)))
+
+    def fill() -> tuple[list[Any], float]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+        torch.cuda.synchronize()
+        return held, time.perf_counter() - start
+
+    held, fill_seconds = fill()
+    del held
+    held, refill_seconds = fill()
+    del held
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    release_seconds = time.perf_counter() - start
+    figures: Figures = {"allocator": allocator, "bytes": sum(sizes), "tensors": len(sizes),
+                        "fill_seconds": round(fill_seconds, 4), "refill_seconds": round(refill_seconds, 4),
+                        "release_seconds": round(release_seconds, 4),
+                        "reserved_after_bytes": torch.cuda.memory_reserved()}
+    figures.update(_pyalloc_figures(cfg))
     return figures
 
 
@@ -418,6 +484,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "ipc": check_ipc,
     "snapshot": check_snapshot,
     "train": check_train,
+    "growth": check_growth,
     "offload": check_offload,
 }
 

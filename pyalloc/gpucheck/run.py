@@ -1,20 +1,22 @@
 """``pyalloc gpu-check``: the one command a machine with a GPU runs, and its report.
 
-Runs, each in a fresh interpreter (:mod:`pyalloc.gpucheck.child`), within a time budget:
-``tests/gpu`` (when run from a source checkout); the environment under pyalloc; a failed
-allocation caught as torch.OutOfMemoryError and a batch-size finder converging; a
-``cudnn.benchmark`` ResNet-50 step; CUDA graph capture and replay and
-``torch.compile(mode="reduce-overhead")``; a CUDA tensor passed to another process; a snapshot
-with Python frames read by memory_viz; and an A/B/C of a GPT-2-size and a ResNet-50 training
-loop with variable shapes under PyTorch's default allocator, PyTorch with
-``expandable_segments:True`` and pyalloc: the largest batch each trains, then the step time and
-peak reserved of each at one batch near full memory (90% of the smallest largest batch); last,
-with a quarter of the budget kept for it, the offload check (issue 20,
-:mod:`pyalloc.gpucheck.offload`), on a GPT-like and a ResNet-like
-model under PyTorch's own allocator: the plain step, ``torch.utils.checkpoint`` on every block,
+Runs, each in a fresh interpreter (:mod:`pyalloc.gpucheck.child`), within a time budget, in the
+order of :func:`plan`: the environment under pyalloc; what growing to 60% of the device costs
+under PyTorch's default allocator, ``expandable_segments:True`` and pyalloc; a failed allocation
+caught as torch.OutOfMemoryError and a batch-size finder converging; a ``cudnn.benchmark``
+ResNet-50 step; CUDA graph capture and replay and ``torch.compile(mode="reduce-overhead")``; a
+CUDA tensor passed to another process; a snapshot with Python frames read by memory_viz; an
+A/B/C of a GPT-2-size and a ResNet-50 training loop with variable shapes under the three
+allocators: the largest batch each trains, then the step time and peak reserved of each at one
+batch near full memory (90% of the smallest largest batch); the offload check (issue 20,
+:mod:`pyalloc.gpucheck.offload`) on a GPT-like and a ResNet-like model under PyTorch's own
+allocator: the plain step, ``torch.utils.checkpoint`` on every block,
 ``save_on_cpu(pin_memory=True)`` and ``pyalloc.offload``, each column's largest batch and time per
 sample at it, and at one common batch (90% of the plain step's largest) each column's step time
-against the plain step's and its gradients against the plain step's, bit for bit.
+against the plain step's and its gradients against the plain step's, bit for bit; last,
+``tests/gpu`` (when run from a source checkout). Under pyalloc the training and growth figures
+carry its own counters: slow-path events and the seconds spent in the driver's memory calls and
+waiting for streams (Note [Backend time]).
 
 Writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out``. Targets, printed as met or missed:
 (issue 19) step time <= 1.01x PyTorch's default; largest batch >= PyTorch with
@@ -47,7 +49,8 @@ ALLOCATORS = ("default", "expandable", "pyalloc")
 STEP_TIME_TARGET = 1.01
 FEATURE_CHECKS = ("environment", "oom", "cudnn-benchmark", "graphs", "ipc", "snapshot")
 OFFLOAD_MODELS = ("gpt", "resnet")  # of pyalloc.offloading.bench_models
-OFFLOAD_RESERVE = 0.25  # of the budget, kept for the offload check when it runs with the others
+OFFLOAD_SHARE = 0.2  # of the budget, kept for the offload check (both models) by the checks before it
+TESTS_SHARE = 0.25  # of the budget, kept for tests/gpu, which runs last
 OFFLOAD_SEARCH_SHARE = 0.5  # of an offload check's time, for its largest-batch searches; the rest times steps
 
 
@@ -93,20 +96,33 @@ def run_child(name: str, check: str, cfg: dict[str, Any], timeout: float) -> Che
     return CheckResult(name, result["status"], seconds, result.get("figures", {}), detail)
 
 
-def run_gpu_tests(timeout: float, log: Path | None = None) -> CheckResult:
+def run_gpu_tests(timeout: float, out: Path | None = None) -> CheckResult:
+    """pytest on tests/gpu. With ``out``: pytest's output goes to ``out/tests-gpu.log``, and each
+    test's outcome, with a failure's whole report, to ``out/tests-gpu-results.log`` as it finishes
+    (tests/gpu/conftest.py writes it where PYALLOC_GPU_TEST_LOG says), so a run stopped by the
+    time budget still says why every finished test failed."""
     tests = Path(__file__).resolve().parents[2] / "tests" / "gpu"
     if not tests.is_dir():
         return CheckResult("tests/gpu", "not-run", 0.0, detail=f"{tests} is not here (run from a source checkout)")
     start = time.monotonic()
+    env = _child_env("default")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        results_log = out / "tests-gpu-results.log"
+        results_log.unlink(missing_ok=True)
+        env["PYALLOC_GPU_TEST_LOG"] = str(results_log)
+    log = out / "tests-gpu.log" if out is not None else None
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         try:
             done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
                                    f"--junitxml={junit}"], capture_output=True, text=True, timeout=timeout,
-                                  cwd=tests.parents[1], env=_child_env("default"))
+                                  cwd=tests.parents[1], env=env)
         except subprocess.TimeoutExpired as exc:
             _write_log(log, exc.stdout, exc.stderr)
-            return CheckResult("tests/gpu", "timeout", time.monotonic() - start, detail=f"over {timeout:.0f} s")
+            return CheckResult("tests/gpu", "timeout", time.monotonic() - start,
+                               _outcomes(out / "tests-gpu-results.log" if out is not None else None),
+                               detail=f"over {timeout:.0f} s")
         _write_log(log, done.stdout, done.stderr)
         figures: dict[str, Any] = {}
         failed: list[str] = []
@@ -122,6 +138,18 @@ def run_gpu_tests(timeout: float, log: Path | None = None) -> CheckResult:
     status = "pass" if done.returncode == 0 else "fail"
     detail = "; ".join(failed[:20]) or (done.stdout.strip().splitlines() or [""])[-1]
     return CheckResult("tests/gpu", status, time.monotonic() - start, figures, detail)
+
+
+def _outcomes(results_log: Path | None) -> dict[str, Any]:
+    """Counts of the outcomes tests/gpu's per-test log recorded (a run that timed out)."""
+    if results_log is None or not results_log.is_file():
+        return {}
+    counts: dict[str, int] = {}
+    for line in results_log.read_text(errors="replace").splitlines():
+        word = line.split(" ", 1)[0]
+        if word in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
+            counts[word.lower()] = counts.get(word.lower(), 0) + 1
+    return counts
 
 
 def _write_log(log: Path | None, stdout: str | bytes | None, stderr: str | bytes | None) -> None:
@@ -152,59 +180,77 @@ class Budget:
         return self.deadline - time.monotonic()
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One child check of the run: ``share`` is the most it may take, ``reserve`` what the checks
+    before it must leave for it (both fractions of the budget)."""
+
+    name: str
+    group: str  # what --only names
+    check: str  # the child's check, or "tests/gpu"
+    cfg: dict[str, Any]
+    share: float
+    reserve: float = 0.0
+
+
+def plan(args: argparse.Namespace) -> list[Planned]:
+    """The run, most telling first. A GPU session has 15 minutes of device time, start and build
+    included, and one command may run 10 (the first run on an H200: building the library and the
+    torch layer took 55 s, tests/gpu needed over 140 s, the six feature checks 112 s, one GPT-2
+    largest-batch search 17-34 s): the default budget of 480 s fits one command with room to
+    build. What does not fit is not-run, and ``--only`` runs it next.
+    Order: the environment; what growing costs under each allocator (the figure that says why one
+    is slower); the features under pyalloc; the A/B/C of GPT-2 then ResNet-50; the offload check
+    (a fifth of the budget kept for it); last, tests/gpu with a quarter kept for it, whose
+    per-test log (tests-gpu-results.log) keeps the details of every test that finished even when
+    time runs out."""
+    steps: list[Planned] = [Planned("environment", "environment", "environment", {"allocator": "pyalloc"}, 0.04)]
+    steps += [Planned(f"growth ({a})", "growth", "growth", {"allocator": a}, 0.04) for a in ALLOCATORS]
+    steps += [Planned(c, c, c, {"allocator": "pyalloc"}, 0.08) for c in FEATURE_CHECKS if c != "environment"]
+    for model in ("gpt2", "resnet50"):
+        steps += [Planned(f"{model} max-batch ({a})", model, "train",
+                          {"allocator": a, "model": model, "mode": "max-batch", "start_batch": args.start_batch,
+                           "max_batch": args.max_batch, "seconds": args.budget * 0.06}, 0.08) for a in ALLOCATORS]
+        steps += [Planned(f"{model} step time ({a})", model, "train",
+                          {"allocator": a, "model": model, "mode": "time", "steps": args.steps}, 0.05)
+                  for a in ALLOCATORS]
+    for i, model in enumerate(OFFLOAD_MODELS):
+        steps.append(Planned(f"offload ({model}-like)", "offload", "offload",
+                             {"allocator": "default", "model": model, "start_batch": args.start_batch,
+                              "max_batch": args.max_batch, "steps": args.steps},
+                             OFFLOAD_SHARE / len(OFFLOAD_MODELS), OFFLOAD_SHARE / len(OFFLOAD_MODELS)))
+    steps.append(Planned("tests/gpu", "tests/gpu", "tests/gpu", {}, 1.0, TESTS_SHARE))
+    wanted = set(args.only.split(",")) if args.only else None
+    return [p for p in steps if wanted is None or p.group in wanted]
+
+
 def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckResult]:
     budget = Budget(args.budget)
     results: list[CheckResult] = []
+    steps = [p for p in plan(args) if device == "cuda" or p.check != "tests/gpu"]
+    largest: dict[str, dict[str, int]] = {}  # model -> allocator -> largest batch
 
-    def record(result: CheckResult) -> None:
-        results.append(result)
-        say(f"{result.name:<32} {result.status:<8} {result.seconds:6.1f} s  {result.detail.splitlines()[0] if result.detail else ''}")
-
-    wanted = set(args.only.split(",")) if args.only else None
-
-    def chosen(name: str) -> bool:
-        return wanted is None or name in wanted
-
-    # The offload check runs last; the checks before it leave it OFFLOAD_RESERVE of the budget.
-    reserved = args.budget * OFFLOAD_RESERVE if chosen("offload") else 0.0
-
-    def child(name: str, check: str, cfg: dict[str, Any], share: float, last: bool = False) -> CheckResult:
-        left = budget.left() - (0.0 if last else reserved)
-        if left < 5:
-            result = CheckResult(name, "not-run", 0.0, detail="the time budget was spent")
+    for i, step in enumerate(steps):
+        kept = sum(later.reserve for later in steps[i + 1:]) * args.budget
+        left = budget.left() - kept
+        timeout = min(left, step.share * args.budget)
+        cfg = dict(step.cfg)
+        if cfg.get("mode") == "time":  # 90% of the smallest largest batch of the model's searches
+            found = largest.get(cfg["model"], {})
+            cfg["batch"] = max(1, int(0.9 * min(found.values()))) if found else args.start_batch
+        if timeout < 5:
+            result = CheckResult(step.name, "not-run", 0.0, detail="the time budget was spent")
+        elif step.check == "tests/gpu":
+            result = run_gpu_tests(timeout, Path(args.out))
         else:
-            result = run_child(name, check, {"device": device, **cfg}, min(left, share))
-        record(result)
-        return result
-
-    if chosen("tests/gpu") and device == "cuda":
-        record(run_gpu_tests(min(budget.left() - reserved, args.budget * 0.3), Path(args.out) / "tests-gpu.log"))
-    for check in FEATURE_CHECKS:
-        if chosen(check):
-            child(check, check, {"allocator": "pyalloc"}, args.budget * 0.08)
-    for model in ("gpt2", "resnet50"):
-        if not chosen(model):
-            continue
-        largest: dict[str, int] = {}
-        for allocator in ALLOCATORS:
-            result = child(f"{model} max-batch ({allocator})", "train",
-                           {"allocator": allocator, "model": model, "mode": "max-batch",
-                            "start_batch": args.start_batch, "max_batch": args.max_batch,
-                            "seconds": args.budget * 0.05}, args.budget * 0.07)
-            if result.status == "pass":
-                largest[allocator] = int(result.figures["largest_batch"])
-        batch = max(1, int(0.9 * min(largest.values()))) if largest else args.start_batch
-        for allocator in ALLOCATORS:
-            child(f"{model} step time ({allocator})", "train",
-                  {"allocator": allocator, "model": model, "mode": "time", "batch": batch, "steps": args.steps},
-                  args.budget * 0.05)
-    if chosen("offload"):  # last: the models share what is left of the budget
-        for done, model in enumerate(OFFLOAD_MODELS):
-            share = budget.left() / (len(OFFLOAD_MODELS) - done)
-            child(f"offload ({model}-like)", "offload",
-                  {"allocator": "default", "model": model, "start_batch": args.start_batch,
-                   "max_batch": args.max_batch, "steps": args.steps, "seconds": OFFLOAD_SEARCH_SHARE * share}, share,
-                  last=True)
+            if step.check == "offload":  # the searches take half of its time, the rest times steps
+                cfg["seconds"] = OFFLOAD_SEARCH_SHARE * timeout
+            result = run_child(step.name, step.check, {"device": device, **cfg}, timeout)
+        if cfg.get("mode") == "max-batch" and result.status == "pass":
+            largest.setdefault(cfg["model"], {})[cfg["allocator"]] = int(result.figures["largest_batch"])
+        results.append(result)
+        say(f"{result.name:<32} {result.status:<8} {result.seconds:6.1f} s  "
+            f"{result.detail.splitlines()[0] if result.detail else ''}")
     return results
 
 
@@ -340,10 +386,11 @@ def register_cli(subparsers: Subparsers) -> None:
         "gpu-check", help="run everything that needs a GPU and write one report",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu-check", metavar="DIR", help="where the report goes (default ./gpu-check)")
-    parser.add_argument("--budget", type=float, default=540.0, metavar="S",
-                        help="seconds for the whole run (default 540: under 9 minutes)")
+    parser.add_argument("--budget", type=float, default=480.0, metavar="S",
+                        help="seconds for the whole run (default 480: one 10-minute device command, with "
+                             "room to build first)")
     parser.add_argument("--only", metavar="NAME,...",
-                        help="only these: tests/gpu, " + ", ".join(FEATURE_CHECKS) + ", gpt2, resnet50, offload")
+                        help="only these: " + ", ".join(FEATURE_CHECKS) + ", growth, gpt2, resnet50, offload, tests/gpu")
     parser.add_argument("--start-batch", type=int, default=4, help="first batch of the largest-batch search")
     parser.add_argument("--max-batch", type=int, default=4096, help="the search stops there")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per allocator and per offload column")
