@@ -9,6 +9,11 @@ allocator needs one process per allocator.
 The child finds the same ``pyalloc`` package and ``libpyalloc.so`` as this
 process (PYTHONPATH and PYALLOC_LIBRARY are set for it), so a source checkout
 with ``PYALLOC_LIBRARY=build/libpyalloc.so`` and an installed wheel both work.
+
+With ``$PYALLOC_GPU_TEST_LOG`` naming a file, each test's outcome, and a
+failure's whole report, is appended to it as the test finishes
+(:func:`pytest_runtest_logreport`): ``pyalloc gpu-check`` stops pytest when its
+time is up, before pytest prints why tests failed, and the log keeps that.
 """
 
 from __future__ import annotations
@@ -60,6 +65,28 @@ def _skip_reason() -> str | None:
 
 
 _SKIP_REASON = _skip_reason()
+
+TEST_LOG_ENV = "PYALLOC_GPU_TEST_LOG"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Appends ``OUTCOME nodeid seconds`` to ``$PYALLOC_GPU_TEST_LOG`` as each test finishes.
+
+    One line for each test's call phase (``PASSED``, ``FAILED``, ``SKIPPED``) and for a setup or
+    teardown that failed (``ERROR``, pytest's word for it); a failure's report
+    (``str(report.longrepr)``) follows its line. The file is opened and closed for each report,
+    so what is written is in the file even if pytest is killed right after.
+    """
+    path = os.environ.get(TEST_LOG_ENV)
+    if not path or (report.when != "call" and not report.failed):
+        return
+    outcome = report.outcome.upper() if report.when == "call" else "ERROR"
+    entry = f"{outcome} {report.nodeid} {report.duration:.2f}\n"
+    if report.failed:
+        entry += str(report.longrepr).rstrip("\n") + "\n\n"
+    with open(path, "a", encoding="utf-8", errors="replace") as log:
+        log.write(entry)
+        log.flush()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
