@@ -381,7 +381,7 @@ def check_train(cfg: dict[str, Any]) -> Figures:
         if found.largest == 0:
             raise CheckFailed(f"no batch from {cfg.get('start_batch', 1)} up trained "
                               f"(first failing: {found.first_failing})")
-        figures.update(largest_batch=found.largest, first_failing_batch=found.first_failing)
+        figures.update(largest_batch=found.largest, first_failing_batch=found.first_failing, stop=found.stop)
     else:
         size = cfg["batch"]
         steps = -(-cfg.get("steps", 10) // cycle) * cycle  # whole cycles

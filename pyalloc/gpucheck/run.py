@@ -271,8 +271,10 @@ def targets(results: list[CheckResult]) -> list[dict[str, Any]]:
         b_py, b_exp = batches["pyalloc"], batches["expandable"]
         if b_py and b_exp and b_py.status == b_exp.status == "pass":
             py, exp = b_py.figures["largest_batch"], b_exp.figures["largest_batch"]
+            stops = f"searches stopped by: pyalloc {b_py.figures.get('stop', '?')}, " \
+                    f"expandable {b_exp.figures.get('stop', '?')}"
             out.append({"target": f"{model} largest batch", "value": py, "limit": exp, "met": py >= exp,
-                        "what": "pyalloc's largest batch against PyTorch with expandable_segments:True"})
+                        "what": f"pyalloc's largest batch against PyTorch with expandable_segments:True ({stops})"})
     for model in OFFLOAD_MODELS:
         result = _find(results, f"offload ({model}-like)")
         if result and result.status == "pass":
