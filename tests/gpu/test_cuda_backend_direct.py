@@ -2,10 +2,19 @@
 
 The child configures ``backend=cuda`` and calls ``pyalloc.malloc``/``free``
 directly; it checks the memory with the driver API through ctypes: that
-bytes written to a block read back intact, that a block belongs to the
+bytes written to a block read back intact, that a block is usable from the
 device's primary context (the one PyTorch and CuPy use), that the calling
 thread's current context is left as it was, and that errors leave the
 allocator consistent (``pyalloc.check``).
+
+A plain segment (cuMemAlloc) belongs to the context that allocated it, which
+must be the primary one. Memory mapped with cuMemMap (the arenas: vmm=auto on
+one device with virtual memory) is made for a device, not in a context, like
+the stream-ordered allocator's, whose pointers the CUDA programming guide says
+answer ``CU_POINTER_ATTRIBUTE_CONTEXT`` with NULL (NVIDIA's Open MPI change
+open-mpi/ompi#12835 treats VMM pointers the same way); what makes it usable
+from the primary context is the access cuMemSetAccess granted to the device,
+read back here with cuMemGetAccess.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 MiB = 1 << 20
+_PROT_READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 
 _SCRIPT = """
 import ctypes
@@ -22,6 +32,12 @@ import pyalloc
 MiB = 1 << 20
 CU_POINTER_ATTRIBUTE_CONTEXT = 1
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+
+
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
 
 pyalloc.configure("backend=cuda")
 cuda = ctypes.CDLL("libcuda.so.1")  # the driver pyalloc already loaded
@@ -34,6 +50,9 @@ cuda.cuMemcpyDtoH_v2.argtypes = [ctypes.c_char_p, u64, sz]
 cuda.cuPointerGetAttribute.argtypes = [vp, ctypes.c_int, u64]
 cuda.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
 cuda.cuStreamSynchronize.argtypes = [vp]
+cuda.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(u64), vp]
+cuda.cuMemRelease.argtypes = [u64]
+cuda.cuMemGetAccess.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(CUmemLocation), u64]
 
 
 def check(rc, what):
@@ -64,8 +83,9 @@ for device in range(result["devices"]):
     primaries.append(ctx.value)
 check(cuda.cuCtxSetCurrent(primaries[0]), "cuCtxSetCurrent")
 
-# Bytes written at both ends of every block read back intact, and every
-# block lives in device 0's primary context.
+# Bytes written at both ends of every block read back intact; every block
+# is owned by device 0's primary context (a plain segment) or by no context,
+# readable and writable from device 0 (a mapping: module docstring).
 intact = []
 owners = []
 for address, n in zip(blocks, sizes):
@@ -79,11 +99,21 @@ for address, n in zip(blocks, sizes):
         ok = ok and back.raw == pattern
     intact.append(ok)
     owner = vp()
-    check(cuda.cuPointerGetAttribute(ctypes.byref(owner), CU_POINTER_ATTRIBUTE_CONTEXT, address),
-          "cuPointerGetAttribute")
-    owners.append(owner.value == primaries[0])
+    context_rc = cuda.cuPointerGetAttribute(ctypes.byref(owner), CU_POINTER_ATTRIBUTE_CONTEXT, address)
+    handle = u64()
+    mapped = cuda.cuMemRetainAllocationHandle(ctypes.byref(handle), address) == 0  # fails off cuMemMap
+    access = None
+    if mapped:
+        check(cuda.cuMemRelease(handle), "cuMemRelease")
+        flags = ctypes.c_ulonglong(0)
+        here = CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, 0)
+        check(cuda.cuMemGetAccess(ctypes.byref(flags), ctypes.byref(here), address), "cuMemGetAccess")
+        access = flags.value
+    owners.append({"size": n, "mapped": mapped, "context_rc": context_rc, "context": owner.value,
+                   "access": access})
 result["intact"] = intact
-result["in_primary_context"] = owners
+result["owners"] = owners
+result["primary_context"] = primaries[0]
 result["aligned"] = [address % 512 == 0 for address in blocks]
 
 # With the primary context already current (as on PyTorch's threads) it stays current.
@@ -145,7 +175,17 @@ def test_cuda_backend_serves_real_device_memory_without_torch(
     assert r["context_before"] is None
     assert r["context_after_malloc"] is None, "the backend left its context current"
     assert all(r["intact"]), r["intact"]
-    assert all(r["in_primary_context"]), "blocks must live in the device's primary context"
+    primary = r["primary_context"]
+    for block in r["owners"]:
+        assert block["context_rc"] == 0, f"cuPointerGetAttribute(CONTEXT) failed: {block}"
+        if block["mapped"]:
+            # No context, or the primary one; read and write access for device 0 either way.
+            assert block["context"] in (None, primary) and block["access"] == _PROT_READWRITE, (
+                f"a mapped block must be device 0's, readable and writable there (access "
+                f"{_PROT_READWRITE}), owned by no context or the primary one ({primary}): {block}")
+        else:
+            assert block["context"] == primary, (
+                f"a plain segment must live in the device's primary context ({primary}): {block}")
     assert all(r["aligned"])
     assert r["context_kept"], "the backend changed the thread's current context"
     assert r["ordinals"] == list(range(r["devices"]))
