@@ -124,12 +124,15 @@ def test_the_offload_check_runs_every_column_and_checkpoint_and_pyalloc_are_exac
         f = check["figures"]
         assert f["sizes"] == "cpu" and f["common_batch"] == 3  # 90% of the plain step's largest, 4
         assert f["budget_bytes"] == f["baseline_saved_bytes"] // 2 > 0 and f["baseline_repeatable"]
+        # no memory cap on the CPU; time enough for every step asked (--steps 2)
+        assert f["memory_cap_bytes"] is None and f["common_steps"] == 2
         columns = f["columns"]
         assert list(columns) == ["baseline", "checkpoint", "save_on_cpu", "pyalloc"]
         for c in columns.values():
             # nothing runs out of memory on the CPU: each search trains 1, 2, 4 and stops at the cap
             assert (c["largest_batch"], c["first_failing_batch"], c["stop"]) == (4, None, "max_batch")
             assert c["seconds_per_sample"] > 0 and c["step_seconds"] > 0 and c["time_ratio"] > 0
+            assert c["steps_at_largest"] == 2
         assert columns["baseline"]["time_ratio"] == 1.0
         for name in ("checkpoint", "pyalloc"):
             assert columns[name]["exact"] and columns[name]["max_abs_diff"] == 0.0, name
@@ -156,6 +159,37 @@ def test_the_offload_check_is_in_the_targets_and_in_gpu_check_md(offload_run: tu
         assert f"## offload ({model})" in md
     assert "| pyalloc | 4 | max_batch |" in md and "| checkpoint | 4 | max_batch |" in md
     assert "- met gpt-like offload gradients exact: 0 (limit 0;" in md
+
+
+def test_the_offload_check_short_of_time_returns_what_it_measured_within_its_limit() -> None:
+    # No batch cap and more steps than there is time for: the searches stop on time, the timings
+    # run fewer steps, and the figures come out before the parent would kill the process.
+    import time
+
+    limit = 15.0
+    cfg = {"device": "cpu", "allocator": "default", "model": "gpt", "start_batch": 1, "max_batch": 1 << 16,
+           "steps": 1000, "seconds": 100, "time_limit": limit}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pyalloc.gpucheck.child", "offload", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - began
+    assert run.RESULT_MARKER in done.stdout, done.stderr
+    result = json.loads(done.stdout.split(run.RESULT_MARKER)[-1])
+    assert result["status"] == "pass", result["detail"]
+    assert elapsed < limit
+    f = result["figures"]
+    assert f["time_limit_seconds"] == limit and 1 <= f["common_steps"] < 1000
+    columns = f["columns"]
+    assert columns["baseline"]["stop"] == "time"
+    for c in columns.values():
+        assert c["largest_batch"] >= 1 and c["step_seconds"] > 0 and c["steps_at_largest"] < 1000
+    assert columns["checkpoint"]["exact"] and columns["pyalloc"]["exact"]
+
+
+def test_the_offload_check_takes_its_time_limit_from_the_share_run_gives_its_searches() -> None:
+    from pyalloc.gpucheck import offload
+
+    assert offload.SEARCH_SHARE == run.OFFLOAD_SEARCH_SHARE  # cfg["seconds"] is that share of the child's limit
 
 
 def test_offload_targets_compare_pyalloc_with_the_plain_step_and_checkpointing() -> None:

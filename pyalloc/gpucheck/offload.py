@@ -16,6 +16,15 @@ CUDA and their CPU sizes on the CPU):
   host memory enters pyalloc's figures: save_on_cpu is the swap column. A plan is made for one
   input shape, so each batch gets a fresh session, run until its plan settled.
 
+On CUDA, PyTorch's allocator may hold at most :data:`MEMORY_CAP_BYTES` (4 GiB; the config's
+``memory_cap_bytes`` may say otherwise): ``torch.cuda.set_per_process_memory_fraction`` makes it
+raise ``torch.OutOfMemoryError`` there, as at the end of a device that small. Every largest batch
+is then that of a 4 GiB device, and the batches, the steps and so the check's time are the same on
+an 80 GiB H100 as on a 140 GiB H200 (without the cap, the first run, on an H200, timed out on
+both models and gave no figure). The figures give the cap
+(``memory_cap_bytes``, ``memory_cap``) and the allocator's peak (``peak_reserved_bytes``, which
+shows that the cap held; the CUDA context is outside both).
+
 Measured, in this order:
 
 1. The baseline's largest batch: the largest that runs :data:`SEARCH_STEPS` steps without
@@ -25,31 +34,76 @@ Measured, in this order:
 2. The common batch, :data:`COMMON_FRACTION` of the baseline's largest. There: the baseline's
    saved-activation bytes (a counting saved-tensor hook; parameters and leaves excluded), which
    set pyalloc's budget and save_on_cpu's host-memory cap.
-3. The other columns' largest batches, the same way (pyalloc's after its plan settled).
-   save_on_cpu's search also stops (``stop: "host memory"``) where its saved bytes, the
-   baseline's per sample times the batch, would pass :data:`HOST_FRACTION` of the host's
-   available memory: pinning more could get the process killed. Each column's search has a
-   quarter of ``seconds``; ``stop`` says why its doubling ended.
+3. The other columns' largest batches, the same way (pyalloc's first, after its plan settled),
+   each search stopping at :data:`SEARCH_RATIO` times the baseline's largest (``stop: "3x the
+   plain step's"``): enough to show which column trains the larger batch, and it bounds the
+   batches that this search and item 5 run. save_on_cpu's search also stops (``stop: "host memory"``)
+   where its saved bytes, the baseline's per sample times the batch, would pass
+   :data:`HOST_FRACTION` of the host's available memory: pinning more could get the process
+   killed. ``stop`` says why a search's doubling ended.
 4. At the common batch, on one input with the same seeds: every column's gradients against the
-   baseline's, bit for bit (``exact``; those steps run with cuDNN's deterministic algorithms and
+   baseline's (kept in host memory, which the cap does not leave room for), bit for bit
+   (``exact``; those steps run with cuDNN's deterministic algorithms and
    ``torch.use_deterministic_algorithms(True, warn_only=True)``, and ``baseline_repeatable`` says
    whether two plain steps agreed, without which ``exact`` means nothing); then each column's
-   step time, the median of ``steps`` interleaved repetitions (the column order turning each
-   time), and its ratio to the baseline's (``time_ratio``).
-5. At each column's own largest batch: the median of ``steps`` step times, per sample
-   (``seconds_per_sample``).
+   step time, the median of up to ``steps`` interleaved repetitions (the column order turning
+   each time; ``common_steps`` says how many ran), and its ratio to the baseline's
+   (``time_ratio``).
+5. At each column's own largest batch: the median of up to ``steps`` step times, per sample
+   (``seconds_per_sample``; ``steps_at_largest`` says how many, 0 with None when no time was
+   left).
 
-Exactness is asked of checkpoint and pyalloc (the targets in :mod:`.run`), not of save_on_cpu:
-with ``pin_memory=True`` it packs each saved tensor into a new contiguous one, so a saved
-transposed weight loses its strides and the matrix product in backward may round differently (on
-the CPU, the ResNet-like model's gradients then differ from the plain step's in the last bits;
-the GPT-like model's are equal). The process runs under the allocator its config names
-(``pyalloc gpu-check`` asks for PyTorch's own, so that the columns differ only in what happens to
-saved activations).
+Time. The parent kills this process ``time_limit`` seconds after starting it (the config's
+``time_limit``, else ``seconds`` / :data:`SEARCH_SHARE`: ``pyalloc gpu-check`` gives the
+searches that share of the check's time); so that the figures come out instead, every step
+watches one end, that limit less :data:`MARGIN_FRACTION` of it and :data:`MARGIN_SECONDS`,
+counted from the process's start. The searches get ``seconds`` (at most :data:`SEARCH_SHARE` of
+what is left when they begin), split evenly among the columns in :data:`SEARCH_ORDER`, what one
+leaves over going to the next; the common batch gets half of what is left after them, the timings
+at the largest batches the rest, split evenly in the same order. An attempt or a timing that
+would pass its share (predicted from the column's slowest time per sample so far) is not started:
+a search then stops (``stop: "time"`` while it was still doubling), a median is of fewer steps,
+a time per sample may be missing. The common batch's steps always run, one repetition at least:
+its figures are the targets'.
 
-On the CPU (the tests of this command) nothing runs out of memory: every search stops at
-``max_batch``, and the figures show that the columns run, agree and are timed, not what a GPU
-would measure; torch runs one thread there, so that every step reduces in one order. Only the child process imports this module (it imports torch).
+What that comes to on a GPU, estimated from the models (nothing here was measured on one):
+
+- GPT-like (GPU sizes): 98.0 M parameters, 0.37 GiB, and as much again in gradients. Saved
+  activations: 0.62 GiB a sample counted on the CPU (``bench_models.probed``), where attention
+  takes PyTorch's math path and saves its 12x512x512 scores and probabilities; on CUDA (float32,
+  a float mask, dropout) ``scaled_dot_product_attention`` should take the memory-efficient
+  kernel, which saves neither: by count about 25 MiB a block, 0.31 GiB a sample with the logits. With
+  about 50 MiB a sample more at the loss, the plain step's largest batch under 4 GiB is about
+  (4 - 0.4) / 0.36, 10 (5 if attention saved its matrices), the common batch 9. A sample-step
+  (one sample, forward and backward) is about 0.3 TFLOP: 6 x 85 M weights x 512 tokens, and
+  attention.
+- ResNet-like at 224x224: 0.12 M parameters; 147 MiB saved a sample (convolutions save the same
+  on CUDA); largest batch about 4 GiB / 0.18 GiB, 22, the common batch 19. A sample-step is
+  about 11 GFLOP, and of the order of 1 GB of memory traffic (the stem and stage 1 run at
+  224x224).
+- Steps, for a plain largest batch L and pyalloc's about 2L (``start_batch`` 4, ``steps`` 10;
+  a failing attempt counted as one step): the plain search tries 6 batches for the GPT-like
+  model (3 fail) and 8 for the ResNet-like one (3 fail); pyalloc's 8 and 10 (4 fail), of 5 steps
+  with its settling; checkpoint's and save_on_cpu's 4 and 6, of 3 steps, up to 3L; then 47 steps
+  at the common batch and 4 x 11 at the largest batches (L, 2L, 3L, 3L). In all about 160 steps
+  and 230 L sample-steps (2,300, about 0.7 PFLOP and the recomputation of checkpoint and pyalloc)
+  for the GPT-like model, about 180 steps and 250 L (5,500) for the ResNet-like one. save_on_cpu
+  also moves its saved bytes to pinned host memory and back at every step: about 0.4 TiB over
+  PCIe for each model, with at most 3L samples' saves pinned at once (about 9 GiB of host memory
+  for either). Its timing at its largest batch comes last, and is what the time limit trims
+  first.
+
+On the CPU (the tests of this command) nothing runs out of memory and there is no cap: every
+search stops at ``max_batch``, and the figures show that the columns run, agree and are timed,
+not what a GPU would measure; torch runs one thread there, so that every step reduces in one
+order. Exactness is asked of checkpoint and pyalloc (the targets in :mod:`.run`), not of
+save_on_cpu: with ``pin_memory=True`` it packs each saved tensor into a new contiguous one, so a
+saved transposed weight loses its strides and the matrix product in backward may round
+differently (on the CPU, the ResNet-like model's gradients then differ from the plain step's in
+the last bits; the GPT-like model's are equal). The process runs under the allocator its config
+names (``pyalloc gpu-check`` asks for PyTorch's own, so that the columns differ only in what
+happens to saved activations, and so that the cap applies). Only the child process imports this
+module (it imports torch).
 """
 
 from __future__ import annotations
@@ -60,6 +114,7 @@ import os
 import statistics
 import time
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -70,16 +125,26 @@ from ..offloading.session import ActivationOffload, offload
 from .batch_search import BatchSearch, largest_batch
 
 COLUMNS = ("baseline", "checkpoint", "save_on_cpu", "pyalloc")
+SEARCH_ORDER = ("baseline", "pyalloc", "checkpoint", "save_on_cpu")  # the targets' columns first: time runs out last
 BUDGET_FRACTION = 0.5  # pyalloc's budget, of the baseline's saved-activation bytes at the common batch
 COMMON_FRACTION = 0.9  # the common batch, of the baseline's largest
 SEARCH_STEPS = 3  # steps a batch must run to count as training
 HOST_FRACTION = 0.5  # of the host's available memory, the most save_on_cpu's search may pin
+MEMORY_CAP_BYTES = 4 << 30  # on CUDA, the most PyTorch's allocator may hold: the check's size on any device
+SEARCH_RATIO = 3  # the other columns' searches stop at this multiple of the baseline's largest batch
+SEARCH_SHARE = 0.5  # of the process's time limit, what run.py gives the searches (OFFLOAD_SEARCH_SHARE there)
+MARGIN_FRACTION = 0.05  # of the time limit, kept for the figures to come out and the process to exit
+MARGIN_SECONDS = 3.0  # and this, on top
 
 Grads = dict[str, torch.Tensor]
 
 
 class NothingTrains(Exception):
     """The plain step did not train at the first batch: there is nothing to compare against."""
+
+
+class _OutOfTime(Exception):
+    """The next attempt of a search would end after its deadline."""
 
 
 @contextlib.contextmanager
@@ -126,13 +191,18 @@ class Column:
 
 
 class Bench:
-    """The model under test, its inputs and its device: running, timing and searching columns."""
+    """The model under test, its inputs and its device: running, timing and searching columns.
+
+    ``rate`` holds, per column, the slowest seconds per sample of an attempt that trained (its
+    start and :data:`SEARCH_STEPS` steps), from which the time of a later attempt or timing at
+    another batch is predicted, so that none starts that would end after its deadline."""
 
     def __init__(self, workload: Workload, device: str) -> None:
         self.device = device
         torch.manual_seed(0)
         self.model = workload.make_model()
         self.make_input = workload.make_input
+        self.rate: dict[str, float] = {}
 
     def input(self, batch: int) -> torch.Tensor:
         torch.manual_seed(batch)
@@ -155,6 +225,11 @@ class Bench:
         self.sync()
         return time.perf_counter() - start
 
+    def fits(self, column: Column, batch: int, deadline: float) -> bool:
+        """Whether an attempt at this batch would end by the deadline, as far as the column's rate
+        says (it does when nothing trained yet)."""
+        return time.monotonic() + self.rate.get(column.name, 0.0) * batch <= deadline
+
     def _attempt(self, column: Column, batch: int) -> None:
         x = self.input(batch)
         column.start(x)
@@ -163,6 +238,7 @@ class Bench:
         self.sync()
 
     def trains(self, column: Column, batch: int) -> bool:
+        began = time.monotonic()
         try:
             self._attempt(column, batch)  # its frame, and the tensors in it, go with the exception
             ok = True
@@ -170,29 +246,50 @@ class Bench:
             ok = False
         column.stop()
         self.release()
+        if ok:
+            self.rate[column.name] = max(self.rate.get(column.name, 0.0), (time.monotonic() - began) / batch)
         return ok
 
-    def search(self, column: Column, start: int, cap: int, seconds: float) -> BatchSearch:
-        return largest_batch(lambda batch: self.trains(column, batch), start, cap, time.monotonic() + seconds)
+    def search(self, column: Column, start: int, cap: int, deadline: float) -> BatchSearch:
+        """:func:`.largest_batch`, which looks at the deadline before each attempt; here no attempt
+        starts that would end after it either (the search then says what it found so far)."""
+        tried: dict[int, bool] = {}
 
-    def _step_times(self, column: Column, batch: int, steps: int) -> list[float]:
+        def trains(batch: int) -> bool:
+            if not self.fits(column, batch, deadline):
+                raise _OutOfTime
+            tried[batch] = self.trains(column, batch)
+            return tried[batch]
+
+        try:
+            return largest_batch(trains, start, cap, deadline)
+        except _OutOfTime:
+            good = max((b for b, ok in tried.items() if ok), default=0)
+            bad = min((b for b, ok in tried.items() if not ok), default=None)
+            return BatchSearch(good, bad, "time" if bad is None else "out of memory")
+
+    def _step_times(self, column: Column, batch: int, steps: int, deadline: float) -> list[float]:
         x = self.input(batch)
         column.start(x)
         column.step(x)
-        return [self.timed(column, x) for _ in range(steps)]
+        times = [self.timed(column, x)]
+        while len(times) < steps and time.monotonic() + max(times) <= deadline:
+            times.append(self.timed(column, x))
+        return times
 
-    def per_sample(self, column: Column, batch: int, steps: int) -> float | None:
-        """The median step time at this batch, per sample; None when no batch trained, or when it
-        ran out of memory this time."""
-        if batch < 1:
-            return None
+    def per_sample(self, column: Column, batch: int, steps: int, deadline: float) -> tuple[float | None, int]:
+        """The median of up to ``steps`` step times at this batch, per sample, and how many steps
+        that is; (None, 0) when no batch trained, when the time left is too short, or when it ran
+        out of memory this time."""
+        if batch < 1 or not self.fits(column, batch, deadline):
+            return None, 0
         try:
-            per_sample: float | None = statistics.median(self._step_times(column, batch, steps)) / batch
+            times = self._step_times(column, batch, steps, deadline)
         except torch.OutOfMemoryError:
-            per_sample = None
+            times = []
         column.stop()
         self.release()
-        return per_sample
+        return (statistics.median(times) / batch if times else None), len(times)
 
 
 def _host_available_bytes() -> int:
@@ -203,6 +300,47 @@ def _host_available_bytes() -> int:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux: /proc), else 0."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        started = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, in clock ticks since boot
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    return 0.0
+
+
+def _time_limit(cfg: dict[str, Any]) -> tuple[float, float]:
+    """The process's time limit in seconds, and the ``time.monotonic()`` by which the figures must
+    be out (the module docstring's "Time")."""
+    limit = float(cfg.get("time_limit") or cfg.get("seconds", 120) / SEARCH_SHARE)
+    return limit, time.monotonic() - _process_age() + limit * (1 - MARGIN_FRACTION) - MARGIN_SECONDS
+
+
+def _share(end: float, parts: int) -> float:
+    """The deadline of the first of ``parts`` even shares of the time until ``end``."""
+    now = time.monotonic()
+    return now + max(0.0, end - now) / parts
+
+
+def _cap_memory(device: str, cap: int) -> tuple[int | None, str]:
+    """On CUDA, caps what PyTorch's allocator may hold from now on at ``cap`` bytes (or the
+    device's whole memory, when smaller); the cap in bytes (None: no cap) and in words."""
+    if device != "cuda":
+        return None, "none (on the CPU, max_batch ends the searches)"
+    total = torch.cuda.mem_get_info()[1]
+    fraction = min(1.0, cap / total)
+    try:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    except (RuntimeError, NotImplementedError) as e:  # an allocator that has no fraction
+        return None, f"none: set_per_process_memory_fraction failed ({e})"
+    capped = int(fraction * total)
+    return capped, (f"{capped / (1 << 30):.1f} GiB of the device's {total / (1 << 30):.1f} GiB "
+                    f"(set_per_process_memory_fraction({fraction:.4f}))")
 
 
 @contextlib.contextmanager
@@ -223,31 +361,43 @@ def _deterministic() -> Iterator[None]:
         torch.backends.cudnn.deterministic = was_cudnn
 
 
+def _on_host(grads: Grads) -> Grads:
+    """A copy in host memory (under the cap there is no room for a second set on the device)."""
+    return {k: v.to("cpu", copy=True) for k, v in grads.items()}
+
+
 def _difference(grads: Grads, expected: Grads) -> tuple[bool, float | None]:
-    """Whether the gradients equal the expected ones bit for bit, and the largest difference (None
-    when they are not gradients of the same parameters)."""
+    """Whether the gradients equal the expected ones (in host memory) bit for bit, and the largest
+    difference (None when they are not gradients of the same parameters)."""
     if grads.keys() != expected.keys():
         return False, None
+    grads = {k: v.cpu() for k, v in grads.items()}
     exact = all(torch.equal(grads[k], expected[k]) for k in grads)
     worst = max((float((grads[k] - expected[k]).abs().max()) for k in grads), default=0.0)
     return exact, worst
 
 
-def _at_common_batch(bench: Bench, columns: list[Column], batch: int,
-                     steps: int) -> tuple[bool, dict[str, dict[str, Any]]]:
-    """Whether two plain steps agree, and per column: exactness against the baseline, then the
-    interleaved step times, all at one batch on one input."""
+def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int,
+                     deadline: float) -> tuple[bool, int, dict[str, dict[str, Any]]]:
+    """Whether two plain steps agree, how many repetitions were timed, and per column: exactness
+    against the baseline, then the interleaved step times, all at one batch on one input. The
+    repetitions stop at ``steps`` or where the next would end after the deadline (one at least)."""
     x = bench.input(batch)
     for column in columns:
         column.start(x)
     with _deterministic():
-        expected = {k: v.clone() for k, v in columns[0].step(x).items()}
+        expected = _on_host(columns[0].step(x))
         diffs = {c.name: _difference(c.step(x), expected) for c in columns}  # the baseline: a second plain step
     repeatable = diffs["baseline"][0]
     times: dict[str, list[float]] = {c.name: [] for c in columns}
+    repetition = 0.0
     for rep in range(steps):  # the order turns, so that no column always runs after the same one
+        if rep and time.monotonic() + repetition > deadline:
+            break
+        began = time.monotonic()
         for column in columns[rep % len(columns):] + columns[:rep % len(columns)]:
             times[column.name].append(bench.timed(column, x))
+        repetition = max(repetition, time.monotonic() - began)
     base = statistics.median(times["baseline"])
     rows = {}
     for column in columns:
@@ -261,49 +411,67 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int,
                                      floor_bytes=int(stats["plan_floor_bytes"]), regions=int(stats["plan_regions"]),
                                      outputs=int(stats["plan_outputs"]), below_floor_warned=column.floor_warned)
         column.stop()
-    return repeatable, rows
+    return repeatable, len(times["baseline"]), rows
 
 
 def compare(cfg: dict[str, Any]) -> dict[str, Any]:
     """The measurement of the module docstring. CONFIG keys: ``model`` ("gpt" or "resnet"),
-    ``device``, ``start_batch``, ``max_batch``, ``steps``, ``seconds``."""
+    ``device``, ``start_batch``, ``max_batch``, ``steps``, ``seconds`` (for the searches),
+    ``time_limit`` (the process's, from its start; default ``seconds`` / :data:`SEARCH_SHARE`),
+    ``memory_cap_bytes`` (CUDA; default :data:`MEMORY_CAP_BYTES`)."""
+    limit, end = _time_limit(cfg)
     device = cfg.get("device", "cuda")
     if device == "cpu":
         torch.set_num_threads(1)  # one reduction order: several threads may split a product differently
+    cap_bytes, cap_words = _cap_memory(device, int(cfg.get("memory_cap_bytes", MEMORY_CAP_BYTES)))
     sizes: Callable[[str], dict[str, Workload]] = gpu_workloads if device == "cuda" else workloads
     bench = Bench(sizes(device)[cfg["model"]], device)
     start, cap, steps = cfg.get("start_batch", 1), cfg.get("max_batch", 1 << 16), cfg.get("steps", 10)
-    quarter = cfg.get("seconds", 120) / 4
+    now = time.monotonic()
+    searches_end = now + min(float(cfg.get("seconds", 120)), SEARCH_SHARE * max(0.0, end - now))
 
     baseline = Column("baseline", bench.model, 0)
-    searches = {"baseline": bench.search(baseline, start, cap, quarter)}
+    searches = {"baseline": bench.search(baseline, start, cap, _share(searches_end, len(SEARCH_ORDER)))}
     if searches["baseline"].largest == 0:
-        raise NothingTrains(f"the plain step did not train at batch {min(start, cap)}")
+        raise NothingTrains(f"the plain step did not train at batch {min(start, cap)}"
+                            if searches["baseline"].stop != "time" else "no time was left to run the plain step")
     common = max(1, int(COMMON_FRACTION * searches["baseline"].largest))
     saved = probed(bench.model, bench.input(common))[0]
     bench.release()
     budget = int(BUDGET_FRACTION * saved)
-    columns = [baseline] + [Column(name, bench.model, budget) for name in COLUMNS[1:]]
+    columns = {name: baseline if name == "baseline" else Column(name, bench.model, budget) for name in COLUMNS}
 
     host_cap = int(HOST_FRACTION * _host_available_bytes() * common / max(1, saved))
-    for column in columns[1:]:
-        column_cap = min(cap, host_cap) if column.name == "save_on_cpu" else cap
-        found = bench.search(column, start, column_cap, quarter)
-        if found.stop == "max_batch" and column_cap < cap:
-            found = BatchSearch(found.largest, found.first_failing, "host memory")
-        searches[column.name] = found
+    ratio_cap = SEARCH_RATIO * searches["baseline"].largest
+    for done, name in enumerate(SEARCH_ORDER[1:], 1):
+        limits = [(cap, "max_batch"), (ratio_cap, f"{SEARCH_RATIO}x the plain step's")]
+        if name == "save_on_cpu":
+            limits.append((host_cap, "host memory"))
+        column_cap, why = min(limits, key=lambda pair: pair[0])  # on a tie, max_batch
+        found = bench.search(columns[name], start, column_cap, _share(searches_end, len(SEARCH_ORDER) - done))
+        searches[name] = replace(found, stop=why) if found.stop == "max_batch" else found
 
-    repeatable, at_common = _at_common_batch(bench, columns, common, steps)
+    ordered = [columns[name] for name in COLUMNS]
+    repeatable, common_steps, at_common = _at_common_batch(bench, ordered, common, steps, _share(end, 2))
     bench.release()
+    at_largest = {}
+    for done, name in enumerate(SEARCH_ORDER):
+        at_largest[name] = bench.per_sample(columns[name], searches[name].largest, steps,
+                                            _share(end, len(SEARCH_ORDER) - done))
     figures: dict[str, Any] = {
-        "model": f"{cfg['model']}-like", "sizes": "gpu" if device == "cuda" else "cpu", "common_batch": common,
+        "model": f"{cfg['model']}-like", "sizes": "gpu" if device == "cuda" else "cpu",
+        "memory_cap_bytes": cap_bytes, "memory_cap": cap_words, "common_batch": common,
         "baseline_saved_bytes": saved, "budget_bytes": budget,
         "budget": f"{BUDGET_FRACTION:.0%} of the baseline's saved-activation bytes at the common batch",
-        "baseline_repeatable": repeatable, "columns": {}}
-    for column in columns:
-        found = searches[column.name]
+        "baseline_repeatable": repeatable, "common_steps": common_steps, "time_limit_seconds": round(limit, 1),
+        "columns": {}}
+    if device == "cuda":
+        figures["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    for name in COLUMNS:
+        found = searches[name]
+        per_sample, timed = at_largest[name]
         row = {"largest_batch": found.largest, "first_failing_batch": found.first_failing, "stop": found.stop,
-               "seconds_per_sample": bench.per_sample(column, found.largest, steps)}
-        row.update(at_common[column.name])
-        figures["columns"][column.name] = row
+               "seconds_per_sample": per_sample, "steps_at_largest": timed}
+        row.update(at_common[name])
+        figures["columns"][name] = row
     return figures
