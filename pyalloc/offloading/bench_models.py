@@ -6,9 +6,9 @@ hand-written checkpointing wraps, and a ``checkpoint`` flag: when it is set, eve
 under ``torch.utils.checkpoint`` (non-reentrant).
 
 Sizes: :func:`workloads` gives the benchmark's four models, scaled down for a CPU;
-:func:`gpu_workloads` gives two of them at sizes where a GPU's memory, not a small batch cap,
-ends the largest-batch search (GPT-2 small's width and depth at sequence 512; the ResNet-like
-model at 224x224 inputs). Every model runs in float32.
+:func:`gpu_workloads` gives two of them at sizes where device memory (which the offload check
+caps at 4 GiB), not a small batch cap, ends the largest-batch search (GPT-2 small's width and
+depth at sequence 512; the ResNet-like model at 224x224 inputs). Every model runs in float32.
 """
 
 from __future__ import annotations
