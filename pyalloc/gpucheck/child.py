@@ -410,9 +410,9 @@ def _pyalloc_figures(cfg: dict[str, Any]) -> Figures:
     backend's memory calls and waiting for streams (Note [Backend time]), in seconds."""
     if cfg.get("allocator") != "pyalloc":
         return {}
-    import pyalloc
+    from .. import core
 
-    s = pyalloc.memory_stats(0)
+    s = core.memory_stats(0)
     keys = ("num_alloc_retries", "num_ooms", "num_stitches", "num_reuses", "num_device_alloc",
             "num_device_free", "backend_memory_calls", "backend_waits")
     figures: Figures = {f"pyalloc.{k}": s[k] for k in keys}

@@ -244,7 +244,7 @@ def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckRes
             result = run_gpu_tests(timeout, Path(args.out))
         else:
             if step.check == "offload":  # the searches take half of its time, the rest times steps
-                cfg["seconds"] = OFFLOAD_SEARCH_SHARE * timeout
+                cfg.update(seconds=OFFLOAD_SEARCH_SHARE * timeout, time_limit=timeout)
             result = run_child(step.name, step.check, {"device": device, **cfg}, timeout)
         if cfg.get("mode") == "max-batch" and result.status == "pass":
             largest.setdefault(cfg["model"], {})[cfg["allocator"]] = int(result.figures["largest_batch"])
@@ -331,16 +331,21 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
     common = figures["common_batch"]
+    cap = figures.get("memory_cap_bytes")
     lines = ["", f"## {name}", "",
              f"pyalloc's budget: {figures['budget_bytes']} bytes ({figures['budget']}). Two plain steps "
-             f"{'agreed' if figures['baseline_repeatable'] else 'differed'} bit for bit.", "",
-             f"| column | largest batch | search stopped by | time per sample at it (s) | step at batch {common} (s) "
-             "| against the plain step | gradients equal the plain step's |", "|---|---|---|---|---|---|---|"]
+             f"{'agreed' if figures['baseline_repeatable'] else 'differed'} bit for bit. Device memory capped at "
+             f"{_gib(cap) if cap else figures.get('memory_cap', 'none')} (peak reserved "
+             f"{_gib(figures.get('peak_reserved_bytes'))}); step times at the common batch are medians of "
+             f"{figures.get('common_steps', '?')} repetitions; time limit {figures.get('time_limit_seconds', '?')} s.", "",
+             f"| column | largest batch | search stopped by | time per sample at it (s) | steps timed at it "
+             f"| step at batch {common} (s) | against the plain step | gradients equal the plain step's |",
+             "|---|---|---|---|---|---|---|---|"]
     for column, c in figures["columns"].items():
         per_sample = "-" if c["seconds_per_sample"] is None else f"{c['seconds_per_sample']:.4g}"
         exact = "yes" if c["exact"] else f"no (max difference {c['max_abs_diff']})"
-        lines.append(f"| {column} | {c['largest_batch']} | {c['stop']} | {per_sample} | {c['step_seconds']:.4g} "
-                     f"| {c['time_ratio']}x | {exact} |")
+        lines.append(f"| {column} | {c['largest_batch']} | {c['stop']} | {per_sample} | {c.get('steps_at_largest', '?')} "
+                     f"| {c['step_seconds']:.4g} | {c['time_ratio']}x | {exact} |")
     return lines
 
 
