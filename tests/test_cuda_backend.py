@@ -631,6 +631,39 @@ def test_an_arenas_growth_grants_access_once_and_its_release_synchronizes_once(f
     assert r["calls"] >= 1 + 32 + 1 + 1 + 32 and r["ns"] > 0
 
 
+# vmm=auto is decided by the backend: shared on one cuda device with virtual memory. Asking for
+# vmm=off after it is a change of layout (a new runtime), though the config's own word for the
+# first one was "auto" (whose vmm_mode() on cuda reads off): found by a reader, config() said off
+# while a 512 B block still went to an arena.
+_VMM_AFTER_AUTO = _FAKE + """
+def small_pool_segments():
+    return pyalloc.memory_stats(0)["segment.small_pool.current"]
+
+
+pyalloc.configure("backend=cuda")
+p = pyalloc.malloc(512)
+auto = {"vmm": pyalloc.config()["vmm"], "small_segments": small_pool_segments()}
+pyalloc.free(p, 512)
+pyalloc.configure("backend=cuda,vmm=off")
+p = pyalloc.malloc(512)
+off = {"vmm": pyalloc.config()["vmm"], "small_segments": small_pool_segments()}
+pyalloc.free(p, 512)
+pyalloc.configure("backend=cuda,vmm=auto")
+p = pyalloc.malloc(512)
+back = {"small_segments": small_pool_segments()}
+pyalloc.free(p, 512)
+emit({"auto": auto, "off": off, "back": back, "misuse": fake.fake_cuda_misuse_report().decode()})
+"""
+
+
+def test_vmm_off_after_auto_on_cuda_rebuilds_the_runtime(fake_driver: Path) -> None:
+    r = _run_python(_VMM_AFTER_AUTO, {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_DEVICES": "1"})
+    assert r["misuse"] == ""
+    assert r["auto"]["small_segments"] == 0  # vmm=shared: no small pool
+    assert r["off"] == {"vmm": "off", "small_segments": 1}, r["off"]  # a plain 2 MiB small segment
+    assert r["back"]["small_segments"] == 0
+
+
 _DEFAULT_VMM = _FAKE + """
 pyalloc.configure("backend=cuda")
 p = pyalloc.malloc(9 * MiB // 2)

@@ -84,6 +84,7 @@ Runtime* build_runtime(const Config& config) {
   }
   Config resolved = config;  // what each device's allocator is made with: vmm=auto decided
   resolved.vmm = config.resolve_vmm(n, backend->vmm_supported(0));
+  r->vmm = resolved.vmm;
   auto metered = std::make_unique<MeteredBackend>(std::move(backend), n);  // Note [Backend time]
   for (int i = 0; i < n; ++i) r->devices.push_back(std::make_unique<DeviceAllocator>(i, resolved, metered.get(), *r));
   r->num_devices = static_cast<unsigned>(n);
@@ -172,7 +173,14 @@ int configure(const char* text, std::string* error) {
   Config next;
   if (!parse_config(text, cur->config, "pyalloc_configure", &next, error)) return PYALLOC_EINVAL;
 
-  if (cur->error.empty() && !cur->config.layout_differs(next)) {
+  // vmm=auto is decided by the backend (shared on one cuda device with
+  // virtual memory, else off), so the mode asked for is compared with the one
+  // the devices were built with, not with the config's unresolved word: on
+  // cuda, "vmm=off" after "vmm=auto" must rebuild (config_json said off while
+  // blocks still went to arenas).
+  const bool vmm_changes = cur->backend && next.backend == cur->config.backend &&
+                           next.resolve_vmm(static_cast<int>(cur->num_devices), cur->backend->vmm_supported(0)) != cur->vmm;
+  if (cur->error.empty() && !cur->config.layout_differs(next) && !vmm_changes) {
     cur->config = next;
     for (auto& d : cur->devices) d->apply_settings(next);
     registry_apply(next, registry_source());

@@ -33,6 +33,9 @@ class Runtime final : public DeviceHooks {
 
   const BackendKind backend_kind;    // fixed for the runtime's life: readable without a lock
   Config config;                     // guarded by the process's configure mutex
+  // The vmm mode its devices were built with: config's, with vmm=auto decided
+  // by the backend (Config::resolve_vmm). Set before the runtime is published.
+  VmmMode vmm = VmmMode::kOff;
   std::unique_ptr<Backend> backend;  // null when it failed to start
   std::string error;                 // why the backend failed; empty if it runs
   // Filled before the runtime is published; neither changes after.
