@@ -434,6 +434,19 @@ def test_a_plain_segments_handle_travels_in_pytorchs_form_both_ways(ops: None) -
     assert bytes(torch.ops.pyalloc.ipc_convert(list(granules), True)) == granules
 
 
+def test_pytorch_handles_of_every_version_with_the_same_payload_are_read(ops: None) -> None:
+    """PyTorch 2.13 writes version 3 where 2.12 wrote 2, the 'c' payload unchanged: a tensor sent
+    by either arrives (2.11 refused pyalloc's handle of an arena block as "from a future version")."""
+    ipc = bytes(range(64, 128))
+    for version in (1, 2, 3):
+        back = bytes(torch.ops.pyalloc.ipc_convert(list(bytes([version]) + b"c" + ipc), False))
+        assert back[:14] == b"pyalloc-ipc\0\x01S" and back.endswith(ipc), version
+    with pytest.raises(RuntimeError, match=r"neither pyalloc's nor PyTorch's"):
+        torch.ops.pyalloc.ipc_convert(list(b"\x04c" + ipc), False)  # a version not known
+    with pytest.raises(RuntimeError, match="expandable_segments, which pyalloc cannot open"):
+        torch.ops.pyalloc.ipc_convert(list(b"\x03e" + bytes(40)), False)
+
+
 def test_handles_pyalloc_cannot_open_are_errors_that_say_why(ops: None) -> None:
     with pytest.raises(RuntimeError, match="PyTorch's own with expandable_segments, which pyalloc cannot open"):
         torch.ops.pyalloc.ipc_convert(list(b"\x02e" + bytes(40)), False)

@@ -13,8 +13,10 @@ namespace pyalloc::torch_layer {
 
 namespace {
 
-// PyTorch's shareable handle: a version byte, then the kind.
+// PyTorch's shareable handle: a version byte, then the kind. pyalloc writes
+// 2 and reads every version whose 'c' payload it knows (ipc.hpp).
 constexpr char kPytorchVersion = 2;
+constexpr char kPytorchNewestVersion = 3;
 constexpr char kPytorchCudaMalloc = 'c';
 constexpr char kPytorchExpandable = 'e';
 constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
@@ -24,6 +26,11 @@ constexpr char kMagic[12] = "pyalloc-ipc";
 
 bool is_pyalloc_form(const std::string& h) {
   return h.size() >= kHeader && std::memcmp(h.data(), kMagic, sizeof kMagic) == 0;
+}
+
+// A PyTorch handle of kind `kind`, of a version pyalloc reads.
+bool is_pytorch_form(const std::string& h, char kind) {
+  return h.size() >= 2 && h[0] >= 1 && h[0] <= kPytorchNewestVersion && h[1] == kind;
 }
 
 }  // namespace
@@ -38,7 +45,7 @@ std::string to_pytorch_form(const std::string& handle) {
 
 std::string from_pytorch_form(const std::string& handle) {
   if (is_pyalloc_form(handle)) return handle;
-  if (handle.size() == 2 + kIpcHandleBytes && handle[0] == kPytorchVersion && handle[1] == kPytorchCudaMalloc) {
+  if (handle.size() == 2 + kIpcHandleBytes && is_pytorch_form(handle, kPytorchCudaMalloc)) {
     std::string out(kHeader, '\0');
     std::memcpy(out.data(), kMagic, sizeof kMagic);
     out[12] = 1;    // version
@@ -50,7 +57,7 @@ std::string from_pytorch_form(const std::string& handle) {
     out.append(handle, 2, kIpcHandleBytes);
     return out;
   }
-  TORCH_CHECK(!(handle.size() >= 2 && handle[0] == kPytorchVersion && handle[1] == kPytorchExpandable),
+  TORCH_CHECK(!is_pytorch_form(handle, kPytorchExpandable),
               "pyalloc: this CUDA tensor was shared by a process whose allocator is PyTorch's own with "
               "expandable_segments, which pyalloc cannot open; install pyalloc in that process too, or share "
               "from plain segments");

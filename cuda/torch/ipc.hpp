@@ -15,11 +15,14 @@
 //
 // A process whose allocator is PyTorch's own may be on the other end (a
 // DataLoader worker that did not install pyalloc). PyTorch's handle of a
-// cudaMalloc block is a version byte (2), 'c' and cudaIpcGetMemHandle's 64
+// cudaMalloc block is a version byte, 'c' and cudaIpcGetMemHandle's 64
 // bytes, with the block's offset in its segment beside it: the same facts as
 // pyalloc's handle of a plain segment. So a plain segment's handle leaves in
 // PyTorch's form, which either allocator opens, and PyTorch's form is read
-// on arrival. An arena block's handle (exported granules) has no PyTorch
+// on arrival. The version byte is 2 up to PyTorch 2.12 and 3 from 2.13, with
+// the same 'c' payload; PyTorch refuses a version above its own ("received
+// sharable handle from a future version of torch", seen on a GPU with 2.11),
+// so pyalloc writes 2, which both read, and reads 1 to 3. An arena block's handle (exported granules) has no PyTorch
 // form; PyTorch's own expandable segments ('e') have no pyalloc form, and
 // opening one is an error that says so.
 //
