@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import pyalloc
+from allocator_fixture import fresh_conf
 
 # The names fixed by the architecture (allocator/include/pyalloc/pyalloc.h).
 ARCHITECTURE_ABI = [
@@ -62,3 +63,22 @@ def test_the_library_does_not_link_against_cuda() -> None:
 def test_library_path_is_absolute_and_exists() -> None:
     path = Path(pyalloc.library_path())
     assert path.is_absolute() and path.is_file() and path.name == "libpyalloc.so"
+
+
+@pytest.mark.parametrize("backend", ["host", "sim"])
+def test_backend_calls_are_counted_and_timed_where_the_memory_is_real(backend: str) -> None:
+    """Note [Backend time]: every call that creates, maps, unmaps or releases memory is counted;
+    on the host backend (real memory, as cuda) its time is added too, on sim (fake addresses) not.
+    reset_accumulated_memory_stats() zeroes both."""
+    pyalloc.configure(fresh_conf(backend))
+    pyalloc.reset_accumulated_memory_stats()
+    blocks = [pyalloc.malloc(8 << 20) for _ in range(4)]  # 32 MiB: 16 granules in the arena
+    for p in blocks:
+        pyalloc.free(p, 8 << 20)
+    pyalloc.empty_cache()
+    s = pyalloc.memory_stats()
+    assert s["backend_memory_calls"] >= 16 + 16  # a create and a release per granule, at least
+    assert (s["backend_memory_ns"] > 0) == (backend == "host"), s["backend_memory_ns"]
+    pyalloc.reset_accumulated_memory_stats()
+    s = pyalloc.memory_stats()
+    assert (s["backend_memory_calls"], s["backend_memory_ns"], s["backend_waits"], s["backend_wait_ns"]) == (0, 0, 0, 0)

@@ -85,7 +85,8 @@ Runtime* build_runtime(const Config& config) {
   Config resolved = config;  // what each device's allocator is made with: vmm=auto decided
   resolved.vmm = config.resolve_vmm(n, backend->vmm_supported(0));
   r->vmm = resolved.vmm;
-  auto metered = std::make_unique<MeteredBackend>(std::move(backend), n);  // Note [Backend time]
+  // Note [Backend time]: the sim backend's calls are counted, not timed.
+  auto metered = std::make_unique<MeteredBackend>(std::move(backend), n, config.backend != BackendKind::kSim);
   for (int i = 0; i < n; ++i) r->devices.push_back(std::make_unique<DeviceAllocator>(i, resolved, metered.get(), *r));
   r->num_devices = static_cast<unsigned>(n);
   r->backend = std::move(metered);
