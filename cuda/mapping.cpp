@@ -9,33 +9,34 @@ namespace cuda_backend {
 using namespace cuda_driver;  // NOLINT(google-build-using-namespace)
 
 DriverCall map_chunks(const DriverApi& api, CUdevice device, uintptr_t va, const PhysHandle* handles, size_t n) {
-  DriverCall failed{};
+  DriverCall result{};
   size_t mapped = 0;
   uintptr_t end = va;
   for (; mapped < n; ++mapped) {
     const CUresult rc = api.cuMemMap(end, handles[mapped].size, 0, handles[mapped].value, 0);
     if (rc != CUDA_SUCCESS) {
-      failed = {rc, "cuMemMap"};
+      result = {rc, "cuMemMap"};
       break;
     }
     end += handles[mapped].size;
   }
-  if (failed.ok() && end > va) {
+  if (result.ok() && end > va) {
     // A fresh mapping is inaccessible until access is granted.
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = device;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     const CUresult rc = api.cuMemSetAccess(va, end - va, &access, 1);
-    if (rc != CUDA_SUCCESS) failed = {rc, "cuMemSetAccess"};
+    if (rc != CUDA_SUCCESS) result = {rc, "cuMemSetAccess"};
   }
-  if (!failed.ok()) {  // all or none: leave the range as it was
-    for (uintptr_t at = va; mapped > 0; --mapped, ++handles) {
-      api.cuMemUnmap(at, handles->size);
-      at += handles->size;
+  if (!result.ok()) {  // all or none: leave the range as it was
+    uintptr_t at = va;
+    for (size_t i = 0; i < mapped; ++i) {
+      api.cuMemUnmap(at, handles[i].size);
+      at += handles[i].size;
     }
   }
-  return failed;
+  return result;
 }
 
 DriverCall unmap_chunks(const DriverApi& api, uintptr_t va, size_t size, size_t each) {

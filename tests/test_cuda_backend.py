@@ -631,6 +631,47 @@ def test_an_arenas_growth_grants_access_once_and_its_release_synchronizes_once(f
     assert r["calls"] >= 1 + 32 + 1 + 1 + 32 and r["ns"] > 0
 
 
+# A growth whose map fails part-way (the 5th of 32 cuMemMap), or whose access grant fails, leaves
+# nothing half done: map_range is all or none, the handles go back, the allocator's walk agrees, and
+# once everything is freed no handle, mapping or reserved byte is left.
+_FAILED_MAP = _FAKE + """
+fake.fake_cuda_set.argtypes = [ctypes.c_char_p, ctypes.c_longlong]
+pyalloc.configure("backend=cuda,vmm=shared,oom_report=0")
+out = {}
+for name, knob, value in (("map", b"fail_map_in", 5), ("access", b"fail_set_access", 1)):
+    fake.fake_cuda_set(knob, value)
+    try:
+        p = pyalloc.malloc(64 * MiB)
+    except pyalloc.PyallocError as exc:
+        p, out[name + "_error"] = None, str(exc)
+    pyalloc.check(0)
+    if p is not None:
+        pyalloc.free(p, 64 * MiB)
+    pyalloc.empty_cache()
+    pyalloc.check(0)
+    s = pyalloc.memory_stats(0)
+    out[name] = {"served": p is not None, "reserved": s["reserved_bytes.all.current"],
+                 "created": s["num_device_alloc"], "released": s["num_device_free"],
+                 "live_handles": int(fake.fake_cuda_get(b"live_handles")),
+                 "live_mappings": int(fake.fake_cuda_get(b"live_mappings"))}
+out["injected"] = [int(fake.fake_cuda_get(k)) for k in (b"injected_map_failures", b"injected_access_failures")]
+out["misuse"] = fake.fake_cuda_misuse_report().decode()
+emit(out)
+"""
+
+
+def test_a_growth_whose_map_fails_part_way_leaves_nothing_behind(fake_driver: Path) -> None:
+    r = _run_python(_FAILED_MAP, {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_CAPACITY_MIB": "256"})
+    assert r["injected"] == [1, 1]
+    assert r["misuse"] == ""
+    for name in ("map", "access"):
+        got = r[name]
+        assert got["reserved"] == 0 and got["created"] == got["released"], (name, got)
+        assert got["live_mappings"] == 0 and got["live_handles"] == 0, (name, got)
+        # The failure is the driver's, once: the slow path's next try (a stitch) maps afresh.
+        assert got["served"], (name, r.get(name + "_error"))
+
+
 # vmm=auto is decided by the backend: shared on one cuda device with virtual memory. Asking for
 # vmm=off after it is a change of layout (a new runtime), though the config's own word for the
 # first one was "auto" (whose vmm_mode() on cuda reads off): found by a reader, config() said off
@@ -643,6 +684,15 @@ def small_pool_segments():
 pyalloc.configure("backend=cuda")
 p = pyalloc.malloc(512)
 auto = {"vmm": pyalloc.config()["vmm"], "small_segments": small_pool_segments()}
+# While a block is live, a change of the resolved mode is refused with a reason that names vmm;
+# asking for the mode auto resolved to is no change at all.
+try:
+    pyalloc.configure("backend=cuda,vmm=off")
+    refused = None
+except pyalloc.PyallocError as exc:
+    refused = str(exc)
+pyalloc.configure("backend=cuda,vmm=shared")
+same_kept_block = pyalloc.memory_stats(0)["allocation.all.current"]
 pyalloc.free(p, 512)
 pyalloc.configure("backend=cuda,vmm=off")
 p = pyalloc.malloc(512)
@@ -652,7 +702,8 @@ pyalloc.configure("backend=cuda,vmm=auto")
 p = pyalloc.malloc(512)
 back = {"small_segments": small_pool_segments()}
 pyalloc.free(p, 512)
-emit({"auto": auto, "off": off, "back": back, "misuse": fake.fake_cuda_misuse_report().decode()})
+emit({"auto": auto, "off": off, "back": back, "refused": refused, "same_kept_block": same_kept_block,
+      "misuse": fake.fake_cuda_misuse_report().decode()})
 """
 
 
@@ -660,6 +711,8 @@ def test_vmm_off_after_auto_on_cuda_rebuilds_the_runtime(fake_driver: Path) -> N
     r = _run_python(_VMM_AFTER_AUTO, {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_DEVICES": "1"})
     assert r["misuse"] == ""
     assert r["auto"]["small_segments"] == 0  # vmm=shared: no small pool
+    assert r["refused"] is not None and "vmm" in r["refused"] and "512 bytes are allocated" in r["refused"], r
+    assert r["same_kept_block"] == 1  # vmm=shared after auto (resolved to shared): the same runtime
     assert r["off"] == {"vmm": "off", "small_segments": 1}, r["off"]  # a plain 2 MiB small segment
     assert r["back"]["small_segments"] == 0
 
@@ -841,6 +894,10 @@ int g_devices = 2;
 size_t g_capacity = size_t{256} << 20;
 int g_event_delay = 0;
 int g_query_error = 0;
+// Injected failures (fake_cuda_set): the n-th cuMemMap from now, or the next
+// cuMemSetAccess, fails with CUDA_ERROR_OUT_OF_MEMORY, once.
+long long g_fail_map_in = 0;
+bool g_fail_set_access = false;
 bool g_no_vmm = false;
 std::map<std::string, long long> g_counters;
 std::vector<CUctx_st_fake*> g_primary;      // per device
@@ -1175,6 +1232,10 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                          CUmemGenericAllocationHandle handle, unsigned long long flags) {
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_INIT
+  if (g_fail_map_in > 0 && --g_fail_map_in == 0) {
+    count("injected_map_failures");
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
   auto h = g_handles.find(handle);
   if (h == g_handles.end() || h->second.released || offset != 0 || flags != 0 ||
       size != h->second.size || ptr % kGranularity != 0 || !inside_reservation(ptr, size)) {
@@ -1198,6 +1259,11 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t n) {
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_INIT
+  if (g_fail_set_access) {
+    g_fail_set_access = false;
+    count("injected_access_failures");
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
   bool ok = size != 0 && desc != nullptr && n == 1 && desc->location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
             desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   for (CUdeviceptr at = ptr; ok && at < ptr + size;) {
@@ -1569,6 +1635,8 @@ EXPORT void fake_cuda_set(const char* name, long long value) {
   const std::string key = name;
   if (key == "query_error") g_query_error = static_cast<int>(value);
   if (key == "event_delay") g_event_delay = static_cast<int>(value);
+  if (key == "fail_map_in") g_fail_map_in = value;
+  if (key == "fail_set_access") g_fail_set_access = value != 0;
 }
 
 // A context that is nobody's primary context, to stand for the caller's own.

@@ -175,12 +175,12 @@ int configure(const char* text, std::string* error) {
   if (!parse_config(text, cur->config, "pyalloc_configure", &next, error)) return PYALLOC_EINVAL;
 
   // vmm=auto is decided by the backend (shared on one cuda device with
-  // virtual memory, else off), so the mode asked for is compared with the one
-  // the devices were built with, not with the config's unresolved word: on
-  // cuda, "vmm=off" after "vmm=auto" must rebuild (config_json said off while
-  // blocks still went to arenas).
-  const bool vmm_changes = cur->backend && next.backend == cur->config.backend &&
-                           next.resolve_vmm(static_cast<int>(cur->num_devices), cur->backend->vmm_supported(0)) != cur->vmm;
+  // virtual memory, else off), so the mode asked for is resolved the same way
+  // and compared with the one the devices were built with (Config's own
+  // comparison leaves vmm out): on cuda, "vmm=off" after "vmm=auto" rebuilds,
+  // and "vmm=shared" after it does not.
+  const bool vmm_changes =
+      cur->backend && next.resolve_vmm(static_cast<int>(cur->num_devices), cur->backend->vmm_supported(0)) != cur->vmm;
   if (cur->error.empty() && !cur->config.layout_differs(next) && !vmm_changes) {
     cur->config = next;
     for (auto& d : cur->devices) d->apply_settings(next);
@@ -201,7 +201,8 @@ int configure(const char* text, std::string* error) {
     int64_t live = 0;
     if (!cur->devices[retired]->retire_if_idle(&live)) {
       for (size_t i = 0; i < retired; ++i) cur->devices[i]->unretire();
-      *error = "pyalloc_configure: cannot change backend, capacity, devices, segment sizes or event_delay while " +
+      *error = "pyalloc_configure: cannot change backend, capacity, devices, segment sizes, event_delay, vmm, plan "
+               "or lifetime while " +
                std::to_string(live) + " bytes are allocated on device " + std::to_string(retired) +
                "; free them first";
       p.retired.push_back(fresh);

@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cassert>
 #include <cerrno>
 #include <cstring>
 
@@ -25,7 +26,10 @@ Status Backend::map_range(int device, uintptr_t va, const PhysHandle* handles, s
   for (size_t i = 0; i < n; ++i) {
     Status s = map(device, at, handles[i]);
     if (!s.ok) {
-      if (at > va) unmap(device, va, at - va);  // all or none
+      for (size_t j = 0; j < i; ++j) {  // all or none: each mapping undone whole
+        at -= handles[i - 1 - j].size;
+        unmap(device, at, handles[i - 1 - j].size);
+      }
       return s;
     }
     at += handles[i].size;
@@ -34,6 +38,7 @@ Status Backend::map_range(int device, uintptr_t va, const PhysHandle* handles, s
 }
 
 void Backend::unmap_range(int device, uintptr_t va, size_t size, size_t each) {
+  assert(each > 0 && size % each == 0);
   for (size_t off = 0; off < size; off += each) unmap(device, va + off, each);
 }
 

@@ -1,28 +1,25 @@
 // metered.hpp: what the allocator spends in its backend, per device.
 //
 // Note [Backend time]
-// The first run on a GPU (an H200, 140 GiB) found pyalloc's largest-batch
-// search for a GPT-2 model taking over twice as long as under PyTorch's own
-// allocator, and no figure said where the time went: in the driver's memory
-// calls (an arena maps one 2 MiB granule per cuMemCreate + cuMemMap +
-// cuMemSetAccess, so filling 140 GiB is 70,000 of each), in waits for queued
-// work before granules move (stitch, reuse), or in the allocator's own
-// bookkeeping. A MeteredBackend sits between every device allocator and the
-// backend (abi/runtime.cpp puts it there) and counts, per device:
+// Where the slow path's time goes, in figures a user can read: the backend
+// calls that change device memory, and the waits for queued work before
+// memory moves, per device. A MeteredBackend sits between every device
+// allocator and the real backend (abi/runtime.cpp puts it there) and counts:
 //   memory  calls that create, map, unmap or release device memory
 //           (segment_alloc/free, phys_create/release, map, map_range,
-//           unmap, unmap_range, reserve/release_reservation): their number and wall
-//           time (a range mapped or unmapped in one call counts once);
-//   waits   event_synchronize, the slow path waiting for a stream's queued
-//           work: their number and wall time.
+//           unmap, unmap_range, reserve/release_reservation): their number
+//           and wall time, a range mapped or unmapped in one call counting
+//           once. On cuda, unmapping and freeing a segment first wait for the
+//           device (cuCtxSynchronize): that wait is inside the call's time;
+//   waits   event_synchronize, the slow path waiting for one stream's queued
+//           work before granules move (stitching, reuse): number and time.
 // memory_stats() reports them as backend_memory_calls, backend_memory_ns,
 // backend_waits and backend_wait_ns; reset_accumulated_memory_stats() zeroes
-// them. Only slow-path calls are timed (two clock reads each, ~40 ns against a
+// them. Only slow-path calls are timed (two clock reads each, against a
 // driver call's microseconds); event_query, which the fast path may make for
-// a pending free, is forwarded untimed. The sim backend's calls are counted
-// but not timed (its memory is not there, nor is its time): the clock reads
-// were 6 of the 495 instructions per operation of tools/bench/scale.py's
-// churn at 10^3 live blocks.
+// a pending free, is forwarded uncounted. The sim backend's calls are counted
+// but not timed: its memory is not there, nor is its time
+// (docs/benchmarks/2026-11-27-backend-calls-cpu.md has what the clock cost).
 #pragma once
 
 #include <atomic>
@@ -103,7 +100,10 @@ class MeteredBackend final : public Backend {
   void event_synchronize(int device, EventHandle event) override {
     BackendMeter& m = meter(device);
     m.waits.fetch_add(1, std::memory_order_relaxed);
-    if (!timed_) return inner_->event_synchronize(device, event);
+    if (!timed_) {
+      inner_->event_synchronize(device, event);
+      return;
+    }
     const int64_t start = now_ns();
     inner_->event_synchronize(device, event);
     m.wait_ns.fetch_add(now_ns() - start, std::memory_order_relaxed);

@@ -370,7 +370,9 @@ class DeviceAllocator {
   uint8_t divert_ = 0;
 
   const int device_;
-  Backend* const backend_;
+  // The concrete (final) type, so that its forwarding to the real backend
+  // inlines: one virtual call a backend call, not two.
+  MeteredBackend* const backend_;
   BackendMeter& meter_;  // backend_'s figures for this device (Note [Backend time])
   DeviceHooks& hooks_;
   const size_t small_segment_;
@@ -397,7 +399,7 @@ class DeviceAllocator {
     std::vector<PhysHandle> chunks;   // empty for a plain segment
   };
   std::map<uintptr_t, Import> imports_;  // by base address
-  void unmap_chunks(uintptr_t base, const Import& imported);
+  void close_import_chunks(uintptr_t base, const Import& imported);
 
   // Runtime-adjustable settings.
   double memory_fraction_;

@@ -151,7 +151,7 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
                        (backend_->phys_close(device_, chunk), false));
       if (!ok) {
         *error = last_backend_error_;
-        unmap_chunks(*base, imported);  // what was mapped so far, and the reservation
+        close_import_chunks(*base, imported);  // what was mapped so far, and the reservation
         return false;
       }
       imported.chunks.push_back(chunk);
@@ -182,18 +182,18 @@ void DeviceAllocator::unmap_import(uintptr_t base) {
   if (it->second.chunks.empty()) {
     backend_->segment_close(device_, base, it->second.size);
   } else {
-    unmap_chunks(base, it->second);
+    close_import_chunks(base, it->second);
   }
   imports_.erase(it);
 }
 
-// Unmaps and closes the chunks of an import of granules mapped at `base`,
-// and gives back its reservation (`imported.size` bytes).
-void DeviceAllocator::unmap_chunks(uintptr_t base, const Import& imported) {
-  for (size_t j = 0; j < imported.chunks.size(); ++j) {
-    backend_->unmap(device_, base + j * imported.granule, imported.granule);
-    backend_->phys_close(device_, imported.chunks[j]);
-  }
+// Unmaps and closes the chunks of an import of granules mapped at `base`
+// (one unmap_range: on cuda, one wait for the device), and gives back its
+// reservation (`imported.size` bytes).
+void DeviceAllocator::close_import_chunks(uintptr_t base, const Import& imported) {
+  const size_t n = imported.chunks.size();
+  if (n > 0) backend_->unmap_range(device_, base, n * imported.granule, imported.granule);
+  for (const PhysHandle& chunk : imported.chunks) backend_->phys_close(device_, chunk);
   backend_->release_reservation(device_, base, imported.size);
 }
 

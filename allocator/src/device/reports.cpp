@@ -166,7 +166,7 @@ bool DeviceAllocator::check(std::string* error) {
     }
   }
   if (capture_violations_ != 0) {
-    return fail("I15", std::to_string(capture_violations_) + " driver calls that break a capture (a release, an "
+    return fail("I15", std::to_string(capture_violations_) + " backend calls that break a capture (a release, an "
                        "unmap, an event recorded, queried or synchronized) were made while one was under way");
   }
   if ((capturing_ > 0) != ((divert_ & kDivertCapture) != 0)) {

@@ -262,8 +262,7 @@ VmmMode Config::resolve_vmm(int devices, bool vmm_supported) const {
 bool Config::layout_differs(const Config& n) const {
   return backend != n.backend || devices != n.devices || capacity != n.capacity ||
          small_segment != n.small_segment || large_segment != n.large_segment ||
-         event_delay != n.event_delay || vmm_mode() != n.vmm_mode() || plan != n.plan ||
-         lifetime != n.lifetime;
+         event_delay != n.event_delay || plan != n.plan || lifetime != n.lifetime;
 }
 
 std::string Config::to_json() const {

@@ -63,7 +63,8 @@ struct Config {
   VmmMode resolve_vmm(int devices, bool vmm_supported) const;
 
   // True when switching from `*this` to `next` requires rebuilding the
-  // allocator (possible only while nothing is allocated).
+  // allocator (possible only while nothing is allocated). vmm is left to the
+  // runtime, which compares it resolved (resolve_vmm needs the backend).
   bool layout_differs(const Config& next) const;
   std::string to_json() const;
 };
