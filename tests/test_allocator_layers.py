@@ -121,3 +121,17 @@ def test_no_allocator_source_file_is_longer_than_a_concept() -> None:
         if n > MAX_SOURCE_LINES:
             long_files.append(f"{path.relative_to(REPO_ROOT)}: {n} lines")
     assert not long_files, f"split by concept (at most {MAX_SOURCE_LINES} lines): {long_files}"
+
+
+_VIRTUAL = re.compile(r"^\s*virtual\s+[^;{(]*?\b(\w+)\s*\(", re.M)
+_OVERRIDE = re.compile(r"^\s*[\w:<>*&, ]+?\b(\w+)\s*\([^;{]*\)\s*(?:const\s*)?override\b", re.M)
+
+
+def test_the_metered_backend_forwards_every_method_of_the_seam() -> None:
+    """Note [Backend time]: a Backend method the MeteredBackend does not override would run
+    Backend's default in its place, not the real backend's (for the methods with a default body:
+    vmm_supported, map_range, unmap_range, the sharing calls), silently."""
+    seam = set(_VIRTUAL.findall((SRC / "backends" / "backend.hpp").read_text())) - {"Backend"}
+    metered = set(_OVERRIDE.findall((SRC / "backends" / "metered.hpp").read_text()))
+    assert len(seam) >= 20, sorted(seam)  # the parse found the seam
+    assert seam <= metered, f"Backend methods MeteredBackend does not forward: {sorted(seam - metered)}"
