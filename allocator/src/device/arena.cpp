@@ -407,7 +407,9 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   const uintptr_t lo = arena->base + (w.lo - arena->base) / g * g;
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
 
-  // Gather every handle first, so a failure leaves the arena as it was.
+  // Gather every handle first, so that running short maps nothing. (A map
+  // that fails later leaves the holes mapped before it free, and the
+  // granules taken from donors unmapped: memory stays whole, in other places.)
   std::vector<PhysHandle>& handles = grow_handles_;  // capacity kept between growths
   handles.clear();
   if (!stitch && reuses_first(w.granules * g)) {
