@@ -12,12 +12,13 @@
 //     driver.hpp.
 //   - Plain segments: cuMemAlloc_v2 / cuMemFree_v2. Virtual memory:
 //     cuMemAddressReserve, cuMemCreate (pinned device memory), cuMemMap +
-//     cuMemSetAccess, cuMemUnmap, a range of chunks at a time (mapping.hpp). Events come from a per-device pool of
-//     CU_EVENT_DISABLE_TIMING events (creating one costs microseconds and a
-//     driver lock; recording a reused one does not).
-//   - segment_free and unmap first wait for the device (cuCtxSynchronize, once a range):
-//     block frees are stream ordered, so kernels queued before the free may
-//     still be using the memory when it goes back to the driver.
+//     cuMemSetAccess, cuMemUnmap, a range of chunks at a time (mapping.hpp).
+//     Events come from a per-device pool of CU_EVENT_DISABLE_TIMING events
+//     (creating one costs microseconds and a driver lock; recording a reused
+//     one does not).
+//   - segment_free and unmap first wait for the device (cuCtxSynchronize,
+//     once a range): block frees are stream ordered, so kernels queued before
+//     the free may still be using the memory when it goes back to the driver.
 //   - Errors come back as a Status naming the call, the device and the
 //     driver's own error name. Errors a void method cannot return (a failed
 //     cuMemFree, an event query on a faulted context) are counted per device

@@ -22,9 +22,10 @@
 // on arrival. The version byte is 2 up to PyTorch 2.12 and 3 from 2.13, with
 // the same 'c' payload; PyTorch refuses a version above its own ("received
 // sharable handle from a future version of torch", seen on a GPU with 2.11),
-// so pyalloc writes 2, which both read, and reads 1 to 3. An arena block's handle (exported granules) has no PyTorch
-// form; PyTorch's own expandable segments ('e') have no pyalloc form, and
-// opening one is an error that says so.
+// so pyalloc writes 2, which both read, and reads 1 to 3. An arena block's
+// handle (exported granules) has no PyTorch form; PyTorch's own expandable
+// segments ('e') have no pyalloc form, and opening one is an error that says
+// so.
 //
 // c10 only (no CUDA header), so the tests drive it on a CPU build.
 #pragma once

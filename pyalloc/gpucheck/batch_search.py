@@ -23,12 +23,15 @@ class BatchSearch:
     stop: str  # why doubling stopped: "out of memory", "max_batch" (the cap trained) or "time"
 
 
-def largest_batch(trains: Callable[[int], bool], start: int, cap: int, deadline: float) -> BatchSearch:
+def largest_batch(trains: Callable[[int], bool], start: int, cap: int, deadline: float,
+                  affordable: Callable[[int], bool] = lambda batch: True) -> BatchSearch:
     """Doubles from ``start`` (the last step is ``cap`` itself) until a batch fails, the cap
-    trains or ``time.monotonic()`` passes ``deadline``; then bisects between the largest batch
-    that trained and the first that failed, while time is left."""
+    trains or time runs out; then bisects between the largest batch that trained and the first
+    that failed, while time is left. Time runs out when ``time.monotonic()`` passes ``deadline``,
+    or when ``affordable(batch)`` says the next attempt would end after it (a caller that can
+    predict an attempt's time)."""
     good, bad, size = 0, None, min(start, cap)
-    while bad is None and good < cap and time.monotonic() < deadline:
+    while bad is None and good < cap and time.monotonic() < deadline and affordable(size):
         if trains(size):
             good, size = size, min(2 * size, cap)
         else:
@@ -36,6 +39,8 @@ def largest_batch(trains: Callable[[int], bool], start: int, cap: int, deadline:
     stop = "out of memory" if bad is not None else "max_batch" if good >= cap else "time"
     while bad is not None and bad - good > max(1, good // BISECT_PRECISION) and time.monotonic() < deadline:
         middle = (good + bad) // 2
+        if not affordable(middle):
+            break
         if trains(middle):
             good = middle
         else:

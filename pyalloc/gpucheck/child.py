@@ -435,8 +435,10 @@ def check_growth(cfg: dict[str, Any]) -> Figures:
     target = int(cfg.get("fraction", 0.6) * free)
     rng = random.Random(cfg.get("seed", 0))
     sizes: list[int] = []
-    while sum(sizes) < target:
-        sizes.append(min(rng.choice((2, 6, 20, 64, 200, 512, 1024)) << 20, target - sum(sizes)))
+    total = 0
+    while total < target:
+        sizes.append(min(rng.choice((2, 6, 20, 64, 200, 512, 1024)) << 20, target - total))
+        total += sizes[-1]
 
     def fill() -> tuple[list[Any], float]:
         torch.cuda.synchronize()
@@ -454,7 +456,7 @@ def check_growth(cfg: dict[str, Any]) -> Figures:
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     release_seconds = time.perf_counter() - start
-    figures: Figures = {"allocator": allocator, "bytes": sum(sizes), "tensors": len(sizes),
+    figures: Figures = {"allocator": allocator, "bytes": total, "tensors": len(sizes),
                         "fill_seconds": round(fill_seconds, 4), "refill_seconds": round(refill_seconds, 4),
                         "release_seconds": round(release_seconds, 4),
                         "reserved_after_bytes": torch.cuda.memory_reserved()}

@@ -143,10 +143,6 @@ class NothingTrains(Exception):
     """The plain step did not train at the first batch: there is nothing to compare against."""
 
 
-class _OutOfTime(Exception):
-    """The next attempt of a search would end after its deadline."""
-
-
 @contextlib.contextmanager
 def _checkpointing(model: nn.Module) -> Iterator[None]:
     model.checkpoint = True  # type: ignore[assignment]
@@ -251,22 +247,10 @@ class Bench:
         return ok
 
     def search(self, column: Column, start: int, cap: int, deadline: float) -> BatchSearch:
-        """:func:`.largest_batch`, which looks at the deadline before each attempt; here no attempt
-        starts that would end after it either (the search then says what it found so far)."""
-        tried: dict[int, bool] = {}
-
-        def trains(batch: int) -> bool:
-            if not self.fits(column, batch, deadline):
-                raise _OutOfTime
-            tried[batch] = self.trains(column, batch)
-            return tried[batch]
-
-        try:
-            return largest_batch(trains, start, cap, deadline)
-        except _OutOfTime:
-            good = max((b for b, ok in tried.items() if ok), default=0)
-            bad = min((b for b, ok in tried.items() if not ok), default=None)
-            return BatchSearch(good, bad, "time" if bad is None else "out of memory")
+        """:func:`.largest_batch`, no attempt of which starts that the column's rate says would end
+        after the deadline (the search then says what it found so far)."""
+        return largest_batch(lambda batch: self.trains(column, batch), start, cap, deadline,
+                             affordable=lambda batch: self.fits(column, batch, deadline))
 
     def _step_times(self, column: Column, batch: int, steps: int, deadline: float) -> list[float]:
         x = self.input(batch)

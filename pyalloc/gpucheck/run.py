@@ -106,12 +106,12 @@ def run_gpu_tests(timeout: float, out: Path | None = None) -> CheckResult:
         return CheckResult("tests/gpu", "not-run", 0.0, detail=f"{tests} is not here (run from a source checkout)")
     start = time.monotonic()
     env = _child_env("default")
+    log = results_log = None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        results_log = out / "tests-gpu-results.log"
+        log, results_log = out / "tests-gpu.log", out / "tests-gpu-results.log"
         results_log.unlink(missing_ok=True)
         env["PYALLOC_GPU_TEST_LOG"] = str(results_log)
-    log = out / "tests-gpu.log" if out is not None else None
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         try:
@@ -120,8 +120,7 @@ def run_gpu_tests(timeout: float, out: Path | None = None) -> CheckResult:
                                   cwd=tests.parents[1], env=env)
         except subprocess.TimeoutExpired as exc:
             _write_log(log, exc.stdout, exc.stderr)
-            return CheckResult("tests/gpu", "timeout", time.monotonic() - start,
-                               _outcomes(out / "tests-gpu-results.log" if out is not None else None),
+            return CheckResult("tests/gpu", "timeout", time.monotonic() - start, _outcomes(results_log),
                                detail=f"over {timeout:.0f} s")
         _write_log(log, done.stdout, done.stderr)
         figures: dict[str, Any] = {}
@@ -157,7 +156,6 @@ def _write_log(log: Path | None, stdout: str | bytes | None, stderr: str | bytes
     if log is None:
         return
     text = [part.decode(errors="replace") if isinstance(part, bytes) else part for part in (stdout, stderr) if part]
-    log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("\n".join(text))
 
 
@@ -214,11 +212,10 @@ def plan(args: argparse.Namespace) -> list[Planned]:
         steps += [Planned(f"{model} step time ({a})", model, "train",
                           {"allocator": a, "model": model, "mode": "time", "steps": args.steps}, 0.05)
                   for a in ALLOCATORS]
-    for i, model in enumerate(OFFLOAD_MODELS):
-        steps.append(Planned(f"offload ({model}-like)", "offload", "offload",
-                             {"allocator": "default", "model": model, "start_batch": args.start_batch,
-                              "max_batch": args.max_batch, "steps": args.steps},
-                             OFFLOAD_SHARE / len(OFFLOAD_MODELS), OFFLOAD_SHARE / len(OFFLOAD_MODELS)))
+    each = OFFLOAD_SHARE / len(OFFLOAD_MODELS)
+    steps += [Planned(f"offload ({model}-like)", "offload", "offload",
+                      {"allocator": "default", "model": model, "start_batch": args.start_batch,
+                       "max_batch": args.max_batch, "steps": args.steps}, each, each) for model in OFFLOAD_MODELS]
     steps.append(Planned("tests/gpu", "tests/gpu", "tests/gpu", {}, 1.0, TESTS_SHARE))
     wanted = set(args.only.split(",")) if args.only else None
     return [p for p in steps if wanted is None or p.group in wanted]

@@ -86,7 +86,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         entry += str(report.longrepr).rstrip("\n") + "\n\n"
     with open(path, "a", encoding="utf-8", errors="replace") as log:
         log.write(entry)
-        log.flush()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -26,9 +26,10 @@ Status Backend::map_range(int device, uintptr_t va, const PhysHandle* handles, s
   for (size_t i = 0; i < n; ++i) {
     Status s = map(device, at, handles[i]);
     if (!s.ok) {
-      for (size_t j = 0; j < i; ++j) {  // all or none: each mapping undone whole
-        at -= handles[i - 1 - j].size;
-        unmap(device, at, handles[i - 1 - j].size);
+      uintptr_t undo = va;  // all or none: each mapping undone whole
+      for (size_t j = 0; j < i; ++j) {
+        unmap(device, undo, handles[j].size);
+        undo += handles[j].size;
       }
       return s;
     }

@@ -99,14 +99,7 @@ class MeteredBackend final : public Backend {
   bool event_query(int device, EventHandle event) override { return inner_->event_query(device, event); }
   void event_synchronize(int device, EventHandle event) override {
     BackendMeter& m = meter(device);
-    m.waits.fetch_add(1, std::memory_order_relaxed);
-    if (!timed_) {
-      inner_->event_synchronize(device, event);
-      return;
-    }
-    const int64_t start = now_ns();
-    inner_->event_synchronize(device, event);
-    m.wait_ns.fetch_add(now_ns() - start, std::memory_order_relaxed);
+    counted(m.waits, m.wait_ns, [&] { inner_->event_synchronize(device, event); });
   }
   void event_release(int device, EventHandle event) override { inner_->event_release(device, event); }
   Status stream_wait(int device, StreamId stream, EventHandle event) override {
@@ -142,16 +135,23 @@ class MeteredBackend final : public Backend {
         .count();
   }
 
+  // A memory call: counted, and timed (Note [Backend time]).
   template <typename Call>
   auto timed_memory(int device, Call&& call) -> decltype(call()) {
     BackendMeter& m = meter(device);
-    m.memory_calls.fetch_add(1, std::memory_order_relaxed);
+    return counted(m.memory_calls, m.memory_ns, call);
+  }
+
+  // Counts `call` in `calls`, and adds its time to `ns` when timed_.
+  template <typename Call>
+  auto counted(std::atomic<int64_t>& calls, std::atomic<int64_t>& ns, Call&& call) -> decltype(call()) {
+    calls.fetch_add(1, std::memory_order_relaxed);
     if (!timed_) return call();
     struct Time {  // added on every way out, void calls included
-      BackendMeter& m;
+      std::atomic<int64_t>& ns;
       int64_t start;
-      ~Time() { m.memory_ns.fetch_add(now_ns() - start, std::memory_order_relaxed); }
-    } time{m, now_ns()};
+      ~Time() { ns.fetch_add(now_ns() - start, std::memory_order_relaxed); }
+    } time{ns, now_ns()};
     return call();
   }
 

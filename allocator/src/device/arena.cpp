@@ -128,6 +128,7 @@
 //
 
 #include <algorithm>
+#include <cassert>
 
 #include "blocks/arena.hpp"
 #include "blocks/sliver_index_inl.hpp"
@@ -254,25 +255,25 @@ Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
 
 // ---- mapping and unmapping -------------------------------------------------------
 
-// Maps handles (taken from the back of `handles`) over the granule-aligned
-// range [lo, hi) of `hole`, which becomes free and coalesces. Returns the
-// free block now holding [lo, hi), or nullptr when the map failed (the hole
-// and `handles` stay as they were).
+// Maps the last (hi - lo) / granule handles of `handles`, in their order,
+// over the granule-aligned range [lo, hi) of `hole`, which becomes free and
+// coalesces. Returns the free block now holding [lo, hi), or nullptr when the
+// map failed (the hole and `handles` stay as they were).
 Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles) {
   Segment* arena = hole->segment;
   const size_t g = granule_;
   // The granules of [lo, hi) in one backend call, all or none (Note
-  // [Backend time]): the handles from the back of `handles`, the last first.
+  // [Backend time]). grow_arena gathered a handle for every granule of its
+  // window's holes.
   const size_t n = (hi - lo) / g;
-  if (n == 0 || handles->size() < n) return nullptr;
-  std::vector<PhysHandle>& range = map_handles_;  // capacity kept between growths
-  range.assign(handles->rbegin(), handles->rbegin() + static_cast<std::ptrdiff_t>(n));
-  if (!succeeded(backend_->map_range(device_, lo, range.data(), n))) return nullptr;
-  handles->resize(handles->size() - n);
+  assert(n > 0 && handles->size() >= n);
+  const PhysHandle* range = handles->data() + (handles->size() - n);
+  if (!succeeded(backend_->map_range(device_, lo, range, n))) return nullptr;
   for (size_t i = 0; i < n; ++i) {
     arena->phys[(lo - arena->base) / g + i] = range[i];
     trace_.record(TraceAction::kSegmentMap, lo + i * g, g, arena->stream);
   }
+  handles->resize(handles->size() - n);
   arena->mapped += hi - lo;
   stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(hi - lo));
   // Carve [lo, hi) out of the hole as a free block; what lies before and

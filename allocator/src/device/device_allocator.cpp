@@ -15,7 +15,6 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, MeteredBacken
                                  DeviceHooks& hooks)
     : device_(device),
       backend_(backend),
-      meter_(backend->meter(device)),
       hooks_(hooks),
       small_segment_(config.small_segment),
       large_segment_(config.large_segment),

@@ -373,7 +373,6 @@ class DeviceAllocator {
   // The concrete (final) type, so that its forwarding to the real backend
   // inlines: one virtual call a backend call, not two.
   MeteredBackend* const backend_;
-  BackendMeter& meter_;  // backend_'s figures for this device (Note [Backend time])
   DeviceHooks& hooks_;
   const size_t small_segment_;
   const size_t large_segment_;
@@ -441,7 +440,6 @@ class DeviceAllocator {
     uintptr_t lo, hi;  // its whole granules
   };
   std::vector<PhysHandle> grow_handles_;
-  std::vector<PhysHandle> map_handles_;  // fill_hole's range, in mapping order
   std::vector<Donor> donors_;
   uint64_t frees_ = 0;                             // blocks cached so far: Block::freed_at's clock
   std::string last_backend_error_;

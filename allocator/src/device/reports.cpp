@@ -213,10 +213,11 @@ std::string DeviceAllocator::stats_json(int64_t num_invalid_device, int64_t num_
   JsonWriter w;
   w.begin_object();
   stats_.write_fields(w, num_invalid_device, num_invalid_record_stream);
-  w.key("backend_memory_calls").value(meter_.memory_calls.load(std::memory_order_relaxed));
-  w.key("backend_memory_ns").value(meter_.memory_ns.load(std::memory_order_relaxed));
-  w.key("backend_waits").value(meter_.waits.load(std::memory_order_relaxed));
-  w.key("backend_wait_ns").value(meter_.wait_ns.load(std::memory_order_relaxed));
+  const BackendMeter& meter = backend_->meter(device_);  // Note [Backend time]
+  w.key("backend_memory_calls").value(meter.memory_calls.load(std::memory_order_relaxed));
+  w.key("backend_memory_ns").value(meter.memory_ns.load(std::memory_order_relaxed));
+  w.key("backend_waits").value(meter.waits.load(std::memory_order_relaxed));
+  w.key("backend_wait_ns").value(meter.wait_ns.load(std::memory_order_relaxed));
   for (const PoolUsage& u : pool_usage(std::as_const(*this).pools(), segments_)) {
     const std::string prefix = "pool." + u.pool->name + ".";
     for (const auto& field : u.fields()) w.key((prefix + field.first).c_str()).value(field.second);
@@ -233,7 +234,7 @@ void DeviceAllocator::reset_peaks() {
 void DeviceAllocator::reset_accumulated() {
   Lock lock(mutex_);
   stats_.reset_accumulated();
-  meter_.reset();
+  backend_->meter(device_).reset();
 }
 
 void DeviceAllocator::write_segments_json(JsonWriter& w) {
