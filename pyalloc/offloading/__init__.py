@@ -8,8 +8,9 @@ outputs refilled from their saved statistics, Note [Batch-norm refills]; ``dropo
 refilled from their saved noise, Note [Dropout refills]; ``refills``: the two kinds behind one call), the torch calls DTR
 records and replays (``calls``, Note [Producers and replay]; ``args``: taking call arguments
 apart), the DTR cost model (``cost``, Note [Free neighbours]), host swap (``swap``: host buffers
-and side-stream copies, Note [Copies on CUDA]), DTR's saved-activation handle (``saved``),
-the process-wide session of ``pyalloc run --offload`` (``process``), and the offload benchmark's
+and side-stream copies, Note [Copies on CUDA]), DTR's saved-activation handle (``saved``), the
+generator states re-runs replay (``rng``, Note [Generator states]), the debug check of recomputed
+tensors (``check``, Note [Recompute check]), the process-wide session of ``pyalloc run --offload`` (``process``), and the offload benchmark's
 models and step (``bench_models``: what ``tools/bench/offload_bench.py`` and the offload check of
 ``pyalloc gpu-check`` run).
 

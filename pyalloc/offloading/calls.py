@@ -9,9 +9,9 @@ Note [Producers and replay]
     and how long it took. A saved tensor is recomputable when it is an output of a call, or an
     intermediate that autograd packed while a composite call ran (identified by its index among
     that call's packs). Replay re-runs the call with the same grad mode, the same
-    ``requires_grad`` flags and the RNG state restored, under a capturing hook, so the same
-    kernels run on the same bytes and the results are equal bit for bit (dropout masks
-    included). Calls that mutate an input (in-place ops, ``out=``, batch norm's running stats)
+    ``requires_grad`` flags and the RNG states restored (Note [Generator states] in rng.py),
+    under a capturing hook, so the same kernels run on the same bytes and the results are equal
+    bit for bit (dropout masks included). Calls that mutate an input (in-place ops, ``out=``, batch norm's running stats)
     are never replayed: their outputs are swap-only. Not recorded at all: calls made with grad
     disabled (an optimizer step, evaluation), attribute reads and writes other than the view
     properties (``p.grad``, ``x.dtype``, ``p.grad = None``), and the autograd entry points
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import rng
 from .args import TensorMap, flatten, unflatten
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class ProducerCall:
     spec: Any
     leaves: list[Any]
     rng_state: torch.Tensor | None
-    cuda_rng: tuple[int, torch.Tensor] | None
+    cuda_rng: rng.CudaStates  # every device the call may draw on (Note [Generator states] in rng.py)
     grad_enabled: bool
     cost_s: float = 0.0
     replayable: bool = True
@@ -243,11 +244,7 @@ class CallRecorder:
                 refs.append(None)
                 replayable = False
             seen[id(x)] = refs[-1]
-        cuda_rng = None
-        if self._cuda and any(t.is_cuda for t in tensors):
-            dev = next(t.device.index for t in tensors if t.is_cuda) or 0
-            cuda_rng = (dev, torch.cuda.get_rng_state(dev))
-        call = ProducerCall(func, spec, refs, self._capture_rng(), cuda_rng,
+        call = ProducerCall(func, spec, refs, self._capture_rng(), rng.cuda_states(tensors, self._cuda),
                             torch.is_grad_enabled(), replayable=replayable, autocast=autocast_state())
         versions = [t._version for t in tensors]
         call.pack_start = pack_seq
@@ -292,22 +289,12 @@ def replay_call(call: ProducerCall, leaves: list[Any]) -> tuple[list[Any], list[
         # in C++ that no collector breaks (about a step's activations leaked per step).
         packs.append(t.detach())
 
-    cpu_rng = torch.get_rng_state()
-    cuda_saved = torch.cuda.get_rng_state(call.cuda_rng[0]) if call.cuda_rng else None
-    try:
-        if call.rng_state is not None:
-            torch.set_rng_state(call.rng_state)
-        if call.cuda_rng is not None:
-            torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
-        with contextlib.ExitStack() as modes:
-            for device, dtype in call.autocast:  # backward, where replays run, has none
-                modes.enter_context(torch.autocast(device, dtype=dtype))
-            modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x))
-            modes.enter_context(torch.set_grad_enabled(call.grad_enabled))
-            result = call.func(*args, **kwargs)
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if call.cuda_rng is not None and cuda_saved is not None:
-            torch.cuda.set_rng_state(cuda_saved, call.cuda_rng[0])
+    with contextlib.ExitStack() as modes:
+        modes.enter_context(rng.replayed(call.rng_state, call.cuda_rng))
+        for device, dtype in call.autocast:  # backward, where replays run, has none
+            modes.enter_context(torch.autocast(device, dtype=dtype))
+        modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x))
+        modes.enter_context(torch.set_grad_enabled(call.grad_enabled))
+        result = call.func(*args, **kwargs)
     outputs, _ = flatten(result)
     return outputs, packs

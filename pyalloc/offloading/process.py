@@ -175,8 +175,11 @@ def _write_stats() -> None:
     path = path.replace("{pid}", str(os.getpid()))
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
+        stats: dict[str, Any] = dict(s.stats())
+        if s._check is not None:  # $PYALLOC_OFFLOAD_CHECK (Note [Recompute check] in check.py)
+            stats["recompute_mismatches"] = s.recompute_mismatches()
         with open(tmp, "w") as f:
-            json.dump(s.stats(), f, indent=2, sort_keys=True)
+            json.dump(stats, f, indent=2, sort_keys=True)
         os.replace(tmp, path)
     except OSError as exc:
         sys.stderr.write(f"pyalloc: warning: cannot write the offload stats to {path}: {exc}\n")

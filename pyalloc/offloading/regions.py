@@ -3,7 +3,7 @@ modules (Note [Planned recompute] in plan.py).
 
 Per step this costs one saved-tensor hook call per save and, on the planned modules only, a pre-
 and post-forward hook; nothing is recorded per operator. Every re-run restores the CPU (and CUDA)
-RNG state of the original call, runs with grad enabled as the original did, detaches what it
+RNG state of the original call (Note [Generator states] in rng.py), runs with grad enabled as the original did, detaches what it
 captures, and puts the module's buffers back afterwards (a batch norm updates its running
 statistics once per step, as without the session).
 """
@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import refills
+from . import refills, rng
+from .check import Original, RecomputeCheck
 from .calls import autocast_state
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, geometry, run_replay
 from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
@@ -93,16 +94,17 @@ class _Rerun:
 
     key: tuple[int, int]  # the planned call: (id of the module, how many calls of it came before)
 
-    def __init__(self, step: "PlannedStep", module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def __init__(self, step: "PlannedStep", module: torch.nn.Module, args: tuple, kwargs: dict,
+                 received: list[torch.Tensor] | None = None) -> None:
+        """``received``: the tensors the call was given, where ``args`` and ``kwargs`` hold
+        placeholders for some (an output call's linked inputs); their devices say which CUDA
+        generators to replay (Note [Generator states] in rng.py)."""
         self.step = step
         self.module = module
         self.args = args
         self.kwargs = kwargs
         self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng: list[tuple[int, torch.Tensor]] = []
-        if step.cuda:
-            devices = {t.device.index or 0 for t in tensor_leaves((args, kwargs)) if t.is_cuda}
-            self.cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in sorted(devices)]
+        self.cuda_rng = rng.cuda_states(tensor_leaves((args, kwargs)) if received is None else received, step.cuda)
         self.pins: list[StorageKey] = []
         for t in tensor_leaves((args, kwargs)):
             if is_activation(t):
@@ -139,18 +141,14 @@ class _Rerun:
         step = self.step
         t0 = time.thread_time()
         buffers = [(b, b.clone()) for b in self.module.buffers()]
-        cpu_now = torch.get_rng_state()
-        cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda_rng]
         step.recomputing += 1
         try:
-            torch.set_rng_state(self.cpu_rng)
-            for d, state in self.cuda_rng:
-                torch.cuda.set_rng_state(state, d)
             # The step's own hook must not see the re-run's saves (they are not the step's), and the
             # re-run's graph must hold none of them: a node that saves its own output would keep
             # itself alive through it (a cycle through C++ that no collector breaks), and the
             # graph is never run backward. Hence the pack hook stores nothing.
             with contextlib.ExitStack() as modes:
+                modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
                 for dev, dtype in self.autocast:
                     modes.enter_context(torch.autocast(dev, dtype=dtype))
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
@@ -160,9 +158,6 @@ class _Rerun:
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
-            torch.set_rng_state(cpu_now)
-            for d, state in cuda_now:
-                torch.cuda.set_rng_state(state, d)
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
@@ -280,17 +275,10 @@ class Region(_Rerun):
 
         step = self.step
         t0 = time.thread_time()
-        cpu_now = torch.get_rng_state()
-        cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda_rng]
         try:
-            torch.set_rng_state(self.cpu_rng)
-            for d, state in self.cuda_rng:
-                torch.cuda.set_rng_state(state, d)
-            filled = run_replay(recipe, sources, inputs, attr)
+            with rng.replayed(self.cpu_rng, self.cuda_rng):
+                filled = run_replay(recipe, sources, inputs, attr)
         finally:
-            torch.set_rng_state(cpu_now)
-            for d, state in cuda_now:
-                torch.cuda.set_rng_state(state, d)
             seconds = time.thread_time() - t0
             st = step.session._stats
             st["replays_total"] += 1
@@ -312,13 +300,17 @@ class Region(_Rerun):
 class RegionSlot(_Counted):
     """A save dropped inside a region."""
 
-    __slots__ = ("region", "tensor", "signature")
+    __slots__ = ("region", "tensor", "signature", "original")
 
     def __init__(self, region: Region, index: int, t: torch.Tensor) -> None:
         super().__init__(region.step.bytes)
         self.region: Region | None = region
         self.tensor: torch.Tensor | None = None
         self.signature = (tuple(t.shape), t.dtype)
+        # with the session's check on, the save as it was and where it is recomputed (check.py)
+        check = region.step.check
+        self.original = (check.original(t), region.step, region.module, region.key, region.first_seq + index) \
+            if check is not None else None
         region.wanted[index] = weakref.ref(self)
 
     def fill(self, t: torch.Tensor) -> None:
@@ -329,6 +321,9 @@ class RegionSlot(_Counted):
                                f"gave a {tuple(t.shape)} tensor where {self.signature[0]} was saved")
         self.tensor = t
         self.count(t)
+        if self.original is not None:
+            (original, step, module, key, seq), self.original = self.original, None
+            step.compare(original, t, "region", module, key, seq)
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
@@ -376,7 +371,9 @@ class Output(_Rerun):
         self.key = key
         self.out_key: StorageKey | None = None
         self.out_ref: weakref.ref[torch.Tensor] | None = None
-        super().__init__(step, module, _substitute(args, link), _substitute(kwargs, link))
+        # the RNG devices from the tensors received, not from the placeholders (rng.py)
+        super().__init__(step, module, _substitute(args, link), _substitute(kwargs, link),
+                         tensor_leaves((args, kwargs)))
         self.links = list(links.values())
         for lk in self.links:
             lk.record.linkers += 1
@@ -476,13 +473,16 @@ class OutputSlot(_Counted):
     the call, before it returned, holds its tensor (uncounted: the call's output is alive
     anyway) until the call returns and it is found to be the output's storage."""
 
-    __slots__ = ("record", "tensor", "geometry")
+    __slots__ = ("record", "tensor", "geometry", "original")
 
-    def __init__(self, record: Output, t: torch.Tensor) -> None:
+    def __init__(self, record: Output, t: torch.Tensor, seq: int = -1) -> None:
+        """``seq``: the save's place in the step (for the check's reports)."""
         super().__init__(record.step.bytes)
         self.record: Output | None = record
         self.tensor: torch.Tensor | None = None
         self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        check = record.step.check  # the save as it was, to compare (Note [Recompute check] in check.py)
+        self.original = (check.original(t), seq) if check is not None else None
         record.pending += 1
         if record.inside is not None:
             self.tensor = t
@@ -510,6 +510,9 @@ class OutputSlot(_Counted):
             self.tensor = base if (tuple(base.shape), tuple(base.stride()), base.storage_offset()) == self.geometry \
                 else base.as_strided(shape, stride, offset)
             self.count(self.tensor)
+            if self.original is not None:
+                (original, seq), self.original = self.original, None
+                record.step.compare(original, self.tensor, "output", record.module, record.key, seq)
             record.pending -= 1
             if record.pending <= 0:
                 record.finish()
@@ -535,6 +538,7 @@ class PlannedStep:
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
         self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
+        self.check: RecomputeCheck | None = session._check  # Note [Recompute check] in check.py
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
@@ -542,6 +546,14 @@ class PlannedStep:
         self._outputs: dict[tuple[int, int], Output] = {}
         self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
         self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
+
+    def compare(self, original: Original, got: torch.Tensor, kind: str, module: torch.nn.Module,
+                key: tuple[int, int], seq: int) -> None:
+        """Debug mode: a regenerated save (the ``seq``-th of the step) against the one dropped
+        (Note [Recompute check] in check.py)."""
+        assert self.check is not None
+        self.check.compare(original, got, step=int(self.session._stats["steps_total"]), kind=kind,
+                           module=type(module).__name__, call=key[1], save=seq)
 
     def close(self) -> None:
         """At the step's end: forgets the records, so that no reference cycle (record -> step ->
@@ -630,7 +642,7 @@ class PlannedStep:
             if record is not None and (record.inside is not None or record.out_ref is not None
                                        and record.out_ref() is not None and storage_key(t) == record.out_key):
                 self._count_drop(t)
-                return OutputSlot(record, t)
+                return OutputSlot(record, t, seq)
             self._diverge()
         kept: Any = KeptSave(self.bytes, t) if is_activation(t) else t
         region = self._regions[-1] if self._regions else None

@@ -32,7 +32,7 @@ class SavedActivation:
 
     __slots__ = ("session", "tensor", "state", "nbytes", "dtype", "device", "shape", "stride",
                  "span", "evictable", "producer", "last_use", "seq", "host", "pending", "ready",
-                 "pos", "__weakref__")
+                 "pos", "original", "__weakref__")
 
     def __init__(self, session: "ActivationOffload", t: torch.Tensor, seq: int) -> None:
         self.session = session
@@ -51,6 +51,7 @@ class SavedActivation:
         self.host: torch.Tensor | None = None
         self.pending: Copy | None = None  # the swap-out copy, while it may be in flight (CUDA)
         self.ready: Any = None  # event the compute stream waits on before use (CUDA swap-in)
+        self.original: Any = None  # check.Original while dropped, with the session's check on
         self.evictable = (
             t.layout == torch.strided
             and type(t) in (torch.Tensor, torch.nn.Parameter)

@@ -34,6 +34,7 @@ import torch
 from ..core import add_stats_source
 from . import cost, refills
 from .args import TensorMap
+from .check import RecomputeCheck, enabled_by_environment as check_env
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
 from .plan import OUTPUT, Plan, PlanSearch, Profile
 from .regions import IdleStep, PlannedStep
@@ -98,7 +99,8 @@ class ActivationOffload:
 
     def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
                  *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
-                 pressure_callback: bool = True, policy: str = "plan", selective: bool = False) -> None:
+                 pressure_callback: bool = True, policy: str = "plan", selective: bool = False,
+                 check: bool | None = None) -> None:
         if isinstance(budget, str):
             from ..core import parse_size
 
@@ -118,6 +120,8 @@ class ActivationOffload:
         self.pressure_callback = pressure_callback
         self.selective = selective  # plans may hold selective regions (Note [Selective re-runs] in ops.py)
         self._cuda = torch.cuda.is_available()
+        # debug: compare every recomputed tensor with the one dropped (Note [Recompute check])
+        self._check = RecomputeCheck() if (check_env() if check is None else check) else None
         # pyalloc.free_neighbours when pyalloc is the CUDA allocator (Note [Free neighbours]).
         self._free_neighbours: cost.NeighbourQuery | None = cost.neighbour_query(self._cuda)
         self._host = HostSwap(pin=self._cuda)
@@ -157,6 +161,7 @@ class ActivationOffload:
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
+            "recompute_checked_total", "recompute_mismatches_total",
             *(f"{kind}_refills_total" for kind in refills.KINDS))}
 
     # -- per-step state --------------------------------------------------------------------
@@ -381,6 +386,9 @@ class ActivationOffload:
         budget.
         """
         st = self._stats
+        if self._check is not None:
+            st["recompute_checked_total"] = self._check.checked
+            st["recompute_mismatches_total"] = self._check.mismatched
         out = dict(st)
         plan = self._plan
         search = self._search
@@ -401,6 +409,12 @@ class ActivationOffload:
                    host_pool_reserved_bytes=self.pool.reserved_bytes,
                    host_pool_reuses_total=self.pool.reuses)
         return dict(sorted(out.items()))
+
+    def recompute_mismatches(self) -> list[dict[str, Any]]:
+        """With ``check=True`` (or ``$PYALLOC_OFFLOAD_CHECK=1``): the first recomputed tensors that
+        were not the dropped ones bit for bit, or not laid out as they were (Note [Recompute
+        check] in check.py). Empty when the check is off."""
+        return list(self._check.mismatches) if self._check is not None else []
 
     def _note_peak(self) -> None:
         st = self._stats
@@ -609,6 +623,8 @@ class ActivationOffload:
         st["swap_seconds_total"] += time.perf_counter() - t0
 
     def _drop(self, h: SavedActivation) -> None:
+        if self._check is not None and h.tensor is not None:
+            h.original = self._check.original(h.tensor)
         h.state = DROPPED
         self._leave_resident(h)
         self._stats["drops_total"] += 1
@@ -629,6 +645,10 @@ class ActivationOffload:
                                    f"(shape {h.shape}, stride {h.stride})")
             self._make_resident(h, t.detach())
             self._stats["recomputed_tensors_total"] += 1
+            if self._check is not None:
+                original, h.original = h.original, None
+                self._check.compare(original, t, step=int(self._stats["steps_total"]), kind="dtr",
+                                    module=call.name, call=-1, save=h.seq)
 
     def _resolve(self, ref: Any, depth: int) -> Any:
         if isinstance(ref, Kept):

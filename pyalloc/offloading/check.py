@@ -1,0 +1,110 @@
+"""A debug mode: every recomputed tensor compared with the one that was dropped.
+
+Note [Recompute check]
+    The promise is that a dropped save comes back bit for bit. Gradients that differ say only that
+    something did not; this mode says which. With ``pyalloc.offload(check=True)`` or
+    ``$PYALLOC_OFFLOAD_CHECK=1`` (read when a session is made, so it reaches ``pyalloc run
+    --offload``), each save the session drops is copied to host memory first, and when it is
+    regenerated (a region's re-run, an output call's re-run or refill, a DTR replay) the new tensor
+    is compared with the copy: values bit for bit, and layout (shape, strides, storage offset,
+    dtype). A report also gives both data pointers' alignment (the largest power of two up to 256
+    bytes that divides it: the figure PyTorch gives cuBLASLt's heuristics, and vectorised kernels
+    choose by it), but alignment alone is no mismatch: a fresh allocation's is the allocator's
+    choice (on the CPU, 64 bytes or any multiple).
+    ``session.recompute_mismatches()`` lists the first ``MAX_REPORTS``, each with the step, the
+    module (or operator) re-run, the save's index and both geometries;
+    ``recompute_checked_total`` and ``recompute_mismatches_total`` count them all.
+
+    Costs: a host copy of every dropped save (on CUDA a synchronising device-to-host copy at each
+    drop and each refill), so the memory a plan frees is spent on the host instead. Debugging only;
+    the numbers the model computes are unchanged (the copies read, nothing else).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ALIGNMENT", "CHECK_ENV", "alignment", "geometry", "MAX_REPORTS", "Original", "RecomputeCheck", "enabled_by_environment"]
+
+CHECK_ENV = "PYALLOC_OFFLOAD_CHECK"
+MAX_REPORTS = 20
+"""Mismatches described in full; the rest are only counted."""
+
+ALIGNMENT = 256
+"""The largest alignment class reported, in bytes (the largest PyTorch tells cuBLASLt)."""
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def alignment(address: int) -> int:
+    """The largest power of two up to ``ALIGNMENT`` that divides ``address`` (bytes)."""
+    return min(ALIGNMENT, address & -address) if address else ALIGNMENT
+
+
+def geometry(t: torch.Tensor) -> dict[str, Any]:
+    return {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
+            "dtype": str(t.dtype), "device": str(t.device), "alignment": alignment(t.data_ptr())}
+
+
+@dataclass
+class Original:
+    """A dropped save as it was: a host copy of its values and its geometry."""
+
+    values: torch.Tensor
+    geometry: dict[str, Any]
+
+
+def _layout(g: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in g.items() if k != "alignment"}
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+    return torch.equal(a, b)
+
+
+class RecomputeCheck:
+    """The session's record of recomputed tensors compared; see Note [Recompute check]."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+        self.mismatched = 0
+        self.mismatches: list[dict[str, Any]] = []
+
+    @staticmethod
+    def original(t: torch.Tensor) -> Original:
+        t = t.detach()
+        return Original(t.to("cpu", copy=True), geometry(t))
+
+    def compare(self, original: Original | None, got: torch.Tensor, **where: Any) -> bool:
+        """Compares ``got`` with ``original``; a mismatch is recorded with ``where`` (what was
+        re-run: step, kind, module, index). True when equal in values and layout."""
+        if original is None:
+            return True
+        self.checked += 1
+        values = got.detach().to("cpu", copy=True)
+        same_values = _same_values(original.values, values)
+        now = geometry(got)
+        if same_values and _layout(now) == _layout(original.geometry):
+            return True
+        self.mismatched += 1
+        if len(self.mismatches) < MAX_REPORTS:
+            report: dict[str, Any] = {**where, "original": original.geometry, "recomputed": now,
+                                      "values_equal": same_values}
+            if not same_values and values.shape == original.values.shape and not values.is_complex() \
+                    and values.numel() > 0:
+                a, b = original.values.double(), values.double()
+                differ = (a != b) & ~(a.isnan() & b.isnan())
+                report["elements_differing"] = int(differ.sum().item())
+                report["max_abs_difference"] = float((a - b).abs().nan_to_num(0.0).max().item())
+            self.mismatches.append(report)
+        return False

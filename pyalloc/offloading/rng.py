@@ -1,0 +1,67 @@
+"""The generator states a re-run replays, so that it draws what the original call drew.
+
+Note [Generator states]
+    A re-run (a module call in backward, a DTR replay) must draw the random numbers the original
+    call drew: a dropout's mask above all. Its state is taken before the call and put back for the
+    re-run; afterwards the generators are set back to where they were, so the re-run draws nothing
+    from the program's stream. Which generators: the CPU one always, and the CUDA generator of
+    every device the call may draw on, which is each device of the tensors the call *received*,
+    and the current device (a call may draw on it without a CUDA argument:
+    ``torch.rand(n, device="cuda")``, or a module that makes its own noise).
+
+    *Received*: a planned output call whose input is regenerated through another planned call
+    holds a placeholder instead of that input (regions.py, ``_Link``). Until 2026-11-27 the
+    devices were read from the arguments after that substitution, so a dropout whose input was
+    regenerated (Linear -> GELU -> Dropout, each an output the plan drops) took no CUDA state at
+    all, and its re-run in backward drew a new mask from wherever the generator stood. On the CPU
+    nothing showed, since the CPU state is always taken: the H200 run's
+    ``tests/gpu/test_offload_cuda.py`` did (only the gradients that depend on the dropout's
+    output, or on what the plan regenerated from it, differed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+
+__all__ = ["CudaStates", "cuda_devices", "cuda_states", "replayed"]
+
+CudaStates = tuple[tuple[int, torch.Tensor], ...]
+"""(device index, ``torch.cuda.get_rng_state(device)``) for each device, in index order."""
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The CUDA devices a call on ``tensors`` may draw on: theirs and, once CUDA is initialised,
+    the current one (Note [Generator states]). Initialises nothing."""
+    devices = {t.device.index or 0 for t in tensors if t.is_cuda}
+    if torch.cuda.is_initialized():
+        devices.add(torch.cuda.current_device())
+    return sorted(devices)
+
+
+def cuda_states(tensors: Iterable[torch.Tensor], cuda: bool) -> CudaStates:
+    """The CUDA generators' states for a call on ``tensors``; empty when ``cuda`` is off (no CUDA
+    in this process)."""
+    if not cuda:
+        return ()
+    return tuple((d, torch.cuda.get_rng_state(d)) for d in cuda_devices(tensors))
+
+
+@contextlib.contextmanager
+def replayed(cpu: torch.Tensor | None, cuda: CudaStates) -> Iterator[None]:
+    """Sets the CPU generator to ``cpu`` (unless None) and each CUDA one to its state in ``cuda``
+    for the block, then back to where they stood before it."""
+    cpu_now = torch.get_rng_state()
+    cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in cuda]
+    try:
+        if cpu is not None:
+            torch.set_rng_state(cpu)
+        for d, state in cuda:
+            torch.cuda.set_rng_state(state, d)
+        yield
+    finally:
+        torch.set_rng_state(cpu_now)
+        for d, state in cuda_now:
+            torch.cuda.set_rng_state(state, d)
