@@ -306,16 +306,19 @@ class CudaBackend final : public Backend {
     });
   }
 
-  void unmap(int device, uintptr_t va, size_t size) override { unmap_range(device, va, size, size); }
+  void unmap(int device, uintptr_t va, size_t size) override {
+    const PhysHandle whole{0, size};  // unmap_chunks reads sizes only
+    unmap_range(device, va, &whole, 1);
+  }
 
-  void unmap_range(int device, uintptr_t va, size_t size, size_t each) override {
+  void unmap_range(int device, uintptr_t va, const PhysHandle* handles, size_t n) override {
     // cuMemUnmap does not wait for queued work, and a kernel still using
     // the range would fault; block frees are stream ordered, so such work
     // may exist. Wait for the device first, as segment_free does (PyTorch's
     // expandable segments likewise synchronize before unmapping): once for
     // the whole range, which may hold many granules.
     call_void(device, "cuCtxSynchronize", [&] { return api_.cuCtxSynchronize(); });
-    call_void(device, "cuMemUnmap", [&] { return unmap_chunks(api_, va, size, each).result; });
+    call_void(device, "cuMemUnmap", [&] { return unmap_chunks(api_, va, handles, n).result; });
   }
 
   // ---- events and streams --------------------------------------------------------

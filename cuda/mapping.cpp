@@ -39,11 +39,12 @@ DriverCall map_chunks(const DriverApi& api, CUdevice device, uintptr_t va, const
   return result;
 }
 
-DriverCall unmap_chunks(const DriverApi& api, uintptr_t va, size_t size, size_t each) {
+DriverCall unmap_chunks(const DriverApi& api, uintptr_t va, const PhysHandle* handles, size_t n) {
   DriverCall first{};
-  for (size_t off = 0; off < size; off += each) {
-    const CUresult rc = api.cuMemUnmap(va + off, std::min(each, size - off));
+  for (size_t i = 0; i < n; ++i) {
+    const CUresult rc = api.cuMemUnmap(va, handles[i].size);
     if (rc != CUDA_SUCCESS && first.ok()) first = {rc, "cuMemUnmap"};
+    va += handles[i].size;
   }
   return first;
 }

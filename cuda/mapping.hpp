@@ -23,10 +23,10 @@ namespace cuda_backend {
 // there: all of them, or none (what was mapped is unmapped again).
 DriverCall map_chunks(const DriverApi& api, cuda_driver::CUdevice device, uintptr_t va, const PhysHandle* handles,
                       size_t n);
-// Unmaps [va, va+size), mappings of `each` bytes laid end to end (cuMemUnmap
-// takes one mapping whole): every one tried, the first failure returned. The
-// caller waits for queued work first.
-DriverCall unmap_chunks(const DriverApi& api, uintptr_t va, size_t size, size_t each);
+// Unmaps what map_chunks(api, device, va, handles, n) mapped, mapping by
+// mapping (cuMemUnmap cannot unmap a part of one): every one tried, the first
+// failure returned. The caller waits for queued work first.
+DriverCall unmap_chunks(const DriverApi& api, uintptr_t va, const PhysHandle* handles, size_t n);
 
 }  // namespace cuda_backend
 }  // namespace pyalloc

@@ -597,38 +597,49 @@ def test_virtual_memory_on_the_fake_driver_keeps_every_byte_near_a_full_device(f
 
 
 # One growth of an arena by many granules, and their release: what the driver is asked
-# (Note [Backend time]). Each granule is its own cuMemCreate and cuMemMap (a granule must
-# be able to go back alone), but access is granted to the whole range at once, and the
-# device is synchronized once per range unmapped, not once per granule.
+# (Note [Backend time], Note [Extents]). The request's memory comes in extents of the largest
+# power of two of granules that is at most a sixteenth of it (up to `extent`), each one
+# cuMemCreate and one cuMemMap; access is granted to the whole range at once, and the device is
+# synchronized once per range unmapped, not once per chunk.
 _GROWTH_CALLS = _FAKE + """
-pyalloc.configure("backend=cuda,vmm=shared,oom_report=0")
-
-
 def counts():
     return {k: int(fake.fake_cuda_get(k.encode())) for k in ("map", "set_access", "unmap", "synchronize")}
 
 
-before = counts()
-p = pyalloc.malloc(64 * MiB)
-grown = counts()
-pyalloc.free(p, 64 * MiB)
-pyalloc.empty_cache()
-released = counts()
-stats = pyalloc.memory_stats(0)
-emit({"grown": {k: grown[k] - before[k] for k in before}, "released": {k: released[k] - grown[k] for k in before},
-      "calls": stats["backend_memory_calls"], "ns": stats["backend_memory_ns"],
-      "reserved_after": stats["reserved_bytes.all.current"], "misuse": fake.fake_cuda_misuse_report().decode()})
+out = {}
+for extent, size in (("2MiB", 64 * MiB), ("32MiB", 64 * MiB), ("32MiB", 1024 * MiB)):
+    pyalloc.configure("backend=cuda,vmm=shared,oom_report=0,extent=" + extent)
+    pyalloc.reset_accumulated_memory_stats(0)
+    before = counts()
+    p = pyalloc.malloc(size)
+    grown = counts()
+    pyalloc.free(p, size)
+    pyalloc.empty_cache()
+    released = counts()
+    stats = pyalloc.memory_stats(0)
+    out[f"{extent} {size // MiB}"] = {
+        "grown": {k: grown[k] - before[k] for k in before}, "released": {k: released[k] - grown[k] for k in before},
+        "calls": stats["backend_memory_calls"], "ns": stats["backend_memory_ns"],
+        "reserved_after": stats["reserved_bytes.all.current"]}
+out["misuse"] = fake.fake_cuda_misuse_report().decode()
+emit(out)
 """
 
 
-def test_an_arenas_growth_grants_access_once_and_its_release_synchronizes_once(fake_driver: Path) -> None:
-    r = _run_python(_GROWTH_CALLS, {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_CAPACITY_MIB": "256"})
+@pytest.mark.parametrize("case, chunks", [("2MiB 64", 32), ("32MiB 64", 16), ("32MiB 1024", 32)],
+                         ids=["granules", "4MiB-extents", "32MiB-extents"])
+def test_an_arenas_growth_maps_few_chunks_grants_access_once_and_synchronizes_once(
+        fake_driver: Path, case: str, chunks: int) -> None:
+    """extent=2MiB maps 64 MiB granule by granule (32); by default a 64 MiB request gets
+    extents of 4 MiB (16) and one of 1 GiB extents of 32 MiB (32)."""
+    r = _run_python(_GROWTH_CALLS, {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_CAPACITY_MIB": "1536"})
     assert r["misuse"] == ""
-    assert r["grown"]["map"] == 32 and r["grown"]["set_access"] == 1, r["grown"]  # 64 MiB: 32 granules
-    assert r["released"]["unmap"] == 32 and r["released"]["synchronize"] == 1, r["released"]
-    assert r["reserved_after"] == 0
-    # Every backend call was metered: reserve, 32 creates, one map_range, one unmap_range, 32 releases.
-    assert r["calls"] >= 1 + 32 + 1 + 1 + 32 and r["ns"] > 0
+    c = r[case]
+    assert c["grown"]["map"] == chunks and c["grown"]["set_access"] == 1, c["grown"]
+    assert c["released"]["unmap"] == chunks and c["released"]["synchronize"] == 1, c["released"]
+    assert c["reserved_after"] == 0
+    # Every backend call was metered: a create, a release per chunk, one map_range, one unmap_range.
+    assert c["calls"] >= chunks + 1 + 1 + chunks and c["ns"] > 0
 
 
 # A growth whose map fails part-way (the 5th of 32 cuMemMap), or whose access grant fails, leaves

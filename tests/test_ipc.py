@@ -120,8 +120,8 @@ def test_a_handle_from_a_process_that_is_gone_is_a_clear_error(fresh: Callable[[
     # Rewrite the exporter's pid to one that has exited.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    header = 40  # then the part's length (4 bytes), the exporter's pid (4) and descriptor (4)
-    forged = handle[:header + 4] + int(dead).to_bytes(4, "little") + handle[header + 8:]
+    at = 40 + 8 + 4  # the header, the chunk's size (8 bytes) and its part's length (4); then pid (4), descriptor (4)
+    forged = handle[:at] + int(dead).to_bytes(4, "little") + handle[at + 4:]
     with pytest.raises(pyalloc.PyallocError, match=f"cannot take descriptor .* of process {dead}"):
         pyalloc.ipc_import(forged)
     pyalloc.check(0)

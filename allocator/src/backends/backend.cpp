@@ -38,9 +38,11 @@ Status Backend::map_range(int device, uintptr_t va, const PhysHandle* handles, s
   return Status::success();
 }
 
-void Backend::unmap_range(int device, uintptr_t va, size_t size, size_t each) {
-  assert(each > 0 && size % each == 0);
-  for (size_t off = 0; off < size; off += each) unmap(device, va + off, each);
+void Backend::unmap_range(int device, uintptr_t va, const PhysHandle* handles, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    unmap(device, va, handles[i].size);
+    va += handles[i].size;
+  }
 }
 
 Status Backend::segment_export(int, uintptr_t, size_t, std::string*) { return cannot_share(*this); }

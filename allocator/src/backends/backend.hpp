@@ -84,10 +84,10 @@ class Backend {
   virtual Status map_range(int device, uintptr_t va, const PhysHandle* handles, size_t n);
   // Unmaps [va, va+size), one whole mapping; the reservation stays.
   virtual void unmap(int device, uintptr_t va, size_t size) = 0;
-  // Unmaps [va, va+size), mappings of `each` bytes laid end to end (`each`
-  // > 0 divides `size`). The default unmaps one at a time; cuda waits for
-  // queued work once for all.
-  virtual void unmap_range(int device, uintptr_t va, size_t size, size_t each);
+  // Unmaps what map_range(device, va, handles, n) mapped: mappings of
+  // handles[i].size bytes laid end to end from `va`. The default unmaps one
+  // at a time; cuda waits for queued work once for all.
+  virtual void unmap_range(int device, uintptr_t va, const PhysHandle* handles, size_t n);
 
   // ---- events and streams ----------------------------------------------------
   // Records an event capturing the work queued on `stream` so far.

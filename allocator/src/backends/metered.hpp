@@ -89,8 +89,8 @@ class MeteredBackend final : public Backend {
   void unmap(int device, uintptr_t va, size_t size) override {
     timed_memory(device, [&] { inner_->unmap(device, va, size); });
   }
-  void unmap_range(int device, uintptr_t va, size_t size, size_t each) override {
-    timed_memory(device, [&] { inner_->unmap_range(device, va, size, each); });
+  void unmap_range(int device, uintptr_t va, const PhysHandle* handles, size_t n) override {
+    timed_memory(device, [&] { inner_->unmap_range(device, va, handles, n); });
   }
 
   Status event_record(int device, StreamId stream, EventHandle* event) override {

@@ -101,6 +101,18 @@ Block* block_near_holes(const Segment* arena, uintptr_t addr) {
   return b;
 }
 
+// The part of [lo, hi) that whole chunks cover.
+bool whole_chunks(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t g, uintptr_t* a, uintptr_t* z) {
+  const uintptr_t base = arena->base;
+  const size_t first = (lo - base) / g;
+  const size_t start = extent_start(arena, first, g);
+  *a = start == first ? lo : base + start * g + arena->phys[start].size;
+  const size_t last = (hi - base) / g - 1;
+  *z = base + extent_start(arena, last, g) * g;
+  if (*z + arena->phys[(*z - base) / g].size == hi) *z = hi;  // the last chunk ends at hi
+  return *a < *z;
+}
+
 // The granule-aligned interior of a free block of an arena: [*lo, *hi).
 bool free_interior(const Block* b, size_t granule, uintptr_t* lo, uintptr_t* hi) {
   const uintptr_t base = b->segment->base;
@@ -115,7 +127,8 @@ bool free_interior(const Block* b, size_t granule, uintptr_t* lo, uintptr_t* hi)
 // maps the free end of a granule in use and whose last maps the free start of
 // another, either one, or neither: the choice that needs the fewest granules
 // of its own (SharePlan::fresh). Not found when nothing can be shared. The
-// arena's sliver index must be on (Note [Sliver index]).
+// arena's sliver index must be on (Note [Sliver index]). Only a granule that
+// is a chunk of its own can be mapped a second time (Note [Extents]).
 //
 // Starting `o` bytes into a granule, the request spans one granule more once
 // o passes g - (rounded % g), and its last bytes need a free start of
@@ -151,7 +164,7 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
       for (Block* b = slivers.first(SliverIndex::kStart, tail); b != nullptr;
            b = slivers.next(SliverIndex::kStart, b)) {
         const size_t slot = (end_of(b) - base) / g;
-        if (slot == front) continue;  // one granule cannot be both
+        if (slot == front || arena->phys[slot].size != g) continue;  // one granule cannot be both; Note [Extents]
         c.back = slot;
         c.back_own = (end_of(b) - base) % g;
         c.back_block = b;
@@ -168,7 +181,9 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
   size_t tried = 0;
   for (Block* b = slivers.first(SliverIndex::kEnd, 1); b != nullptr && tried < kFrontsTried;
        b = slivers.next(SliverIndex::kEnd, b)) {
-    consider(b, (b->addr - base) / g, (b->addr - base) % g);
+    const size_t slot = (b->addr - base) / g;
+    if (arena->phys[slot].size != g) continue;  // a granule of an extent maps only with it (Note [Extents])
+    consider(b, slot, (b->addr - base) % g);
     ++tried;
   }
   if (best.front == SharePlan::kNone && best.back == SharePlan::kNone) return SharePlan{};

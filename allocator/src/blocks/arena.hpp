@@ -41,6 +41,23 @@ PYALLOC_INLINE size_t granule_offset(const Block* block, size_t rounded, size_t 
 // less the ones at the block's ends that live blocks use already.
 size_t granules_taken(const Block* block, size_t rounded, size_t g);
 
+// The first granule of the physical chunk mapped at granule `slot` of
+// `arena` (mapped): `slot` itself, unless the chunk is an extent of several
+// granules (Note [Extents] in device/arena.cpp), each of which holds its
+// handle in phys[]. Twins are single granules, and no two live chunks share
+// a handle, so the walk back stops at the extent's first granule.
+inline size_t extent_start(const Segment* arena, size_t slot, size_t g) {
+  const PhysHandle h = arena->phys[slot];
+  if (h.size <= g) return slot;
+  while (slot > 0 && arena->phys[slot - 1].value == h.value) --slot;
+  return slot;
+}
+
+// The part of [lo, hi) (granule-aligned, mapped) that whole chunks cover:
+// [*a, *z), where a chunk that reaches past either end is left out; false
+// when that is empty.
+bool whole_chunks(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t g, uintptr_t* a, uintptr_t* z);
+
 // The block of `segment` (plain or arena) that holds `addr`, which must lie
 // inside the segment: a walk from its first block.
 Block* block_at(const Segment* segment, uintptr_t addr);

@@ -31,7 +31,7 @@
 //   lent         the part of a twin that the other twin uses: mapped here,
 //                but never handed out or cached here.
 //
-// Invariants (pyalloc_check: I1..I9 and I13 by observe/check.cpp's walk,
+// Invariants (pyalloc_check: I1..I9, I13 and I16 by observe/check.cpp's walk,
 // I10..I12, I14 and I15 by the device allocator beside it, device/reports.cpp)
 //   I1  the blocks of a segment tile it: first.addr == base,
 //       b.next.addr == b.addr + b.size, sum(b.size) == segment.size
@@ -75,6 +75,9 @@
 //       under way, and every call is diverted from the fast path  <=>  one is;
 //       no driver call that breaks a capture (a release, an unmap, an event
 //       recorded, queried or synchronized) was ever made during one
+//   I16 in an arena, a physical chunk of k granules (an extent when k > 1:
+//       Note [Extents] in device/arena.cpp) is mapped whole over k granules,
+//       each of which records it in phys[]; no granule of an extent is a twin
 #pragma once
 
 #include <cstddef>
@@ -184,7 +187,8 @@ struct Segment {
   Block* head = nullptr;    // lowest-addressed block
   uint64_t id = 0;          // creation order
   // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
-  // not mapped); `mapped` counts the bytes of backed granules.
+  // not mapped), a chunk of one granule or more (I16); `mapped` counts the
+  // bytes of backed granules.
   // twins[i].other == j and twins[j].other == i when granules i and j map
   // the same physical granule (Note [Shared granules] in device/share.cpp),
   // in granule order; `doubled` counts one granule per such pair.

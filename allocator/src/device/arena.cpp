@@ -140,6 +140,8 @@ namespace pyalloc {
 namespace {
 // An arena's address space, in device sizes (Note [Reuse before growing]).
 constexpr size_t kArenaSpan = 8;
+// An extent is at most this fraction of the request it is made for (Note [Extents]).
+constexpr size_t kExtentShare = 16;
 }  // namespace
 
 size_t DeviceAllocator::granule() {
@@ -255,25 +257,22 @@ Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
 
 // ---- mapping and unmapping -------------------------------------------------------
 
-// Maps the last (hi - lo) / granule handles of `handles`, in their order,
-// over the granule-aligned range [lo, hi) of `hole`, which becomes free and
+// Maps handles[0..n), whose sizes add up to hi - lo, end to end over the
+// granule-aligned range [lo, hi) of `hole`, which becomes free and
 // coalesces. Returns the free block now holding [lo, hi), or nullptr when the
-// map failed (the hole and `handles` stay as they were).
-Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles) {
+// map failed (the hole as it was; the handles are still the caller's).
+Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, const PhysHandle* handles, size_t n) {
   Segment* arena = hole->segment;
   const size_t g = granule_;
-  // The granules of [lo, hi) in one backend call, all or none (Note
-  // [Backend time]). grow_arena gathered a handle for every granule of its
-  // window's holes.
-  const size_t n = (hi - lo) / g;
-  assert(n > 0 && handles->size() >= n);
-  const PhysHandle* range = handles->data() + (handles->size() - n);
-  if (!succeeded(backend_->map_range(device_, lo, range, n))) return nullptr;
+  // The chunks of [lo, hi) in one backend call, all or none (Note [Backend time]).
+  if (!succeeded(backend_->map_range(device_, lo, handles, n))) return nullptr;
+  uintptr_t va = lo;
   for (size_t i = 0; i < n; ++i) {
-    arena->phys[(lo - arena->base) / g + i] = range[i];
-    trace_.record(TraceAction::kSegmentMap, lo + i * g, g, arena->stream);
+    for (size_t k = 0; k < handles[i].size / g; ++k) arena->phys[(va - arena->base) / g + k] = handles[i];
+    trace_.record(TraceAction::kSegmentMap, va, handles[i].size, arena->stream);
+    va += handles[i].size;
   }
-  handles->resize(handles->size() - n);
+  assert(va == hi);
   arena->mapped += hi - lo;
   stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(hi - lo));
   // Carve [lo, hi) out of the hole as a free block; what lies before and
@@ -291,26 +290,26 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::
   return merged;
 }
 
-// Unmaps the granule-aligned range [lo, hi) of the free block `block`
-// (which must be in its free set); the handles go to `keep`, or back to the
-// backend when `keep` is null. The arena's stream must be synchronized.
-void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep) {
+// Unmaps [lo, hi), whole chunks (whole_chunks) of the free block `block`
+// (which must be in its free set), and gives them back to the backend. The
+// arena's stream must be synchronized.
+void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi) {
   Segment* arena = block->segment;
   const size_t g = granule_;
   Block* middle = carve_free(block, lo, hi);
-  breaks_capture();
-  backend_->unmap_range(device_, lo, hi - lo, g);  // one call (Note [Backend time])
-  for (uintptr_t va = lo; va < hi; va += g) {
-    PhysHandle& slot = arena->phys[(va - arena->base) / g];
-    trace_.record(TraceAction::kSegmentUnmap, va, g, arena->stream);
-    if (keep != nullptr) {
-      keep->push_back(slot);
-    } else {
-      backend_->phys_release(device_, slot);
-      ++stats_.num_device_free;
-    }
-    slot = PhysHandle{};
+  std::vector<PhysHandle>& chunks = chunks_;  // capacity kept between calls
+  chunks.clear();
+  for (uintptr_t va = lo; va < hi; va += chunks.back().size) {
+    assert(extent_start(arena, (va - arena->base) / g, g) == (va - arena->base) / g);
+    chunks.push_back(arena->phys[(va - arena->base) / g]);
   }
+  breaks_capture();
+  backend_->unmap_range(device_, lo, chunks.data(), chunks.size());  // one call (Note [Backend time])
+  for (uintptr_t va = lo; va < hi; va += g) {
+    arena->phys[(va - arena->base) / g] = PhysHandle{};
+    trace_.record(TraceAction::kSegmentUnmap, va, g, arena->stream);
+  }
+  release_chunks(chunks);
   arena->mapped -= hi - lo;
   stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(hi - lo));
   middle->state = BlockState::kHole;
@@ -329,25 +328,34 @@ bool DeviceAllocator::synchronize_stream(const Segment* arena) {
   return true;
 }
 
-// Unmaps up to `wanted` granules wholly inside free blocks of any arena,
-// lowest first, except blocks overlapping [skip_lo, skip_hi); the handles go
-// to `keep` (or back to the backend when null). Returns the granules
-// unmapped. An arena's sliver index, when on, lists those blocks (roomy);
-// else its blocks are walked.
-size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi,
-                                            std::vector<PhysHandle>* keep) {
+// The end of the shortest run of whole chunks from `lo` (a chunk's start)
+// that holds `granules` granules, or `hi` when [lo, hi) holds fewer.
+uintptr_t DeviceAllocator::chunks_holding(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t granules) const {
+  uintptr_t z = lo;
+  while (z < hi && (z - lo) / granule_ < granules) z += arena->phys[(z - arena->base) / granule_].size;
+  return z;
+}
+
+// Gives back to the backend at least `wanted` granules (when there are so
+// many) wholly inside free blocks of any arena, lowest first, in whole chunks,
+// except blocks overlapping [skip_lo, skip_hi). Returns the granules given
+// back. An arena's sliver index, when on, lists those blocks (roomy); else
+// its blocks are walked.
+size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi) {
   size_t done = 0;
   for_each_arena([&](Segment* arena) {
     if (!arena->twins.empty() && !untwin_free(arena, skip_lo, skip_hi)) return;
     bool synchronized = false;
-    // Unmaps what it can of the granules inside free block b, which holds
-    // [lo, hi); false when the stream cannot be synchronized. b may be gone
-    // after.
+    // Unmaps what it needs of the whole chunks inside free block b's
+    // granule-aligned interior [lo, hi); false when the stream cannot be
+    // synchronized. b may be gone after.
     auto unmap_from = [&](Block* b, uintptr_t lo, uintptr_t hi) {
+      uintptr_t a, z;
+      if (!whole_chunks(arena, lo, hi, granule_, &a, &z)) return true;
       if (!synchronized && !(synchronized = synchronize_stream(arena))) return false;
-      const size_t n = std::min((hi - lo) / granule_, wanted - done);
-      done += n;
-      unmap_free_range(b, lo, lo + n * granule_, keep);
+      z = chunks_holding(arena, a, z, wanted - done);
+      done += (z - a) / granule_;
+      unmap_free_range(b, a, z);
       return true;
     };
     uintptr_t lo, hi;
@@ -366,29 +374,43 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
       if (!b->is_free() || !free_interior(b, granule_, &lo, &hi)) continue;
       if (b->addr < skip_hi && end_of(b) > skip_lo) continue;
       Block* before = b->prev;
+      const size_t was = done;
       if (!unmap_from(b, lo, hi)) return;
-      b = before != nullptr ? before : arena->head;  // b may be gone: go on from what precedes the hole
+      if (done != was) b = before != nullptr ? before : arena->head;  // b may be gone: go on from what precedes it
     }
   });
   return done;
 }
 
-// Appends up to `n` new granules from the backend to `handles`, within the
-// reserved limit.
-void DeviceAllocator::new_granules(size_t n, std::vector<PhysHandle>* handles) {
-  const size_t g = granule_;
-  const size_t limit = reserved_limit();
+// Granules the allocator may still reserve: before its limit, and before
+// the device's memory is all reserved (the backend may run out sooner: the
+// memory of other processes).
+size_t DeviceAllocator::reservable_granules() {
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  const size_t total = device_total();
+  const size_t limit = std::min(reserved_limit(), total != 0 ? total : SIZE_MAX);
+  return reserved < limit ? (limit - reserved) / granule_ : 0;
+}
+
+// Appends `n` new single granules from the backend to `handles`: all, or
+// none (false).
+bool DeviceAllocator::new_granules(size_t n, std::vector<PhysHandle>* handles) {
+  const size_t before = handles->size();
   for (size_t made = 0; made < n; ++made) {
-    const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + made * g;
-    if (reserved > limit || limit - reserved < g) break;
     PhysHandle h;
-    if (!succeeded(backend_->phys_create(device_, g, &h))) break;
+    if (!succeeded(backend_->phys_create(device_, granule_, &h))) {
+      std::vector<PhysHandle> made_here(handles->begin() + static_cast<std::ptrdiff_t>(before), handles->end());
+      release_chunks(made_here);
+      handles->resize(before);
+      return false;
+    }
     ++stats_.num_device_alloc;
     handles->push_back(h);
   }
+  return true;
 }
 
-void DeviceAllocator::release_granules(const std::vector<PhysHandle>& handles) {
+void DeviceAllocator::release_chunks(const std::vector<PhysHandle>& handles) {
   for (const PhysHandle& h : handles) {
     backend_->phys_release(device_, h);
     ++stats_.num_device_free;
@@ -397,8 +419,107 @@ void DeviceAllocator::release_granules(const std::vector<PhysHandle>& handles) {
 
 // ---- growing and stitching ---------------------------------------------------------
 
+// Note [Extents]
+// On a GPU an arena's growth costs per mapping, not per byte. Measured on an
+// H200 (tools/bench/vmm_calls.py, docs/benchmarks/2026-11-27-gpu-check-h200-run3):
+// cuMemCreate 17-19 us whatever the size, cuMemMap 4-5 us, cuMemSetAccess
+// 37 us over one mapping of 32 MiB and 645 us over sixteen mappings of 2 MiB
+// (40 us a mapping), cuMemUnmap 26 us and cuMemRelease 17-35 us a mapping.
+// With a handle per granule, filling 60% of the device took 2.56 s (42,789
+// granules) where expandable_segments' 20 MiB pages took 0.28 s. The driver
+// maps a handle only whole and from its start (cuMemMap at an offset:
+// CUDA_ERROR_NOT_SUPPORTED), and unmaps a mapping only whole, so fewer
+// mappings means larger chunks that move and go back only whole.
+// So a growth creates its new memory hole by hole of its window (map_window):
+// the granules that the request lies over wholly in extents, one handle
+// mapped once each; the others (the request's partly used first and last
+// granule) as granules of their own. The partly used granules, where slivers
+// lie and shared granules map a second time (Note [Shared granules]: only a
+// chunk of one granule can be a twin), stay single.
+// A block freed gives back its extents whole, as it lies over all of them.
+// What cannot go back is an extent that a later, smaller request split, while
+// that request lives: memory stitching cannot move. So an extent is the
+// largest power of two of granules that is at most 1/kExtentShare (1/16) of
+// its request, and at most `extent` bytes (PYALLOC_CONF; 32 MiB by default;
+// extent=2MiB: every granule its own chunk, as before): a live tenant pins at
+// most a sixteenth of what the block it landed in had. A 287 MB tensor maps
+// in 16 MiB extents, one of 1 GiB or more in 32 MiB ones, 32 MiB and less
+// granule by granule. Min capacity on the stress suite (sim), against every
+// granule single (extent=2MiB): llama7b_b1_s2048 64,724 MiB against 64,360
+// (expandable model 65,428), llama7b_b2_s4096_ckpt 64,542 against 64,296
+// (64,768), llama1b_b4 48,874 against 48,822 (49,008),
+// llama1b_b32_s4096_ckpt 69,232 against 69,082 (69,266), vit_l 40,290
+// against 40,272 (40,322), resnet50 10,998 against 10,944 (11,050),
+// batch_growth 1,628 against 1,626, the eleven others equal. Tried: 32 MiB extents under any
+// whole granules of a request, 8 MiB ones, and 32 MiB ones only while
+// reserved memory was under half the limit: interleaved_lifetimes needed
+// 744, 672 and 670 MiB against 656 (expandable model 700) and llama7b_b1
+// 65,592, 64,820 and 65,592; 1/8 of the request instead of 1/16, 65,166 on
+// llama7b_b1; 1/32, 64,488.
+// Moving memory (reuse before growing, stitching) gives whole chunks back to
+// the backend and creates the window's anew (a create and a release more per
+// chunk than remapping it, which would need the window's holes cut to the
+// chunk's size); stitching retries once when the backend itself has run out.
+// Every chunk is recorded in phys[] under each granule it covers
+// (extent_start finds its first).
+//
+
+// Maps every hole of the window [lo, hi) of `arena` with new memory from the
+// backend (Note [Extents]): extents under the granules that the request
+// [req_lo, req_hi) lies over wholly, single granules under the rest. All or
+// nothing: kNoMemory when the backend cannot create it all (nothing changed);
+// kMapFailed when a map failed (the holes before it mapped, free).
+DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, uintptr_t hi, uintptr_t req_lo,
+                                                  uintptr_t req_hi) {
+  const size_t g = granule_;
+  // The largest power-of-two number of granules, up to extent_bytes_, that
+  // is at most 1/kExtentShare of the request (Note [Extents]).
+  size_t extent = g;
+  while (extent * 2 <= extent_bytes_ && extent * 2 * kExtentShare <= req_hi - req_lo) extent *= 2;
+  std::vector<Piece>& pieces = pieces_;  // capacity kept between growths
+  std::vector<PhysHandle>& handles = grow_handles_;
+  pieces.clear();
+  handles.clear();
+  for (const Block* b = block_near_holes(arena, lo); b != nullptr && b->addr < hi; b = b->next) {
+    if (b->state != BlockState::kHole || end_of(b) <= lo) continue;
+    const uintptr_t z = std::min(hi, end_of(b));
+    for (uintptr_t va = std::max(lo, b->addr); va < z;) {
+      size_t size = g;
+      if (va >= req_lo && va + g <= req_hi) {  // wholly under the request: grow an extent
+        while (size < extent && va + size < z && va + size + g <= req_hi) size += g;
+      }
+      pieces.push_back(Piece{va, size});
+      va += size;
+    }
+  }
+  for (const Piece& p : pieces) {
+    PhysHandle h;
+    if (!succeeded(backend_->phys_create(device_, p.size, &h))) {
+      release_chunks(handles);
+      return Fill::kNoMemory;
+    }
+    ++stats_.num_device_alloc;
+    handles.push_back(h);
+  }
+  // Map hole by hole: runs of pieces laid end to end. fill_hole coalesces,
+  // so each hole is found again by address.
+  for (size_t i = 0; i < pieces.size();) {
+    size_t j = i + 1;
+    while (j < pieces.size() && pieces[j].va == pieces[j - 1].va + pieces[j - 1].size) ++j;
+    const uintptr_t a = pieces[i].va;
+    const uintptr_t z = pieces[j - 1].va + pieces[j - 1].size;
+    if (fill_hole(block_near_holes(arena, a), a, z, handles.data() + i, j - i) == nullptr) {
+      handles.erase(handles.begin(), handles.begin() + static_cast<std::ptrdiff_t>(i));
+      release_chunks(handles);  // those not mapped
+      return Fill::kMapFailed;
+    }
+    i = j;
+  }
+  return Fill::kDone;
+}
+
 // Ladder step 0 for a pool with arenas (stitch false), and step 2 (stitch
-// true: granules may be taken from free blocks elsewhere on the device).
+// true: memory may be taken from free blocks elsewhere on the device).
 Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch) {
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
@@ -407,59 +528,35 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   if (!w.found) return nullptr;  // the reservation itself is full
   const uintptr_t lo = arena->base + (w.lo - arena->base) / g * g;
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
+  const size_t need = w.granules;
 
-  // Gather every handle first, so that running short maps nothing. (A map
-  // that fails later leaves the holes mapped before it free, and the
-  // granules taken from donors unmapped: memory stays whole, in other places.)
-  std::vector<PhysHandle>& handles = grow_handles_;  // capacity kept between growths
-  handles.clear();
-  if (!stitch && reuses_first(w.granules * g)) {
-    const size_t n = reuse_granules(pool, arena, w.granules, lo, hi, &handles);
+  // Make room under the limit first, so that running short maps nothing
+  // (Note [Extents]: moved memory goes back to the backend and comes anew).
+  if (!stitch && reuses_first(need * g)) {
+    const size_t n = reuse_granules(pool, arena, need, lo, hi);
     if (n > 0) {
       stats_.num_reuses += 1;
       stats_.reused_bytes += static_cast<int64_t>(n * g);
     }
   }
-  new_granules(w.granules - handles.size(), &handles);
-  if (handles.size() < w.granules && stitch) {
-    const size_t before = handles.size();
-    unmap_free_granules(w.granules - before, lo, hi, &handles);
-    if (handles.size() > before) {
+  auto take_free = [&](size_t granules) {
+    const size_t n = unmap_free_granules(granules, lo, hi);
+    if (n > 0) {
       stats_.num_stitches += 1;
-      stats_.stitched_bytes += static_cast<int64_t>((handles.size() - before) * g);
+      stats_.stitched_bytes += static_cast<int64_t>(n * g);
     }
-  }
-  Block* shared = nullptr;
-  if (handles.size() < w.granules && stitch && sharing_) {
-    index_slivers();
-    const SharePlan plan = plan_share(arena, rounded, g);
-    if (plan.found && plan.fresh <= handles.size()) shared = map_share(arena, plan, &handles);  // < w.granules
-  }
-  if (handles.size() < w.granules || shared != nullptr) {
-    release_granules(handles);
-    return shared;
-  }
-
-  // Map the window's holes, lowest first. Stitching may have merged holes
-  // in this arena, so find the block holding `lo` now; fill_hole
-  // coalesces, which may delete the blocks after a hole: go on from the
-  // block it returns.
-  Block* b = block_near_holes(arena, lo);
-  uintptr_t cursor = lo;
-  while (b != nullptr && cursor < hi && !handles.empty()) {
-    if (end_of(b) <= cursor) {
-      b = b->next;
-    } else if (b->state != BlockState::kHole) {
-      cursor = end_of(b);
-    } else {
-      const uintptr_t z = std::min(hi, end_of(b));
-      b = fill_hole(b, std::max(cursor, b->addr), z, &handles);
-      if (b == nullptr) break;  // a map failed
-      cursor = z;
-    }
-  }
-  release_granules(handles);  // left over only when a map failed
-  return pool.free_blocks.best_fit(stream, rounded);
+    return n;
+  };
+  if (stitch && reservable_granules() < need) take_free(need - reservable_granules());
+  Fill fill = reservable_granules() >= need ? map_window(arena, lo, hi, w.lo, w.lo + rounded) : Fill::kNoMemory;
+  // The backend itself ran out (another process's memory, a device smaller
+  // than our limit): free memory of ours goes back to it, once.
+  if (fill == Fill::kNoMemory && stitch && take_free(need) > 0) fill = map_window(arena, lo, hi, w.lo, w.lo + rounded);
+  if (fill != Fill::kNoMemory) return pool.free_blocks.best_fit(stream, rounded);
+  if (!stitch || !sharing_) return nullptr;
+  index_slivers();
+  const SharePlan plan = plan_share(arena, rounded, g);
+  return plan.found && plan.fresh <= reservable_granules() ? map_share(arena, plan) : nullptr;
 }
 
 // Whether a growth that needs `fresh` bytes of new granules takes cached free
@@ -495,39 +592,39 @@ bool DeviceAllocator::reuses_first(size_t fresh) {
 // at 81,446 MiB, as without reuse.
 //
 
-// Takes up to `n` granules from cold free blocks (Note [Cold donors]) of
-// `pool` in `arena` (its own stream's cached memory), smallest blocks first,
-// except blocks overlapping [skip_lo, skip_hi) (the window being grown); the
-// handles go to `handles`. Returns the granules taken. The stream is
-// synchronized first, once, as for stitching; nothing moves when it cannot
-// be.
-size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
-                                       std::vector<PhysHandle>* handles) {
+// Gives back to the backend about `n` granules (whole chunks: Note
+// [Extents]) from cold free blocks (Note [Cold donors]) of `pool` in `arena`
+// (its own stream's cached memory), smallest blocks first, except blocks
+// overlapping [skip_lo, skip_hi) (the window being grown), so that the
+// growth's new memory takes their place. Returns the granules given back. The
+// stream is synchronized first, once, as for stitching; nothing moves when it
+// cannot be.
+size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi) {
   const size_t g = granule_;
   std::vector<Donor>& donors = donors_;  // capacity kept between growths
   donors.clear();
   size_t found = 0;
   const uint64_t cold_after = static_cast<uint64_t>(stats_.allocation.current(kStatAll)) / 4;
   pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {
-    uintptr_t lo, hi;
+    uintptr_t lo, hi, a, z;
     const bool cold = b->freed_at == 0 || frees_ - b->freed_at >= cold_after;
-    if (b->segment != arena || !cold || (b->addr < skip_hi && end_of(b) > skip_lo) || !free_interior(b, g, &lo, &hi)) {
+    if (b->segment != arena || !cold || (b->addr < skip_hi && end_of(b) > skip_lo) || !free_interior(b, g, &lo, &hi) ||
+        !whole_chunks(arena, lo, hi, g, &a, &z)) {
       return true;
     }
-    donors.push_back(Donor{b, lo, hi});
-    found += (hi - lo) / g;
+    donors.push_back(Donor{b, a, z});
+    found += (z - a) / g;
     return found < n;
   });
   if (donors.empty() || !synchronize_stream(arena)) return 0;
-  handles->reserve(handles->size() + n);
   size_t done = 0;
   // Unmapping one donor carves it and merges holes: the other donors, free
   // blocks apart from it (free neighbours coalesce), stay as they are.
   for (const Donor& d : donors) {
-    if (done == n) break;
-    const size_t k = std::min((d.hi - d.lo) / g, n - done);
-    unmap_free_range(d.block, d.lo, d.lo + k * g, handles);
-    done += k;
+    if (done >= n) break;
+    const uintptr_t z = chunks_holding(arena, d.lo, d.hi, n - done);
+    unmap_free_range(d.block, d.lo, z);
+    done += (z - d.lo) / g;
   }
   return done;
 }
@@ -552,7 +649,7 @@ Block* DeviceAllocator::stitch(Pool& pool, size_t rounded, StreamId stream) {
 size_t DeviceAllocator::release_arena_memory(size_t bytes) {
   if (granule_ == 0 || capturing_ > 0) return 0;  // no arena was ever made; Note [Capture]
   const size_t wanted = bytes == 0 ? SIZE_MAX : (bytes + granule_ - 1) / granule_;
-  const size_t released = unmap_free_granules(wanted, 0, 0, nullptr) * granule_;
+  const size_t released = unmap_free_granules(wanted, 0, 0) * granule_;
   std::vector<Segment*> empty;
   for_each_arena([&](Segment* a) {
     if (a->mapped == 0) empty.push_back(a);

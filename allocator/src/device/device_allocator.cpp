@@ -50,6 +50,7 @@ void DeviceAllocator::apply_settings(const Config& config) {
   oom_report_ = config.oom_report;
   sharing_ = config.share;
   reusing_ = config.reuse;
+  extent_bytes_ = config.extent;
   update_share_from();
   if (trace_.capacity() != config.trace) trace_.resize(config.trace);
   if (cached_free_bytes_ > max_cached_) enforce_max_cached();

@@ -298,25 +298,32 @@ class DeviceAllocator {
   Block* split_free(Block* block, size_t offset);
   void merge_holes(Block* hole);
   Block* align_to_granule(Block* block, size_t rounded);
-  Block* fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* handles);
-  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* keep);
+  Block* fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, const PhysHandle* handles, size_t n);
+  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi);
   bool synchronize_stream(const Segment* arena);
   template <typename F>
   void for_each_arena(F fn);
-  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* keep);
-  void new_granules(size_t n, std::vector<PhysHandle>* handles);
-  void release_granules(const std::vector<PhysHandle>& handles);
+  uintptr_t chunks_holding(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t granules) const;
+  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi);
+  size_t reservable_granules();
+  bool new_granules(size_t n, std::vector<PhysHandle>* handles);
+  void release_chunks(const std::vector<PhysHandle>& handles);
+  struct Piece {  // a chunk of new memory for a window: where it goes and its size
+    uintptr_t va;
+    size_t size;
+  };
+  enum class Fill { kDone, kNoMemory, kMapFailed };
+  Fill map_window(Segment* arena, uintptr_t lo, uintptr_t hi, uintptr_t req_lo, uintptr_t req_hi);
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
   bool reuses_first(size_t fresh);
-  size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
-                        std::vector<PhysHandle>* handles);
+  size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi);
   Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
   size_t release_arena_memory(size_t bytes);
   void release_arena(Segment* arena);
 
   // Shared granules (Note [Shared granules] in share.cpp).
   Block* share_first(Pool& pool, size_t rounded, StreamId stream);
-  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
+  Block* map_share(Segment* arena, const SharePlan& plan);
   Block* lend(Block* block, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
   void index_slivers();
@@ -394,7 +401,6 @@ class DeviceAllocator {
   struct Import {  // another process's memory mapped here (Note [Sharing blocks])
     int refs = 1;                     // imports of it not yet closed
     size_t size = 0;
-    size_t granule = 0;               // granules: each chunk's size
     std::vector<PhysHandle> chunks;   // empty for a plain segment
   };
   std::map<uintptr_t, Import> imports_;  // by base address
@@ -411,6 +417,7 @@ class DeviceAllocator {
   size_t share_from_ = SIZE_MAX;
   size_t share_limit_ = SIZE_MAX;  // what the allocator may reserve, when share_from_ is set
   bool reusing_ = true;  // Note [Reuse before growing]
+  size_t extent_bytes_ = size_t{32} << 20;  // Note [Extents]
   // Reserved bytes below which an arena's growth takes cached free granules
   // before new ones (0: never); 95% of what the allocator may reserve, like
   // share_from_: above it the pressure ladder's rules apply.
@@ -437,9 +444,11 @@ class DeviceAllocator {
   // Scratch of grow_arena and reuse_granules (under the lock; never nested).
   struct Donor {
     Block* block;
-    uintptr_t lo, hi;  // its whole granules
+    uintptr_t lo, hi;  // its whole chunks
   };
-  std::vector<PhysHandle> grow_handles_;
+  std::vector<PhysHandle> grow_handles_;  // map_window's new chunks
+  std::vector<Piece> pieces_;             // and where they go
+  std::vector<PhysHandle> chunks_;        // unmap_free_range's
   std::vector<Donor> donors_;
   uint64_t frees_ = 0;                             // blocks cached so far: Block::freed_at's clock
   std::string last_backend_error_;

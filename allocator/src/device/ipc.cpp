@@ -9,14 +9,15 @@
 //   - A block of a plain segment is shared as its whole segment (the backend
 //     exports the allocation: cuIpcGetMemHandle on cuda) and the block's
 //     offset in it, as PyTorch's own allocator shares its cudaMalloc blocks.
-//   - A block of an arena is shared as the granules it lies on, each
-//     physical granule exported by the backend (a POSIX file descriptor on
-//     cuda, the memfd on the host backend: the importer takes it with
-//     pidfd_getfd), and its offset in the first. cudaIpcGetMemHandle refuses
+//   - A block of an arena is shared as the physical chunks it lies on
+//     (granules and extents, Note [Extents] in device/arena.cpp), each
+//     exported by the backend (a POSIX file descriptor on cuda, the memfd on
+//     the host backend: the importer takes it with pidfd_getfd), with its
+//     size, and the block's offset in the first. cudaIpcGetMemHandle refuses
 //     virtual-memory mappings; this is how they travel. The importer
-//     reserves an address range and maps the granules in order, so it sees
+//     reserves an address range and maps the chunks in order, so it sees
 //     the block contiguous, as the exporter does. Neighbours that share a
-//     granule with the block are visible to the importer too, as a plain
+//     chunk with the block are visible to the importer too, as a plain
 //     segment's neighbours are.
 // The handle is self-describing bytes ("pyalloc-ipc", a version, the kind,
 // the sizes, then each part as the backend wrote it); the importer refuses
@@ -31,11 +32,12 @@ namespace pyalloc {
 namespace {
 
 constexpr char kMagic[12] = "pyalloc-ipc";
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;  // 2: each chunk's size travels with it (extents)
 constexpr uint8_t kPlain = 'S';
 constexpr uint8_t kGranules = 'G';
 
-// 40 bytes, no padding; then each part: its length (uint32) and its bytes.
+// 40 bytes, no padding; then each part: for kGranules its mapped size
+// (uint64), then its length (uint32) and its bytes.
 struct Header {
   char magic[12];
   uint8_t version;
@@ -44,11 +46,23 @@ struct Header {
   uint32_t parts;
   uint32_t reserved2;
   uint64_t size;     // the bytes the importer maps
-  uint64_t granule;  // kGranules: each part's size
+  uint64_t granule;  // kGranules: the exporter's granule, which every part's size is a multiple of
 };
 static_assert(sizeof(Header) == 40, "the handle's header has no padding");
 
-void put_u32(std::string* out, uint32_t v) { out->append(reinterpret_cast<const char*>(&v), sizeof v); }
+template <typename T>
+void put_raw(std::string* out, T v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+// Reads a T at *at of `in`, moving *at past it; false when `in` ends first.
+template <typename T>
+bool read_raw(const std::string& in, size_t* at, T* v) {
+  if (in.size() - *at < sizeof *v) return false;
+  std::memcpy(v, in.data() + *at, sizeof *v);
+  *at += sizeof *v;
+  return true;
+}
 
 }  // namespace
 
@@ -62,6 +76,7 @@ bool DeviceAllocator::ipc_export(uintptr_t addr, std::string* handle, size_t* of
   std::memcpy(h.magic, kMagic, sizeof kMagic);
   h.version = kVersion;
   std::vector<std::string> parts;
+  std::vector<uint64_t> sizes;  // kGranules: each part's mapped size
   if (!seg->arena) {
     std::string part;
     if (!succeeded(backend_->segment_export(device_, seg->base, seg->size, &part))) {
@@ -73,27 +88,31 @@ bool DeviceAllocator::ipc_export(uintptr_t addr, std::string* handle, size_t* of
     h.size = seg->size;
     *offset = addr - seg->base;
   } else {
+    // The chunks under the block, whole: from the start of the one that
+    // holds its first byte.
     const size_t g = granule_;
-    const size_t first = (addr - seg->base) / g;
+    const size_t first = extent_start(seg, (addr - seg->base) / g, g);
     const size_t last = (addr + block->size - 1 - seg->base) / g;
-    for (size_t slot = first; slot <= last; ++slot) {
+    for (size_t slot = first; slot <= last; slot += seg->phys[slot].size / g) {
       std::string part;
       if (!succeeded(backend_->phys_export(device_, seg->phys[slot], &part))) {
         *error = last_backend_error_;
         return false;
       }
       parts.push_back(std::move(part));
+      sizes.push_back(seg->phys[slot].size);
+      h.size += seg->phys[slot].size;
     }
     h.kind = kGranules;
-    h.size = (last - first + 1) * g;
     h.granule = g;
     *offset = addr - (seg->base + first * g);
   }
   h.parts = static_cast<uint32_t>(parts.size());
   handle->assign(reinterpret_cast<const char*>(&h), sizeof h);
-  for (const std::string& part : parts) {
-    put_u32(handle, static_cast<uint32_t>(part.size()));
-    handle->append(part);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!sizes.empty()) put_raw(handle, sizes[i]);
+    put_raw(handle, static_cast<uint32_t>(parts[i].size()));
+    handle->append(parts[i]);
   }
   return true;
 }
@@ -110,20 +129,24 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
              " (this pyalloc reads version " + std::to_string(kVersion) + ")";
     return false;
   }
+  const bool plain = h.kind == kPlain;
   std::vector<std::string> parts;
+  std::vector<uint64_t> sizes;
+  uint64_t total = 0;
+  bool sizes_whole = true;  // every part a whole number of granules
   size_t at = sizeof h;
   for (uint32_t i = 0; i < h.parts; ++i) {
+    uint64_t size = 0;
     uint32_t n = 0;
-    if (handle.size() - at < sizeof n) break;
-    std::memcpy(&n, handle.data() + at, sizeof n);
-    at += sizeof n;
-    if (handle.size() - at < n) break;
+    if ((!plain && !read_raw(handle, &at, &size)) || !read_raw(handle, &at, &n) || handle.size() - at < n) break;
     parts.emplace_back(handle, at, n);
     at += n;
+    sizes.push_back(size);
+    total += size;
+    sizes_whole = sizes_whole && size != 0 && h.granule != 0 && size % h.granule == 0;
   }
-  const bool plain = h.kind == kPlain;
   if (parts.size() != h.parts || at != handle.size() || (plain && h.parts != 1) ||
-      (!plain && (h.parts == 0 || h.granule == 0 || h.size != h.granule * h.parts))) {
+      (!plain && (h.parts == 0 || !sizes_whole || h.size != total))) {
     *error = "a truncated or malformed pyalloc IPC handle";
     return false;
   }
@@ -143,12 +166,11 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
       *error = last_backend_error_;
       return false;
     }
-    imported.granule = h.granule;
-    for (size_t i = 0; i < parts.size(); ++i) {
+    uintptr_t va = *base;
+    for (size_t i = 0; i < parts.size(); va += sizes[i], ++i) {
       PhysHandle chunk;
-      const bool ok = succeeded(backend_->phys_import(device_, parts[i], h.granule, &chunk)) &&
-                      (succeeded(backend_->map(device_, *base + i * h.granule, chunk)) ||
-                       (backend_->phys_close(device_, chunk), false));
+      const bool ok = succeeded(backend_->phys_import(device_, parts[i], sizes[i], &chunk)) &&
+                      (succeeded(backend_->map(device_, va, chunk)) || (backend_->phys_close(device_, chunk), false));
       if (!ok) {
         *error = last_backend_error_;
         close_import_chunks(*base, imported);  // what was mapped so far, and the reservation
@@ -187,12 +209,12 @@ void DeviceAllocator::unmap_import(uintptr_t base) {
   imports_.erase(it);
 }
 
-// Unmaps and closes the chunks of an import of granules mapped at `base`
+// Unmaps and closes the chunks of an import mapped at `base`
 // (one unmap_range: on cuda, one wait for the device), and gives back its
 // reservation (`imported.size` bytes).
 void DeviceAllocator::close_import_chunks(uintptr_t base, const Import& imported) {
   const size_t n = imported.chunks.size();
-  if (n > 0) backend_->unmap_range(device_, base, n * imported.granule, imported.granule);
+  if (n > 0) backend_->unmap_range(device_, base, imported.chunks.data(), n);
   for (const PhysHandle& chunk : imported.chunks) backend_->phys_close(device_, chunk);
   backend_->release_reservation(device_, base, imported.size);
 }

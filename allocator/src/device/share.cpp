@@ -82,8 +82,9 @@ namespace pyalloc {
 // Near a full device (Note [Shared granules]): serves `rounded` bytes from a
 // shared window (plan_share) when it takes fewer granules than the best
 // cached fit would. Twins whose own part is free part first, and the window's
-// fresh granules come from the backend or from free blocks (stitching). The
-// free sets may change even when it returns nullptr.
+// fresh granules come from the backend, after free blocks give theirs back
+// (stitching) when the limit is near. The free sets may change even when it
+// returns nullptr.
 Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream) {
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
@@ -94,20 +95,13 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
   if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
     if (plan.fresh >= granules_taken(cached, rounded, granule_)) return nullptr;
   }
-  std::vector<PhysHandle> handles;
-  new_granules(plan.fresh, &handles);
   SharePlan now = plan;
-  if (handles.size() < plan.fresh) {
-    unmap_free_granules(plan.fresh - handles.size(), 0, 0, &handles);
-    if (handles.size() < plan.fresh) {
-      release_granules(handles);
-      return nullptr;
-    }
+  if (reservable_granules() < plan.fresh) {
+    unmap_free_granules(plan.fresh - reservable_granules(), 0, 0);
+    if (reservable_granules() < plan.fresh) return nullptr;
     now = plan_share(arena, rounded, granule_);  // stitching may have split or joined free blocks
   }
-  Block* block = now.found && now.fresh <= handles.size() ? map_share(arena, now, &handles) : nullptr;
-  release_granules(handles);
-  return block;
+  return now.found && now.fresh <= reservable_granules() ? map_share(arena, now) : nullptr;
 }
 
 // Whether whole granules the device could still put behind `rounded` bytes
@@ -126,16 +120,18 @@ bool DeviceAllocator::spare_covers(size_t rounded) {
   return spare >= span;
 }
 
-// Carries out `plan` (plan_share, on the arena as it is now), taking its
-// fresh granules from the back of `handles`: returns the free block of
-// exactly the planned range, or nullptr (the arena as it was, `handles` as it was) when a map
-// failed.
-Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles) {
+// Carries out `plan` (plan_share, on the arena as it is now), its fresh
+// granules new from the backend, single (Note [Extents]): returns the free
+// block of exactly the planned range, or nullptr (the arena as it was) when
+// the backend cannot create or map them.
+Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan) {
   const size_t g = granule_;
   const uintptr_t base = arena->base;
   const uintptr_t lo = plan.lo;
   const uintptr_t hi = lo + plan.granules * g;
-  assert(handles->size() >= plan.fresh);
+  std::vector<PhysHandle> fresh;
+  if (!new_granules(plan.fresh, &fresh)) return nullptr;
+  std::vector<PhysHandle>* handles = &fresh;
   assert(plan.granules > 1 || plan.front == SharePlan::kNone || plan.back == SharePlan::kNone);
   auto twin_of = [&](size_t i) {
     if (i == 0 && plan.front != SharePlan::kNone) return plan.front;
@@ -160,6 +156,7 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::ve
         backend_->unmap(device_, lo + j * g, g);
         if (twin_of(j) == SharePlan::kNone) handles->push_back(mapped[j]);
       }
+      release_chunks(fresh);
       return nullptr;
     }
     mapped.push_back(h);

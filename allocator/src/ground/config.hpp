@@ -50,6 +50,7 @@ struct Config {
   bool lifetime = false;            // lifetime-aware placement (Note [Lifetime-aware placement]); off: see README
   bool share = true;                // near a full device, map used granules' free ends twice (Note [Shared granules])
   bool reuse = true;                // an arena takes cached free granules before new ones (Note [Reuse before growing])
+  size_t extent = size_t{32} << 20; // the largest physical chunk an arena's growth creates (Note [Extents])
 
   // The mode in effect (kAuto resolved): kOn, kShared, kAll or kOff.
   // The mode `vmm` stands for: auto is shared on sim and host; on cuda,

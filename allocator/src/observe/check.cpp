@@ -214,6 +214,21 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
       return false;
     }
   }
+  // I16: a chunk of k granules lies over k granules that record it; none of an extent is a twin.
+  for (size_t i = 0; i < arena->phys.size();) {
+    const PhysHandle h = arena->phys[i];
+    const size_t k = h.value == 0 ? 1 : h.size / g;
+    bool whole = h.value == 0 || (h.size % g == 0 && k > 0 && i + k <= arena->phys.size());
+    for (size_t j = i; whole && j < i + k; ++j) {
+      whole = arena->phys[j].value == h.value && arena->phys[j].size == h.size && (k == 1 || !arena->twinned[j]);
+    }
+    if (!whole) {
+      *problem = "granule " + std::to_string(i) + " starts a chunk of " + std::to_string(h.size) +
+                 " bytes that is not mapped whole over its granules (or is a twin)";
+      return false;
+    }
+    i += k;
+  }
   size_t twinned = 0;
   for (size_t i = 0; i < arena->twinned.size(); ++i) {
     if (!arena->twinned[i]) continue;
