@@ -2,9 +2,10 @@
 in pyalloc/offloading/rng.py), and the debug check names a recomputed tensor that differs (Note
 [Recompute check] in pyalloc/offloading/check.py).
 
-The H200 run of tests/gpu/test_offload_cuda.py found gradients that differed only where the plan
-re-ran a dropout whose input it regenerated: no CUDA generator state had been taken for that
-re-run. This machine has no GPU, so the CUDA generators are stood in for by CPU generators, one a
+A planned re-run of a dropout whose input the plan regenerated took no CUDA generator state (its
+arguments, as held, were placeholders): found by reading, while looking for why the H200 run of
+tests/gpu/test_offload_cuda.py differed where the plan re-ran a dropout (not the whole of that:
+Note [Generator states]). This machine has no GPU, so the CUDA generators are stood in for by CPU generators, one a
 device, behind ``torch.cuda``'s RNG functions (the only mocks here), and the dropout below draws
 its mask from them as CUDA's fused dropout draws from the device's generator.
 """
@@ -177,6 +178,7 @@ def test_the_check_names_the_module_whose_rerun_differs() -> None:
     assert first["module"] == "_PrivateNoise" and first["kind"] == "output" and first["step"] == 1, first
     assert first["values_equal"] is False and first["elements_differing"] > 0, first
     assert first["original"]["shape"] == [128, 256] and first["recomputed"]["stride"] == first["original"]["stride"]
+    assert first["cuda_generators"] == [] and first["linked_inputs"] == 1, first  # its input came through the GELU
 
 
 def test_the_check_is_off_by_default_and_costs_no_copy() -> None:

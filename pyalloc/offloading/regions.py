@@ -309,8 +309,7 @@ class RegionSlot(_Counted):
         self.signature = (tuple(t.shape), t.dtype)
         # with the session's check on, the save as it was and where it is recomputed (check.py)
         check = region.step.check
-        self.original = (check.original(t), region.step, region.module, region.key, region.first_seq + index) \
-            if check is not None else None
+        self.original = (check.original(t), region, region.first_seq + index) if check is not None else None
         region.wanted[index] = weakref.ref(self)
 
     def fill(self, t: torch.Tensor) -> None:
@@ -322,8 +321,8 @@ class RegionSlot(_Counted):
         self.tensor = t
         self.count(t)
         if self.original is not None:
-            (original, step, module, key, seq), self.original = self.original, None
-            step.compare(original, t, "region", module, key, seq)
+            (original, region, seq), self.original = self.original, None
+            region.step.compare(original, t, "region", region, seq)
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
@@ -512,7 +511,7 @@ class OutputSlot(_Counted):
             self.count(self.tensor)
             if self.original is not None:
                 (original, seq), self.original = self.original, None
-                record.step.compare(original, self.tensor, "output", record.module, record.key, seq)
+                record.step.compare(original, self.tensor, "output", record, seq)
             record.pending -= 1
             if record.pending <= 0:
                 record.finish()
@@ -547,13 +546,15 @@ class PlannedStep:
         self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
         self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
 
-    def compare(self, original: Original, got: torch.Tensor, kind: str, module: torch.nn.Module,
-                key: tuple[int, int], seq: int) -> None:
+    def compare(self, original: Original, got: torch.Tensor, kind: str, rerun: "_Rerun", seq: int) -> None:
         """Debug mode: a regenerated save (the ``seq``-th of the step) against the one dropped
-        (Note [Recompute check] in check.py)."""
+        (Note [Recompute check] in check.py); a report names the re-run call, the CUDA
+        generators it replayed and how many of its inputs were regenerated through other calls."""
         assert self.check is not None
         self.check.compare(original, got, step=int(self.session._stats["steps_total"]), kind=kind,
-                           module=type(module).__name__, call=key[1], save=seq)
+                           module=type(rerun.module).__name__, call=rerun.key[1], save=seq,
+                           cuda_generators=[d for d, _ in rerun.cuda_rng],
+                           linked_inputs=len(rerun.links) if isinstance(rerun, Output) else 0)
 
     def close(self) -> None:
         """At the step's end: forgets the records, so that no reference cycle (record -> step ->
