@@ -52,7 +52,7 @@ def _register_config(subparsers: Subparsers) -> None:
 
 
 # Keys whose values are sizes: printed in binary units, with the bytes.
-SIZE_KEYS = frozenset({"capacity", "small_segment", "large_segment", "max_cached"})
+SIZE_KEYS = frozenset({"capacity", "small_segment", "large_segment", "max_cached", "extent"})
 
 
 def _config(args: argparse.Namespace) -> int:

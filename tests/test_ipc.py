@@ -66,10 +66,13 @@ def import_in_child(handle: bytes, offset: int, size: int) -> list[str]:
 
 
 @pytest.mark.parametrize("vmm", ["vmm=shared", "vmm=on"])
-def test_a_block_in_an_arena_is_shared_with_another_process(vmm: str, fresh: Callable[[str, str], Allocator]) -> None:
+@pytest.mark.parametrize("size", [5 * MiB + 4096, 64 * MiB + 4096], ids=["granules", "extents"])
+def test_a_block_in_an_arena_is_shared_with_another_process(vmm: str, size: int,
+                                                            fresh: Callable[[str, str], Allocator]) -> None:
+    """A block spanning granules, not a whole number of them; the larger one lies over extents
+    of 4 MiB between its single end granules (Note [Extents]), each sent with its size."""
     a = fresh("host", vmm)
     a.malloc(1 * MiB)  # something before it, so the block does not start the arena
-    size = 5 * MiB + 4096  # spans granules, not a whole number of them
     ptr = a.malloc(size)
     ctypes.memset(ptr, 0x11, size)
     handle, offset = pyalloc.ipc_export(ptr)

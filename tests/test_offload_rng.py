@@ -179,6 +179,10 @@ def test_the_check_names_the_module_whose_rerun_differs() -> None:
     assert first["values_equal"] is False and first["elements_differing"] > 0, first
     assert first["original"]["shape"] == [128, 256] and first["recomputed"]["stride"] == first["original"]["stride"]
     assert first["cuda_generators"] == [] and first["linked_inputs"] == 1, first  # its input came through the GELU
+    # the re-run's input, regenerated through the GELU, laid out as the forward's (a kernel that
+    # picks its code by layout and alignment, as CUDA's dropout does, sees them alike)
+    assert first["input_layouts"][0]["shape"] == [128, 256] and len(first["rerun_input_layouts"]) == 1, first
+    assert first["inputs_alike"] is True, first
 
 
 def test_the_check_is_off_by_default_and_costs_no_copy() -> None:

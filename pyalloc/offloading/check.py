@@ -11,6 +11,14 @@ Note [Recompute check]
     bytes that divides it: the figure PyTorch gives cuBLASLt's heuristics, and vectorised kernels
     choose by it), but alignment alone is no mismatch: a fresh allocation's is the allocator's
     choice (on the CPU, 64 bytes or any multiple).
+    A report on a module's re-run also gives the layouts of the call's inputs as the forward
+    received them and as the re-run got them (``input_layouts``, ``rerun_input_layouts``), and
+    ``inputs_alike``: every input with the same shape, strides, storage offset, dtype and
+    alignment class up to ``VECTOR_ALIGNMENT`` bytes. Why the alignment: CUDA's dropout
+    (aten/src/ATen/native/cuda/Dropout.cu, ``get_vector_size``) runs a vectorised kernel whose
+    width is what its input's data pointer's alignment allows (16 bytes at most) when input,
+    output and mask are dense, else an unrolled one, and the kernels give the generator's numbers
+    to the elements in different orders: the same generator state, another mask.
     ``session.recompute_mismatches()`` lists the first ``MAX_REPORTS``, each with the step, the
     module (or operator) re-run, the save's index and both geometries;
     ``recompute_checked_total`` and ``recompute_mismatches_total`` count them all.
@@ -28,7 +36,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGNMENT", "CHECK_ENV", "alignment", "geometry", "MAX_REPORTS", "Original", "RecomputeCheck", "enabled_by_environment"]
+__all__ = ["ALIGNMENT", "CHECK_ENV", "VECTOR_ALIGNMENT", "alignment", "alike", "geometry", "MAX_REPORTS", "Original",
+           "RecomputeCheck", "enabled_by_environment"]
 
 CHECK_ENV = "PYALLOC_OFFLOAD_CHECK"
 MAX_REPORTS = 20
@@ -36,6 +45,10 @@ MAX_REPORTS = 20
 
 ALIGNMENT = 256
 """The largest alignment class reported, in bytes (the largest PyTorch tells cuBLASLt)."""
+
+
+VECTOR_ALIGNMENT = 16
+"""The widest alignment a CUDA vectorised kernel chooses its width by (bytes): 16-byte loads."""
 
 
 def enabled_by_environment() -> bool:
@@ -50,6 +63,15 @@ def alignment(address: int) -> int:
 def geometry(t: torch.Tensor) -> dict[str, Any]:
     return {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
             "dtype": str(t.dtype), "device": str(t.device), "alignment": alignment(t.data_ptr())}
+
+
+def alike(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Geometries (``geometry``'s) with the same layout and alignment class up to
+    ``VECTOR_ALIGNMENT``: what a kernel that picks its code by layout and alignment sees alike."""
+    def key(g: dict[str, Any]) -> dict[str, Any]:
+        return {**_layout(g), "alignment": min(g["alignment"], VECTOR_ALIGNMENT)}
+
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
 
 
 @dataclass

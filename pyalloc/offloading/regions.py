@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from . import refills, rng
+from . import check as recompute_check
 from .check import Original, RecomputeCheck
 from .calls import autocast_state
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, geometry, run_replay
@@ -104,7 +105,12 @@ class _Rerun:
         self.args = args
         self.kwargs = kwargs
         self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = rng.cuda_states(tensor_leaves((args, kwargs)) if received is None else received, step.cuda)
+        received = tensor_leaves((args, kwargs)) if received is None else received
+        self.cuda_rng = rng.cuda_states(received, step.cuda)
+        # with the check on: the inputs' layouts as received and as the re-run gets them, for its
+        # reports (Note [Recompute check] in check.py)
+        self.input_layouts = [recompute_check.geometry(t) for t in received] if step.check is not None else None
+        self.rerun_layouts: list[dict[str, Any]] | None = None
         self.pins: list[StorageKey] = []
         for t in tensor_leaves((args, kwargs)):
             if is_activation(t):
@@ -126,6 +132,11 @@ class _Rerun:
         except Exception:
             pass
 
+    def note_inputs(self, inputs: list[torch.Tensor]) -> None:
+        """With the check on: the layouts of the inputs the re-run (or refill) is given."""
+        if self.input_layouts is not None:
+            self.rerun_layouts = [recompute_check.geometry(t) for t in inputs]
+
     def run(self, args: tuple, kwargs: dict, capture: Callable[[torch.Tensor], Any] | None,
             mode: SelectiveRerun | None = None, times: dict[tuple[int, int], float] | None = None) -> Any:
         """Re-runs the call on ``args`` as it first ran; ``capture`` sees what autograd saves;
@@ -139,6 +150,7 @@ class _Rerun:
                 raise OffloadError(f"an input of {type(self.module).__name__} was modified in place after "
                                    "the call: its dropped activations cannot be recomputed")
         step = self.step
+        self.note_inputs(tensor_leaves((args, kwargs)))
         t0 = time.thread_time()
         buffers = [(b, b.clone()) for b in self.module.buffers()]
         step.recomputing += 1
@@ -274,6 +286,7 @@ class Region(_Rerun):
             return module.get_parameter(name[2:]) if name[0] == "p" else module.get_buffer(name[2:])
 
         step = self.step
+        self.note_inputs(inputs)
         t0 = time.thread_time()
         try:
             with rng.replayed(self.cpu_rng, self.cuda_rng):
@@ -427,6 +440,7 @@ class Output(_Rerun):
         for t, v in self.versions:
             if t._version != v:
                 return None  # run() says why it cannot re-run
+        self.note_inputs(inputs)
         t0 = time.thread_time()
         kind, refill = refiller
         out = refill(inputs[0])
@@ -549,12 +563,16 @@ class PlannedStep:
     def compare(self, original: Original, got: torch.Tensor, kind: str, rerun: "_Rerun", seq: int) -> None:
         """Debug mode: a regenerated save (the ``seq``-th of the step) against the one dropped
         (Note [Recompute check] in check.py); a report names the re-run call, the CUDA
-        generators it replayed and how many of its inputs were regenerated through other calls."""
+        generators it replayed, how many of its inputs were regenerated through other calls, and
+        its inputs' layouts as received and as re-run."""
         assert self.check is not None
+        received, rerun_got = rerun.input_layouts or [], rerun.rerun_layouts
         self.check.compare(original, got, step=int(self.session._stats["steps_total"]), kind=kind,
                            module=type(rerun.module).__name__, call=rerun.key[1], save=seq,
                            cuda_generators=[d for d, _ in rerun.cuda_rng],
-                           linked_inputs=len(rerun.links) if isinstance(rerun, Output) else 0)
+                           linked_inputs=len(rerun.links) if isinstance(rerun, Output) else 0,
+                           input_layouts=received, rerun_input_layouts=rerun_got,
+                           inputs_alike=rerun_got is not None and recompute_check.alike(received, rerun_got))
 
     def close(self) -> None:
         """At the step's end: forgets the records, so that no reference cycle (record -> step ->

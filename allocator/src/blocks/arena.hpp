@@ -43,7 +43,7 @@ size_t granules_taken(const Block* block, size_t rounded, size_t g);
 
 // The first granule of the physical chunk mapped at granule `slot` of
 // `arena` (mapped): `slot` itself, unless the chunk is an extent of several
-// granules (Note [Extents] in device/arena.cpp), each of which holds its
+// granules (Note [Extents] in device/chunks.cpp), each of which holds its
 // handle in phys[]. Twins are single granules, and no two live chunks share
 // a handle, so the walk back stops at the extent's first granule.
 inline size_t extent_start(const Segment* arena, size_t slot, size_t g) {

@@ -76,7 +76,7 @@
 //       no driver call that breaks a capture (a release, an unmap, an event
 //       recorded, queried or synchronized) was ever made during one
 //   I16 in an arena, a physical chunk of k granules (an extent when k > 1:
-//       Note [Extents] in device/arena.cpp) is mapped whole over k granules,
+//       Note [Extents] in device/chunks.cpp) is mapped whole over k granules,
 //       each of which records it in phys[]; no granule of an extent is a twin
 #pragma once
 

@@ -140,8 +140,6 @@ namespace pyalloc {
 namespace {
 // An arena's address space, in device sizes (Note [Reuse before growing]).
 constexpr size_t kArenaSpan = 8;
-// An extent is at most this fraction of the request it is made for (Note [Extents]).
-constexpr size_t kExtentShare = 16;
 }  // namespace
 
 size_t DeviceAllocator::granule() {
@@ -255,67 +253,7 @@ Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
   return offset == 0 ? block : split_free(block, offset);
 }
 
-// ---- mapping and unmapping -------------------------------------------------------
-
-// Maps handles[0..n), whose sizes add up to hi - lo, end to end over the
-// granule-aligned range [lo, hi) of `hole`, which becomes free and
-// coalesces. Returns the free block now holding [lo, hi), or nullptr when the
-// map failed (the hole as it was; the handles are still the caller's).
-Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, const PhysHandle* handles, size_t n) {
-  Segment* arena = hole->segment;
-  const size_t g = granule_;
-  // The chunks of [lo, hi) in one backend call, all or none (Note [Backend time]).
-  if (!succeeded(backend_->map_range(device_, lo, handles, n))) return nullptr;
-  uintptr_t va = lo;
-  for (size_t i = 0; i < n; ++i) {
-    for (size_t k = 0; k < handles[i].size / g; ++k) arena->phys[(va - arena->base) / g + k] = handles[i];
-    trace_.record(TraceAction::kSegmentMap, va, handles[i].size, arena->stream);
-    va += handles[i].size;
-  }
-  assert(va == hi);
-  arena->mapped += hi - lo;
-  stats_.reserved_bytes.increase(arena->pool->stat, static_cast<int64_t>(hi - lo));
-  // Carve [lo, hi) out of the hole as a free block; what lies before and
-  // after stays a hole.
-  arena->holes.erase(hole);
-  Block* middle = hole;
-  if (lo > hole->addr) {
-    middle = split_block(hole, lo - hole->addr);
-    arena->holes.insert(hole);
-  }
-  if (end_of(middle) > hi) arena->holes.insert(split_block(middle, hi - middle->addr));
-  middle->state = BlockState::kFree;
-  Block* merged = insert_coalesced(middle);
-  reserved_changed();
-  return merged;
-}
-
-// Unmaps [lo, hi), whole chunks (whole_chunks) of the free block `block`
-// (which must be in its free set), and gives them back to the backend. The
-// arena's stream must be synchronized.
-void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi) {
-  Segment* arena = block->segment;
-  const size_t g = granule_;
-  Block* middle = carve_free(block, lo, hi);
-  std::vector<PhysHandle>& chunks = chunks_;  // capacity kept between calls
-  chunks.clear();
-  for (uintptr_t va = lo; va < hi; va += chunks.back().size) {
-    assert(extent_start(arena, (va - arena->base) / g, g) == (va - arena->base) / g);
-    chunks.push_back(arena->phys[(va - arena->base) / g]);
-  }
-  breaks_capture();
-  backend_->unmap_range(device_, lo, chunks.data(), chunks.size());  // one call (Note [Backend time])
-  for (uintptr_t va = lo; va < hi; va += g) {
-    arena->phys[(va - arena->base) / g] = PhysHandle{};
-    trace_.record(TraceAction::kSegmentUnmap, va, g, arena->stream);
-  }
-  release_chunks(chunks);
-  arena->mapped -= hi - lo;
-  stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(hi - lo));
-  middle->state = BlockState::kHole;
-  merge_holes(middle);
-  reserved_changed();
-}
+// ---- unmapping free memory -------------------------------------------------------
 
 // Waits for the work queued on the arena's stream, so its free blocks are
 // no longer in use. False when the backend cannot record an event.
@@ -326,14 +264,6 @@ bool DeviceAllocator::synchronize_stream(const Segment* arena) {
   backend_->event_synchronize(device_, event);
   backend_->event_release(device_, event);
   return true;
-}
-
-// The end of the shortest run of whole chunks from `lo` (a chunk's start)
-// that holds `granules` granules, or `hi` when [lo, hi) holds fewer.
-uintptr_t DeviceAllocator::chunks_holding(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t granules) const {
-  uintptr_t z = lo;
-  while (z < hi && (z - lo) / granule_ < granules) z += arena->phys[(z - arena->base) / granule_].size;
-  return z;
 }
 
 // Gives back to the backend at least `wanted` granules (when there are so
@@ -382,141 +312,7 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
   return done;
 }
 
-// Granules the allocator may still reserve: before its limit, and before
-// the device's memory is all reserved (the backend may run out sooner: the
-// memory of other processes).
-size_t DeviceAllocator::reservable_granules() {
-  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
-  const size_t total = device_total();
-  const size_t limit = std::min(reserved_limit(), total != 0 ? total : SIZE_MAX);
-  return reserved < limit ? (limit - reserved) / granule_ : 0;
-}
-
-// Appends `n` new single granules from the backend to `handles`: all, or
-// none (false).
-bool DeviceAllocator::new_granules(size_t n, std::vector<PhysHandle>* handles) {
-  const size_t before = handles->size();
-  for (size_t made = 0; made < n; ++made) {
-    PhysHandle h;
-    if (!succeeded(backend_->phys_create(device_, granule_, &h))) {
-      std::vector<PhysHandle> made_here(handles->begin() + static_cast<std::ptrdiff_t>(before), handles->end());
-      release_chunks(made_here);
-      handles->resize(before);
-      return false;
-    }
-    ++stats_.num_device_alloc;
-    handles->push_back(h);
-  }
-  return true;
-}
-
-void DeviceAllocator::release_chunks(const std::vector<PhysHandle>& handles) {
-  for (const PhysHandle& h : handles) {
-    backend_->phys_release(device_, h);
-    ++stats_.num_device_free;
-  }
-}
-
 // ---- growing and stitching ---------------------------------------------------------
-
-// Note [Extents]
-// On a GPU an arena's growth costs per mapping, not per byte. Measured on an
-// H200 (tools/bench/vmm_calls.py, docs/benchmarks/2026-11-27-gpu-check-h200-run3):
-// cuMemCreate 17-19 us whatever the size, cuMemMap 4-5 us, cuMemSetAccess
-// 37 us over one mapping of 32 MiB and 645 us over sixteen mappings of 2 MiB
-// (40 us a mapping), cuMemUnmap 26 us and cuMemRelease 17-35 us a mapping.
-// With a handle per granule, filling 60% of the device took 2.56 s (42,789
-// granules) where expandable_segments' 20 MiB pages took 0.28 s. The driver
-// maps a handle only whole and from its start (cuMemMap at an offset:
-// CUDA_ERROR_NOT_SUPPORTED), and unmaps a mapping only whole, so fewer
-// mappings means larger chunks that move and go back only whole.
-// So a growth creates its new memory hole by hole of its window (map_window):
-// the granules that the request lies over wholly in extents, one handle
-// mapped once each; the others (the request's partly used first and last
-// granule) as granules of their own. The partly used granules, where slivers
-// lie and shared granules map a second time (Note [Shared granules]: only a
-// chunk of one granule can be a twin), stay single.
-// A block freed gives back its extents whole, as it lies over all of them.
-// What cannot go back is an extent that a later, smaller request split, while
-// that request lives: memory stitching cannot move. So an extent is the
-// largest power of two of granules that is at most 1/kExtentShare (1/16) of
-// its request, and at most `extent` bytes (PYALLOC_CONF; 32 MiB by default;
-// extent=2MiB: every granule its own chunk, as before): a live tenant pins at
-// most a sixteenth of what the block it landed in had. A 287 MB tensor maps
-// in 16 MiB extents, one of 1 GiB or more in 32 MiB ones, 32 MiB and less
-// granule by granule. Min capacity on the stress suite (sim), against every
-// granule single (extent=2MiB): llama7b_b1_s2048 64,724 MiB against 64,360
-// (expandable model 65,428), llama7b_b2_s4096_ckpt 64,542 against 64,296
-// (64,768), llama1b_b4 48,874 against 48,822 (49,008),
-// llama1b_b32_s4096_ckpt 69,232 against 69,082 (69,266), vit_l 40,290
-// against 40,272 (40,322), resnet50 10,998 against 10,944 (11,050),
-// batch_growth 1,628 against 1,626, the eleven others equal. Tried: 32 MiB extents under any
-// whole granules of a request, 8 MiB ones, and 32 MiB ones only while
-// reserved memory was under half the limit: interleaved_lifetimes needed
-// 744, 672 and 670 MiB against 656 (expandable model 700) and llama7b_b1
-// 65,592, 64,820 and 65,592; 1/8 of the request instead of 1/16, 65,166 on
-// llama7b_b1; 1/32, 64,488.
-// Moving memory (reuse before growing, stitching) gives whole chunks back to
-// the backend and creates the window's anew (a create and a release more per
-// chunk than remapping it, which would need the window's holes cut to the
-// chunk's size); stitching retries once when the backend itself has run out.
-// Every chunk is recorded in phys[] under each granule it covers
-// (extent_start finds its first).
-//
-
-// Maps every hole of the window [lo, hi) of `arena` with new memory from the
-// backend (Note [Extents]): extents under the granules that the request
-// [req_lo, req_hi) lies over wholly, single granules under the rest. All or
-// nothing: kNoMemory when the backend cannot create it all (nothing changed);
-// kMapFailed when a map failed (the holes before it mapped, free).
-DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, uintptr_t hi, uintptr_t req_lo,
-                                                  uintptr_t req_hi) {
-  const size_t g = granule_;
-  // The largest power-of-two number of granules, up to extent_bytes_, that
-  // is at most 1/kExtentShare of the request (Note [Extents]).
-  size_t extent = g;
-  while (extent * 2 <= extent_bytes_ && extent * 2 * kExtentShare <= req_hi - req_lo) extent *= 2;
-  std::vector<Piece>& pieces = pieces_;  // capacity kept between growths
-  std::vector<PhysHandle>& handles = grow_handles_;
-  pieces.clear();
-  handles.clear();
-  for (const Block* b = block_near_holes(arena, lo); b != nullptr && b->addr < hi; b = b->next) {
-    if (b->state != BlockState::kHole || end_of(b) <= lo) continue;
-    const uintptr_t z = std::min(hi, end_of(b));
-    for (uintptr_t va = std::max(lo, b->addr); va < z;) {
-      size_t size = g;
-      if (va >= req_lo && va + g <= req_hi) {  // wholly under the request: grow an extent
-        while (size < extent && va + size < z && va + size + g <= req_hi) size += g;
-      }
-      pieces.push_back(Piece{va, size});
-      va += size;
-    }
-  }
-  for (const Piece& p : pieces) {
-    PhysHandle h;
-    if (!succeeded(backend_->phys_create(device_, p.size, &h))) {
-      release_chunks(handles);
-      return Fill::kNoMemory;
-    }
-    ++stats_.num_device_alloc;
-    handles.push_back(h);
-  }
-  // Map hole by hole: runs of pieces laid end to end. fill_hole coalesces,
-  // so each hole is found again by address.
-  for (size_t i = 0; i < pieces.size();) {
-    size_t j = i + 1;
-    while (j < pieces.size() && pieces[j].va == pieces[j - 1].va + pieces[j - 1].size) ++j;
-    const uintptr_t a = pieces[i].va;
-    const uintptr_t z = pieces[j - 1].va + pieces[j - 1].size;
-    if (fill_hole(block_near_holes(arena, a), a, z, handles.data() + i, j - i) == nullptr) {
-      handles.erase(handles.begin(), handles.begin() + static_cast<std::ptrdiff_t>(i));
-      release_chunks(handles);  // those not mapped
-      return Fill::kMapFailed;
-    }
-    i = j;
-  }
-  return Fill::kDone;
-}
 
 // Ladder step 0 for a pool with arenas (stitch false), and step 2 (stitch
 // true: memory may be taken from free blocks elsewhere on the device).

@@ -10,7 +10,7 @@
 //     exports the allocation: cuIpcGetMemHandle on cuda) and the block's
 //     offset in it, as PyTorch's own allocator shares its cudaMalloc blocks.
 //   - A block of an arena is shared as the physical chunks it lies on
-//     (granules and extents, Note [Extents] in device/arena.cpp), each
+//     (granules and extents, Note [Extents] in device/chunks.cpp), each
 //     exported by the backend (a POSIX file descriptor on cuda, the memfd on
 //     the host backend: the importer takes it with pidfd_getfd), with its
 //     size, and the block's offset in the first. cudaIpcGetMemHandle refuses
