@@ -21,7 +21,19 @@ Note [Generator states]
     plan's dropout held its input, not a link, so the old capture had its device too: not
     measured). Why a restored state
     draws another mask there is not known yet: ``tests/gpu/test_offload_cuda.py``'s dropout test
-    checks the replay alone (main thread, fresh copy, backward's thread, a 4-byte offset).
+    checks the replay alone (main thread, fresh copy, backward's thread, copies 4 and 8 bytes off).
+
+    One known way, from PyTorch's source: CUDA's dropout (aten/src/ATen/native/cuda/Dropout.cu,
+    ``get_vector_size`` and ``launcher``) runs ``fused_dropout_kernel_vec`` with a width its input
+    pointer's alignment allows (16 bytes at most) when input, output and mask are dense, else
+    ``fused_dropout_kernel``; from the same seed and offset the first gives element ``i`` a number
+    of thread ``i / width``'s draws, the second one of thread ``i % threads``'s. So a re-run on an
+    input laid out otherwise (strides, or the pointer mod 16) draws another mask. A CPU probe of
+    both GPU scripts (2026-11-27, refills off as on CUDA, every budget from 1 to 24 MiB) found every
+    dropout re-run's input laid out as the forward's, pointer mod 16 included, and CUDA's
+    allocators (PyTorch's, pyalloc's: I8) align every block to 512 bytes, so this is not shown to
+    be the H200's cause: the check's reports now give the re-run's input layouts
+    (``inputs_alike``) and the GPU tests the kernel width each would get.
 """
 
 from __future__ import annotations

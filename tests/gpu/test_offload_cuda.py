@@ -15,12 +15,57 @@ the first differing tensor to be a planned re-run of nn.Dropout's output (anothe
 pyalloc/offloading/rng.py; the cause is open (test_a_cuda_dropout_replays_its_mask_... checks
 the replay alone). Both tests now run with the recompute check (Note [Recompute check] in
 pyalloc/offloading/check.py): a failure names the first recomputed tensors that differ from the
-dropped ones, with the module re-run and both layouts.
+dropped ones, with the module re-run and both layouts, and, for the first dropout among them, the
+layout of its input in the forward and in the re-run, with the kernel width CUDA's dropout picks
+for each (:func:`_dropout_inputs`). Why: aten/src/ATen/native/cuda/Dropout.cu's
+``get_vector_size`` runs a vectorised kernel (width by the input pointer's alignment, 16 bytes at
+most) or, for an input that is not dense, an unrolled one, and they give the generator's numbers
+to the elements in different orders; a CPU probe of both scripts (refills off, as on CUDA) found
+every dropout re-run's input laid out as the forward's, strides, storage offset and pointer mod 16
+(tests/test_offload_layout.py pins it), so a width that differs on CUDA would come from the
+device's pointers: these reports tell.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+_ITEMSIZE = {"torch.float64": 8, "torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
+
+
+def _cuda_dropout_width(g: dict[str, Any]) -> int:
+    """The kernel width CUDA's dropout picks for an input of geometry ``g`` (check.py's geometry):
+    Dropout.cu's get_vector_size, with the output and mask laid out as the input (empty_like):
+    1 (the unrolled kernel) unless dense; else what the pointer's alignment allows, 16 bytes at
+    most, halved until it divides the element count."""
+    size = _ITEMSIZE.get(g["dtype"], 4)
+    dims = sorted((st, n) for n, st in zip(g["shape"], g["stride"]) if n != 1)
+    expected = 1
+    for st, n in dims:  # non-overlapping and dense: strides a permutation of contiguous ones
+        if st != expected:
+            return 1
+        expected *= n
+    width = min(16, g["alignment"]) // size or 1
+    numel = 1
+    for n in g["shape"]:
+        numel *= n
+    while width > 1 and numel % width:
+        width //= 2
+    return width
+
+
+def _dropout_inputs(mismatches: Any) -> Any:
+    """The first dropout among the check's mismatch reports: its input's layout as the forward
+    received it and as the re-run got it, and the kernel width CUDA's dropout picks for each."""
+    for m in mismatches or []:
+        if "Dropout" in str(m.get("module")) and m.get("input_layouts") is not None:
+            rerun = m.get("rerun_input_layouts") or []
+            return {"module": m["module"], "step": m.get("step"), "inputs_alike": m.get("inputs_alike"),
+                    "forward": m["input_layouts"], "rerun": rerun,
+                    "cuda_width_forward": [_cuda_dropout_width(g) for g in m["input_layouts"]],
+                    "cuda_width_rerun": [_cuda_dropout_width(g) for g in rerun]}
+    return None
+
 
 _SESSION_SCRIPT = """
 import time
@@ -111,6 +156,7 @@ def test_async_swap_on_cuda_is_bit_for_bit_exact(gpu_python: Callable[..., Any])
         r = results[name]
         assert r["equal"] and not r["recompute_mismatches"], (
             f"{name}: gradients differ from the run without offload, first at {r['difference']}; "
+            f"the first dropout re-run that differs, its input: {_dropout_inputs(r['recompute_mismatches'])}; "
             f"recomputed tensors that differ from the dropped ones: {r['recompute_mismatches']}; {r}")
         assert r["resident_bytes"] == 0 and r["swapped_out_bytes"] == 0, (name, r)
     tight = results["swap_tight"]
@@ -193,6 +239,7 @@ def test_run_offload_on_cuda_matches_a_run_without(gpu_python: Callable[..., Any
     mismatches = (stats or {}).get("recompute_mismatches")
     assert results["difference"] is None and not mismatches, (
         f"gradients under --offload differ from the run without, first at {results['difference']}; "
+        f"the first dropout re-run that differs, its input: {_dropout_inputs(mismatches)}; "
         f"recomputed tensors that differ from the dropped ones: {mismatches}; stats {stats}")
     assert stats is not None, f"no --offload-stats file; stderr:\n{results['offloaded_run']['stderr']}"
     assert stats["steps_total"] == 3, stats
@@ -226,7 +273,11 @@ results["fresh_copy"] = replay(x.detach().clone().requires_grad_(True))
 buf = torch.empty(512 * 2048 + 1, device="cuda")
 shifted = buf[1:].view(512, 2048)  # 4 bytes past a 512-byte boundary
 shifted.copy_(x.detach())
-results["copy_4_bytes_off"] = replay(shifted)
+results["copy_4_bytes_off"] = replay(shifted)  # Dropout.cu's unrolled kernel, not the vectorised one
+buf8 = torch.empty(512 * 2048 + 2, device="cuda")
+shifted8 = buf8[2:].view(512, 2048)  # 8 bytes off: the vectorised kernel, 2 elements wide instead of 4
+shifted8.copy_(x.detach())
+results["copy_8_bytes_off"] = replay(shifted8)
 
 
 class Probe(torch.autograd.Function):  # the replay where the session's re-runs happen: in backward
@@ -252,7 +303,8 @@ def test_a_cuda_dropout_replays_its_mask_from_a_restored_generator_state(gpu_pyt
     # 2026-11-27 found a planned dropout re-run drawing another mask (189,482 of 1,048,576
     # elements differing) with the generator captured and restored, so the platform's side is
     # pinned here: on the main thread, on a fresh copy, in backward (autograd's device thread),
-    # and, reported only, on a copy at a 4-byte offset (a vectorised kernel draws by alignment).
+    # and, reported only, on copies 4 and 8 bytes off a 16-byte boundary (Dropout.cu's kernel
+    # width follows the input's alignment; expected False for both where that changes the mask).
     r = gpu_python(_DROPOUT_REPLAY_SCRIPT, "native")
     assert r["state_advanced"], r
     assert r["same_input"] and r["fresh_copy"] and r["in_backward"], r
