@@ -117,6 +117,8 @@ DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, 
   // is at most 1/kExtentShare of the request (Note [Extents]).
   size_t extent = g;
   while (extent * 2 <= extent_bytes_ && extent * 2 * kExtentShare <= req_hi - req_lo) extent *= 2;
+  // Where the granules that the request lies over wholly end.
+  const uintptr_t whole_hi = arena->base + (req_hi - arena->base) / g * g;
   std::vector<Piece>& pieces = pieces_;  // capacity kept between growths
   std::vector<PhysHandle>& handles = grow_handles_;
   pieces.clear();
@@ -125,10 +127,8 @@ DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, 
     if (b->state != BlockState::kHole || end_of(b) <= lo) continue;
     const uintptr_t z = std::min(hi, end_of(b));
     for (uintptr_t va = std::max(lo, b->addr); va < z;) {
-      size_t size = g;
-      if (va >= req_lo && va + g <= req_hi) {  // wholly under the request: grow an extent
-        while (size < extent && va + size < z && va + size + g <= req_hi) size += g;
-      }
+      // Wholly under the request: an extent, as far as the hole and the request allow.
+      const size_t size = va >= req_lo && va + g <= whole_hi ? std::min({extent, z - va, whole_hi - va}) : g;
       pieces.push_back(Piece{va, size});
       va += size;
     }
@@ -172,7 +172,8 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, const
   if (!succeeded(backend_->map_range(device_, lo, handles, n))) return nullptr;
   uintptr_t va = lo;
   for (size_t i = 0; i < n; ++i) {
-    for (size_t k = 0; k < handles[i].size / g; ++k) arena->phys[(va - arena->base) / g + k] = handles[i];
+    std::fill_n(arena->phys.begin() + static_cast<std::ptrdiff_t>((va - arena->base) / g), handles[i].size / g,
+                handles[i]);
     trace_.record(TraceAction::kSegmentMap, va, handles[i].size, arena->stream);
     va += handles[i].size;
   }
@@ -209,9 +210,11 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi)
   }
   breaks_capture();
   backend_->unmap_range(device_, lo, chunks.data(), chunks.size());  // one call (Note [Backend time])
-  for (uintptr_t va = lo; va < hi; va += g) {
-    arena->phys[(va - arena->base) / g] = PhysHandle{};
-    trace_.record(TraceAction::kSegmentUnmap, va, g, arena->stream);
+  std::fill_n(arena->phys.begin() + static_cast<std::ptrdiff_t>((lo - arena->base) / g), (hi - lo) / g, PhysHandle{});
+  uintptr_t va = lo;
+  for (const PhysHandle& chunk : chunks) {
+    trace_.record(TraceAction::kSegmentUnmap, va, chunk.size, arena->stream);
+    va += chunk.size;
   }
   release_chunks(chunks);
   arena->mapped -= hi - lo;
