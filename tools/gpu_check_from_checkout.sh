@@ -5,9 +5,10 @@
 #
 #   tools/gpu_check_from_checkout.sh OUT_DIR [gpu-check options...]
 #
-# OUT_DIR gets build.log (with the seconds each build took), gpu-check.log (the progress lines and
-# the targets), and gpu-check's own files: gpu-check.json, gpu-check.md, tests-gpu.log and
-# tests-gpu-results.log. Exits with gpu-check's status, or 1 when the build fails (its log's tail is
+# OUT_DIR gets build.log (with the seconds each build took), vmm_calls.json and .log (the driver's
+# virtual-memory calls priced on this GPU: tools/bench/vmm_calls.py, a few seconds), gpu-check.log
+# (the progress lines and the targets), and gpu-check's own files: gpu-check.json, gpu-check.md,
+# tests-gpu.log and tests-gpu-results.log. Exits with gpu-check's status, or 1 when the build fails (its log's tail is
 # printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,9 @@ start=$SECONDS
 python3 -c "from pyalloc.pytorch import layer; print(layer.build('cuda')); print(layer.build('ops'))" \
   >>"$out/build.log" 2>&1 || echo "the torch layer did not build (see $out/build.log); gpu-check goes on" >&2
 echo "torch layer built in $((SECONDS - start)) s" | tee -a "$out/build.log"
+
+timeout 60 python3 tools/bench/vmm_calls.py --gib 8 --json "$out/vmm_calls.json" >"$out/vmm_calls.log" 2>&1 ||
+  echo "vmm_calls.py failed (see $out/vmm_calls.log); gpu-check goes on" >&2
 
 python3 -c "import sys; from pyalloc.cli import main; sys.exit(main())" gpu-check --out "$out" "$@" 2>&1 \
   | tee "$out/gpu-check.log"
