@@ -145,3 +145,72 @@ def test_sharing_raises_the_soft_descriptor_limit_to_the_hard_one() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+def _parts(handle: bytes) -> list[tuple[int, int]]:
+    """(offset of the size field, size) of each part of a kGranules handle: after the 40-byte
+    header, each part is its mapped size (8 bytes), its length (4) and its bytes."""
+    at, out = 40, []
+    while at < len(handle):
+        size = int.from_bytes(handle[at:at + 8], "little")
+        length = int.from_bytes(handle[at + 8:at + 12], "little")
+        out.append((at, size))
+        at += 12 + length
+    return out
+
+
+def _with_size(handle: bytes, at: int, size: int) -> bytes:
+    return handle[:at] + (size % (1 << 64)).to_bytes(8, "little") + handle[at + 8:]
+
+
+def test_chunk_sizes_that_wrap_around_to_the_total_are_refused_and_nothing_is_mapped(
+        fresh: Callable[[str, str], Allocator]) -> None:
+    """Sizes of 6 MiB and 2**64 - 2 MiB add up, modulo 2**64, to what the header says: mapping
+    them would cover whatever lies past the reservation. The handle is refused, and the
+    importer's own live memory is untouched."""
+    a = fresh("host", "vmm=shared")
+    a.malloc(1 * MiB)
+    ptr = a.malloc(5 * MiB + 4096)  # four single granules
+    neighbour = a.malloc(8 * MiB)
+    ctypes.memset(neighbour, 0x6B, 8 * MiB)
+    handle, _ = pyalloc.ipc_export(ptr)
+    (first, _), (second, _) = _parts(handle)[:2]
+    forged = _with_size(_with_size(handle, first, 6 * MiB), second, -2 * MiB)
+    with pytest.raises(pyalloc.PyallocError, match="truncated or malformed"):
+        pyalloc.ipc_import(forged)
+    assert ctypes.string_at(neighbour, 8 * MiB) == b"\x6b" * (8 * MiB)
+    pyalloc.check(0)
+
+
+def test_a_chunk_larger_than_the_memory_shared_is_refused_by_name(fresh: Callable[[str, str], Allocator]) -> None:
+    a = fresh("host", "vmm=shared")
+    a.malloc(1 * MiB)
+    ptr = a.malloc(5 * MiB + 4096)
+    handle, _ = pyalloc.ipc_export(ptr)
+    first, size = _parts(handle)[0]
+    total = int.from_bytes(handle[24:32], "little")
+    forged = _with_size(_with_size(handle, first, size + 2 * MiB), 24, total + 2 * MiB)  # the header's size too
+    with pytest.raises(pyalloc.PyallocError, match="a shared chunk holds 2097152 bytes, fewer than the 4194304"):
+        pyalloc.ipc_import(forged)
+    pyalloc.check(0)
+
+
+def test_a_block_that_starts_inside_an_extent_is_shared_from_the_extent_start(
+        fresh: Callable[[str, str], Allocator]) -> None:
+    """A 64 MiB block freed, then a 3 MiB block and one of 20 MiB + 4 KiB placed in it: the second starts
+    3 MiB into the first 4 MiB extent (Note [Extents]), which travels whole, and the offset says
+    where the block begins in it."""
+    a = fresh("host", "vmm=shared")
+    big = a.malloc(64 * MiB)
+    a.free(big)
+    a.malloc(3 * MiB)
+    size = 20 * MiB + 4096  # not whole granules: packed at the free block's front
+    ptr = a.malloc(size)
+    assert ptr == big + 3 * MiB
+    ctypes.memset(ptr, 0x11, size)
+    handle, offset = pyalloc.ipc_export(ptr)
+    assert offset == 3 * MiB and _parts(handle)[0][1] == 4 * MiB
+    out = import_in_child(handle, offset, size)
+    assert out[0] == "1 17"
+    assert ctypes.string_at(ptr, size) == b"\x5a" * size
+    pyalloc.check(0)

@@ -8,6 +8,7 @@
 // with their content intact. Unmapping puts PROT_NONE back, keeping the
 // reservation. Copies are memcpy; events are countdown events.
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -133,6 +134,12 @@ class HostBackend final : public Backend {
     std::memcpy(&ref, in.data(), sizeof ref);
     int fd = -1;
     if (Status s = take_fd(ref.pid, ref.fd, /*may_reopen=*/true, &fd); !s.ok) return Status::failure("host backend: " + s.message);
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || st.st_size < 0 || static_cast<uint64_t>(st.st_size) < size) {
+      close(fd);  // mapping past the file's end would fault on first touch
+      return Status::failure("host backend: a shared chunk holds " + std::to_string(st.st_size) + " bytes, fewer than the " +
+                             std::to_string(size) + " the handle names");
+    }
     *out = PhysHandle{static_cast<uint64_t>(fd), size};
     return Status::success();
   }

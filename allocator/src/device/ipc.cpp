@@ -35,6 +35,7 @@ constexpr char kMagic[12] = "pyalloc-ipc";
 constexpr uint8_t kVersion = 2;  // 2: each chunk's size travels with it (extents)
 constexpr uint8_t kPlain = 'S';
 constexpr uint8_t kGranules = 'G';
+constexpr uint64_t kLargestChunk = uint64_t{1} << 30;  // config's largest extent
 
 // 40 bytes, no padding; then each part: for kGranules its mapped size
 // (uint64), then its length (uint32) and its bytes.
@@ -139,6 +140,10 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
     uint64_t size = 0;
     uint32_t n = 0;
     if ((!plain && !read_raw(handle, &at, &size)) || !read_raw(handle, &at, &n) || handle.size() - at < n) break;
+    // Parts that add up to more than the header's size, or a chunk larger
+    // than any extent, would map past the reservation: refused (total never
+    // passes h.size, so the subtraction cannot wrap).
+    if (!plain && (size > kLargestChunk || size > h.size - total)) break;
     parts.emplace_back(handle, at, n);
     at += n;
     sizes.push_back(size);
