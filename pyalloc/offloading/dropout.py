@@ -20,16 +20,37 @@ Note [Dropout refills]
     3d forms, whose noise broadcasts over a channel) in training mode, not in place, with
     ``0 < p < 1``. The planner weighs a refilled dropout at the refill's measured time, as it does
     a refilled batch norm (Note [Batch-norm refills] in batchnorm.py).
+
+Note [Dropout products]
+    A dropout inside an operator's own decomposition is no module call, so no module re-run can
+    regenerate it alone: CPU attention with dropout (``scaled_dot_product_attention``'s math
+    path, what ``nn.MultiheadAttention`` runs in training) computes ``softmax(q k^T) * noise``
+    and the next matrix product saves that product, the attention matrix (2 MiB a layer of the
+    benchmark's BERT-like model, 1 MiB a GPT-like block). The softmax saves its own result
+    and the product's node saves the noise, so the product is ``a * noise`` with both operands
+    held for backward anyway: a *dropout product* save is dropped and refilled in backward
+    from those two, one elementwise product, where a region re-running the attention (its
+    three matrix products) took ~7 ms on the BERT-like model. It is found from the saved
+    tensor's own autograd graph, not from recorded operators: the save is a view (up to
+    ``MAX_VIEW_STEPS`` view nodes) of a ``MulBackward0`` whose ``other`` is saved without history
+    (the noise) and whose ``self`` comes from a node that saved its result (``_saved_result``).
+    The profiled step checks the refill bit for bit with the save's strides
+    (:func:`exact_product_seconds`); a planned step checks the node types again on every such
+    save (another graph: the step diverges and keeps its saves), and reads both operands from
+    the nodes in backward. The refill runs before either node's backward (the save's reader
+    comes later in forward, so earlier in backward), while both still hold their saves.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["refill", "refillable", "saved_noise"]
+__all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "product_nodes", "product_refill", "refill", "refillable",
+           "saved_noise"]
 
 _FORWARDS = (nn.Dropout.forward, nn.Dropout1d.forward, nn.Dropout2d.forward, nn.Dropout3d.forward)
 """The stock forwards: each is ``F.dropout`` (or a feature form of it) with the module's ``p``."""
@@ -58,3 +79,78 @@ def refill(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return torch.mul(x, noise)
 
+
+
+# ---- a dropout inside an operator: its product, saved by a later operator ------------------
+
+_VIEW_NODES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0", "TransposeBackward0",
+    "TBackward0", "PermuteBackward0", "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
+    "AliasBackward0", "AsStridedBackward0"})
+"""Autograd nodes of operators that return a view of their one differentiable input (same storage)."""
+
+MAX_VIEW_STEPS = 4
+"""How many view operators may lie between a dropout's product and the save of it."""
+
+
+def product_nodes(t: torch.Tensor) -> tuple[tuple[str, ...], Any, Any] | None:
+    """Whether ``t`` is a view of a dropout's product ``a * noise`` whose operand ``a`` is the
+    saved result of the operator that made it (Note [Dropout products]): the names of the view
+    nodes walked, the product's node (``MulBackward0``, which saved ``noise``) and ``a``'s node
+    (which saved ``a`` as ``_saved_result``); None otherwise. Reads node types only."""
+    node: Any = t.grad_fn
+    path: list[str] = []
+    while node is not None and type(node).__name__ in _VIEW_NODES and len(path) < MAX_VIEW_STEPS:
+        path.append(type(node).__name__)
+        node = node.next_functions[0][0]
+    if node is None or type(node).__name__ != "MulBackward0":
+        return None
+    source = node.next_functions[0][0]
+    if source is None or not hasattr(type(source), "_saved_result"):
+        return None
+    return tuple(path), node, source
+
+
+def product_refill(product: Any, source: Any, geometry: tuple[tuple[int, ...], tuple[int, ...], int]) -> torch.Tensor:
+    """The saved view of ``a * noise`` again, from ``a`` (``source``'s saved result) and the
+    noise the product's node saved; exact only where :func:`exact_product_seconds` said so."""
+    shape, stride, offset = geometry
+    with torch.no_grad():
+        out = torch.mul(source._saved_result, product._saved_other)
+    if (tuple(out.shape), out.stride(), out.storage_offset()) == geometry:
+        return out
+    return out.as_strided(shape, stride, offset)
+
+
+def exact_product_seconds(t: torch.Tensor) -> tuple[tuple[str, ...], str, float, torch.Tensor] | None:
+    """In the profiled step, for a save ``t``: when it is a dropout's product (or a view of one)
+    that :func:`product_refill` gives again bit for bit, with its strides, on this device and
+    layout, the view path, the type of ``a``'s node, the refill's thread time (timed on a
+    second run, as ``refills.exact_refill_seconds`` does) and ``a``; else None. Reading the saved
+    operands may raise (one not resident in the profiled step's DTR): then None."""
+    found = product_nodes(t)
+    if found is None:
+        return None
+    path, product, source = found
+    try:
+        noise = product._saved_other
+        a = source._saved_result
+    except Exception:
+        return None
+    if not isinstance(noise, torch.Tensor) or noise.grad_fn is not None or noise.requires_grad \
+            or not isinstance(a, torch.Tensor) or a.dtype != t.dtype:
+        return None
+    geometry = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+    try:
+        with torch.no_grad():
+            first = torch.mul(a, noise)
+            if first.untyped_storage().nbytes() != t.untyped_storage().nbytes():
+                return None
+            t0 = time.thread_time()
+            got = product_refill(product, source, geometry)
+            seconds = time.thread_time() - t0
+    except Exception:
+        return None
+    if got.dtype != t.dtype or got.shape != t.shape or got.stride() != t.stride() or not torch.equal(got, t):
+        return None
+    return path, type(source).__name__, seconds, a

@@ -27,6 +27,10 @@ Note [Planned recompute]
       statistics instead of re-run (Note [Batch-norm refills] in batchnorm.py), a dropout from
       its saved noise (Note [Dropout refills] in dropout.py).
 
+    - a *dropout product*: a save that is a view of ``a * noise``, refilled from the softmax (or
+      other) result ``a`` and the noise that autograd holds anyway (Note [Dropout products] in
+      dropout.py): the attention matrix inside ``scaled_dot_product_attention``'s math path.
+
     - a *selective region*: a module call whose saves are partly kept, partly dropped; the
       dropped ones are refilled by replaying only the operators they need (Note [Selective
       re-runs] in ops.py): a transformer block's layer-norm, GELU, softmax and dropout outputs
@@ -35,9 +39,11 @@ Note [Planned recompute]
     Candidates are taken greedily: each round the cheapest move that brings the estimated peak
     under the target, else the move with the most bytes freed per second of re-runs (a region
     may replace chosen candidates inside it; an output whose kept input another candidate drops
-    switches to regenerating that input). The greedy also starts from "every call of one
-    repeated module type as a region" (what a user checkpoints by hand) and the cheapest plan
-    that fits wins. The estimated peak is the larger of what is held at the end of forward and,
+    switches to regenerating that input). Each start is run twice, the second time taking only
+    the densest moves (the one move that closes the gap is often a whole region where a few
+    cheap pieces, such as dropout products, do for less). The greedy also starts from "every
+    call of one repeated module type as a region" (what a user checkpoints by hand) and the
+    cheapest plan that fits wins. The estimated peak is the larger of what is held at the end of forward and,
     for each re-run in backward, what was saved before the call (backward has freed the later
     saves by then) plus what the re-run saves. The floor is the estimate with every candidate
     the greedy can take. A call re-run for several candidates counts once (its output is cached
@@ -74,11 +80,12 @@ from typing import Any, Callable
 
 import torch
 
-from .refills import exact_refill_seconds, kind as refill_kind
+from .dropout import exact_product_seconds
+from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
 from .calls import autocast_state
 from .ops import CallOps, OpRecorder, Recipe, geometry
 
-__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
+__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "PRODUCT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
            "is_activation", "make_plan", "storage_key", "tensor_leaves"]
 
 MAX_CHAIN = 3
@@ -101,7 +108,7 @@ that took it could not refine it."""
 MAX_VARIANTS = 12
 """Selective variants per region: prefixes of its storages in order of bytes per second."""
 
-KEEP, REGION, OUTPUT = 0, 1, 2
+KEEP, REGION, OUTPUT, PRODUCT = 0, 1, 2, 3
 
 StorageKey = tuple[int, str]
 ProfileKey = tuple[int, str, int]  # storage_key and a generation: the address used again
@@ -194,6 +201,19 @@ class PackInfo:
     stride: tuple[int, ...] = ()
     offset: int = 0
     at: float = 0.0  # the profile's clock when it was saved
+    product: "ProductInfo | None" = None  # a dropout product, refilled exact (Note [Dropout products])
+
+
+@dataclass(frozen=True)
+class ProductInfo:
+    """A save that is a view of a dropout's product ``a * noise`` (Note [Dropout products] in
+    dropout.py), found refilled bit for bit in the profiled step."""
+
+    path: tuple[str, ...]  # the view nodes between the save and the product's node
+    source: str  # the type of the node that saved ``a`` as its result
+    seconds: float  # the refill's time
+    source_key: ProfileKey  # ``a``'s storage, and its bytes
+    source_nbytes: int
 
 
 class Profile:
@@ -201,9 +221,11 @@ class Profile:
     session's pack hook). See Note [Planned recompute]."""
 
     def __init__(self, overhead: Callable[[], float] = lambda: 0.0,
-                 peek: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+                 peek: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+                 probe: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self._overhead = overhead  # seconds the session spent on itself so far (DTR's recording)
         self._peek = peek  # while it is entered, reading saved tensors changes nothing in the session
+        self._probe = probe  # the same, and reading one DTR evicted raises instead of regenerating it
         self.calls: list[CallInfo] = []
         self.packs: list[PackInfo] = []
         self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []  # call, start, inputs, versions
@@ -380,9 +402,20 @@ class Profile:
             return
         key = self._key(t)
         inner = self._open[-1][0].index if self._open else -1
-        self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), is_activation(t), inner,
+        activation = is_activation(t)
+        self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), activation, inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
                                    tuple(t.stride()), int(t.storage_offset()), self._clock()))
+        if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
+                and not autocast_state():
+            t0 = time.thread_time()
+            with self._probe():
+                found = exact_product_seconds(t)
+            if found is not None:
+                path, source, seconds, a = found
+                self.packs[-1].product = ProductInfo(path, source, seconds, self._key(a),
+                                                     a.untyped_storage().nbytes())
+            self._checks_s += time.thread_time() - t0
 
 
 @dataclass
@@ -400,10 +433,11 @@ class Plan:
     estimate_bytes: int  # the plan's estimated peak
     floor_bytes: int  # the estimate with every candidate taken
     recompute_seconds: float  # forward time the plan re-runs per step (measured in the profile)
+    products: dict[int, ProductInfo] = field(default_factory=dict)  # PRODUCT saves: pack seq -> what was found
 
     @property
     def empty(self) -> bool:
-        return not self.regions and not self.outputs
+        return not self.regions and not self.outputs and not self.products
 
 
 @dataclass(eq=False)
@@ -461,6 +495,7 @@ class _Planner:
         self.first = [self.saves[k][0] for k in self.order]
         self.candidates = [c for call in self.calls for c in (self._region(call), *self._outputs(call))
                            if c is not None and c.drops and not (c.drops & set(c.pins))]
+        self.candidates += self._products()
         self.first_touch: dict[ProfileKey, tuple[int, bool]] = {}  # storage -> first operator, made by it
         if selective:  # Note [Selective re-runs]: variants from the operators the profile recorded
             for j, op in enumerate(profile.ops):
@@ -550,6 +585,19 @@ class _Planner:
                                   r.transient, r))
         return out
 
+    def _products(self) -> list[_Candidate]:
+        """Dropping a dropout product saved once (Note [Dropout products] in dropout.py): its
+        operand ``a`` kept (it is saved anyway), refilled in backward by one product."""
+        out = []
+        for key, seqs in self.saves.items():
+            p = self.packs[seqs[0]]
+            if len(seqs) != 1 or p.product is None or p.inner < 0 or p.product.source_key == key:
+                continue
+            info = p.product
+            pins = {info.source_key: info.source_nbytes} if info.source_key in self.nbytes else {}
+            out.append(_Candidate(self.calls[p.inner], PRODUCT, {key}, pins, [], info.seconds, p.nbytes))
+        return out
+
     def _pins(self, call: CallInfo) -> dict[ProfileKey, int]:
         return {k: n for k, n, act in zip(call.input_keys, call.input_nbytes, call.input_activation) if act}
 
@@ -635,19 +683,32 @@ class _Planner:
         whole = [c for c in self.chosen if c.kind == REGION and c.recipe is None]
         outputs = {i for c in self.chosen if c.kind == OUTPUT for i in c.chain} - {c.call.index for c in whole}
         return sum(c.seconds for c in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
-            + sum(c.seconds for c in self.chosen if c.recipe is not None)
+            + sum(c.seconds for c in self.chosen if c.recipe is not None or c.kind == PRODUCT)
 
     def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
         """The estimate and recompute time with ``c`` taken, what it replaces and what comes
         with it, or None. ``c`` replaces chosen candidates inside it (a region) or another way
         to drop the same output; a chosen output that keeps (pins) what ``c`` drops switches to
         its variant that regenerates it through ``c``'s call instead."""
-        replaced = [d for d in self.chosen if d.overlaps(c)]
-        for d in replaced:
-            if d is c or (d.call is c.call and d.kind != c.kind):
+        if c.kind != REGION and any(d.kind != REGION and d.kind != c.kind and d.drops & c.drops for d in self.chosen):
+            return None  # an output and a product, both dropping the same storage
+        replaced = []
+        for d in self.chosen:
+            if not d.overlaps(c):
+                continue
+            if d is c:
+                return None
+            if PRODUCT in (c.kind, d.kind):  # a product is in the way of a region around it only
+                if c.kind == REGION and c.contains(d):
+                    replaced.append(d)
+                elif d.kind == REGION and d.contains(c):
+                    return None
+                continue
+            if d.call is c.call and d.kind != c.kind:
                 return None
             if d.call is not c.call and (c.kind != REGION or not c.contains(d)):
                 return None
+            replaced.append(d)
         added = [c]
         for d in self.chosen:
             if d.kind == OUTPUT and d not in replaced and c.drops & set(d.pins):
@@ -685,11 +746,12 @@ class _Planner:
                 out.append(group)
         return out
 
-    def run(self, budget: int) -> None:
+    def run(self, budget: int, closing: bool = True) -> None:
         """Takes moves until the estimate fits ``budget`` or nothing helps.
 
         Each round takes the cheapest move that closes the gap, else the move with the most
-        bytes per second. Trying a candidate costs O(storages), so both searches try few: the
+        bytes per second; with ``closing`` False, always the latter (several cheap pieces can
+        cost less than the one large region that closes the gap at once: make_plan tries both). Trying a candidate costs O(storages), so both searches try few: the
         best-looking candidates first (bytes dropped per second of their own re-runs), stopping
         at those that look less than ``PRUNE`` as good as the best move found so far or after
         ``TRIES_PER_ROUND``; closers in order of their own re-run time, stopping at the first
@@ -700,7 +762,8 @@ class _Planner:
         by_density = sorted(self.candidates, key=lambda c: -density[id(c)])
         by_seconds = sorted(self.candidates, key=lambda c: c.seconds)
         while self.estimate() > budget:
-            move = self._closing(budget, by_seconds, dropped) or self._densest(by_density, density)
+            move = (self._closing(budget, by_seconds, dropped) if closing else None) \
+                or self._densest(by_density, density)
             if move is None:
                 return
             self._take(move)
@@ -783,7 +846,7 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
     starts: list[list[_Candidate]] = [[], *base.seeds()]
     if floor_bytes is None:
         floor_bytes = min(_planned(profile, base, seed, 0).estimate() for seed in starts)
-    tried = [_planned(profile, base, seed, budget) for seed in starts]
+    tried = [_planned(profile, base, seed, budget, closing) for seed in starts for closing in (True, False)]
     fitting = [p for p in tried if p.estimate() <= budget]
     planner = min(fitting, key=lambda p: p.seconds()) if fitting \
         else min(tried, key=lambda p: (p.estimate(), p.seconds()))
@@ -794,6 +857,7 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
     outputs: dict[tuple[int, int], CallInfo] = {}
     modules: dict[int, weakref.ref[torch.nn.Module]] = {}
     recipes: dict[tuple[int, int], tuple[Recipe, frozenset[ProfileKey]]] = {}
+    products: dict[int, ProductInfo] = {}
     for c in planner.chosen:
         if c.kind == REGION:
             regions[c.call.key] = c.call
@@ -802,6 +866,10 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
             for seq in range(c.call.first_pack, c.call.end_pack):
                 if profile.packs[seq].key in c.drops:
                     actions[seq], owners[seq] = REGION, c.call.key
+        elif c.kind == PRODUCT:
+            for seq in planner.saves[next(iter(c.drops))]:
+                actions[seq], owners[seq] = PRODUCT, c.call.key
+                products[seq] = profile.packs[seq].product  # type: ignore[assignment]
         else:
             for i in c.chain:
                 outputs[profile.calls[i].key] = profile.calls[i]
@@ -813,13 +881,14 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
             modules[id(m())] = m
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
                 list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
-                planner.seconds())
+                planner.seconds(), products)
 
 
-def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int) -> _Planner:
+def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int,
+             closing: bool = True) -> _Planner:
     planner = _Planner(profile, like=base)
     planner.seed(seed)
-    planner.run(budget)
+    planner.run(budget, closing)
     return planner
 
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import refills, rng
+from . import dropout, refills, rng
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
 from .calls import autocast_state
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, geometry, run_replay
-from .plan import KEEP, OUTPUT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
+from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 
 if TYPE_CHECKING:
     from .ops import Recipe
@@ -347,6 +347,44 @@ class RegionSlot(_Counted):
         return self.tensor
 
 
+class ProductSlot(_Counted):
+    """A dropout product's save, dropped (Note [Dropout products] in dropout.py): holds the
+    product's node and its operand's, whose saves the refill reads in backward."""
+
+    __slots__ = ("step", "nodes", "geometry", "tensor", "original", "seq")
+
+    def __init__(self, step: "PlannedStep", product: Any, source: Any, t: torch.Tensor, seq: int) -> None:
+        super().__init__(step.bytes)
+        self.step: PlannedStep | None = step
+        self.nodes: tuple[Any, Any] | None = (product, source)
+        self.geometry = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        self.tensor: torch.Tensor | None = None
+        check = step.check
+        self.original = check.original(t) if check is not None else None
+        self.seq = seq
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None:
+            step, nodes = self.step, self.nodes
+            assert step is not None and nodes is not None
+            self.step = self.nodes = None
+            t0 = time.thread_time()
+            self.tensor = dropout.product_refill(nodes[0], nodes[1], self.geometry)
+            seconds = time.thread_time() - t0
+            self.count(self.tensor)
+            st = step.session._stats
+            st["dropout_refills_total"] += 1
+            st["recomputed_tensors_total"] += 1
+            st["recompute_seconds_total"] += seconds
+            step.product_seconds += seconds
+            if self.original is not None and step.check is not None:
+                original, self.original = self.original, None
+                step.check.compare(original, self.tensor, step=int(st["steps_total"]), kind="product",
+                                   module=type(nodes[1]).__name__, call=0, save=self.seq, cuda_generators=[],
+                                   linked_inputs=0, input_layouts=[], rerun_input_layouts=[], inputs_alike=True)
+        return self.tensor
+
+
 class _Link:
     """An argument of an output call made by another planned output call: regenerated through it
     instead of being held."""
@@ -550,6 +588,7 @@ class PlannedStep:
         self.refill_seconds: dict[tuple[int, int], float] = {}  # the same, refills (refills.py)
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
         self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
+        self.product_seconds = 0.0  # dropout products refilled (Note [Dropout products] in dropout.py)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         self.check: RecomputeCheck | None = session._check  # Note [Recompute check] in check.py
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
@@ -663,6 +702,13 @@ class PlannedStep:
                 self._count_drop(t)
                 return OutputSlot(record, t, seq)
             self._diverge()
+        elif action == PRODUCT:
+            info = plan.products[seq]
+            found = dropout.product_nodes(t)
+            if found is not None and found[0] == info.path and type(found[2]).__name__ == info.source:
+                self._count_drop(t)
+                return ProductSlot(self, found[1], found[2], t, seq)
+            self._diverge()
         kept: Any = KeptSave(self.bytes, t) if is_activation(t) else t
         region = self._regions[-1] if self._regions else None
         if region is not None and region.recipe is not None and seq - region.first_seq in region.recipe.source_keys:
@@ -672,7 +718,7 @@ class PlannedStep:
     def unpack(self, h: Any) -> torch.Tensor:
         if isinstance(h, KeptSave):
             return h.tensor
-        if isinstance(h, (RegionSlot, OutputSlot)):
+        if isinstance(h, (RegionSlot, OutputSlot, ProductSlot)):
             return h.get()
         return h
 

@@ -140,6 +140,7 @@ class ActivationOffload:
         self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offloading.process)
         self._inert = False  # left behind in a forked child: packs and calls pass through
         self._peeking = False  # unpacks change nothing (the profile reads batch-norm statistics)
+        self._probing = False  # and an unpack of what DTR evicted raises (the profile's product checks)
         self._clock = 0
         self._pack_seq = 0
         self.resident_bytes = 0
@@ -244,7 +245,7 @@ class ActivationOffload:
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
-                    self._profile = Profile(lambda: self._overhead_s, self._peek)
+                    self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe)
                     self._profile.start()
                     stack.callback(self._profile.stop)
                     if self.selective:  # only selective regions read the operators
@@ -494,11 +495,24 @@ class ActivationOffload:
         finally:
             self._peeking = peeking
 
+    @contextlib.contextmanager
+    def _probe(self) -> Iterator[None]:
+        """As :meth:`_peek`, and an unpack of a handle that is not resident raises ``LookupError``
+        instead of bringing it back: a check that may do without it (Note [Dropout products])."""
+        probing, self._probing = self._probing, True
+        try:
+            with self._peek():
+                yield
+        finally:
+            self._probing = probing
+
     def _unpack(self, h: Any) -> torch.Tensor:
         if not isinstance(h, SavedActivation):
             return h
         if self._peeking and h.state == RESIDENT:
             return self._use(h)
+        if self._probing:
+            raise LookupError("pyalloc.offload: a probe read a saved tensor that is not resident")
         with self._lock:
             if self._host:
                 self._host.reap(wait=False)
