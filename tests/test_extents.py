@@ -108,9 +108,34 @@ def test_stitching_gives_whole_extents_back_and_live_bytes_stay(arenas: Allocato
     assert a.stats()["reserved_bytes.all.current"] == 0
 
 
-@pytest.mark.parametrize("value", ["3MiB", "1MiB", "2GiB", "0", "lots"])
-def test_an_extent_that_is_not_a_multiple_of_2_mib_up_to_1_gib_is_refused_by_name(value: str) -> None:
+@pytest.mark.parametrize("value", ["3MiB", "6MiB", "1MiB", "2GiB", "0", "lots"])
+def test_an_extent_that_is_not_a_power_of_two_from_2_mib_to_1_gib_is_refused_by_name(value: str) -> None:
     before = pyalloc.config()["extent"]
-    with pytest.raises(pyalloc.PyallocError, match=r"extent.*2MiB to 1GiB, a multiple of 2MiB"):
+    with pytest.raises(pyalloc.PyallocError, match=r"extent.*a power of two from 2MiB to 1GiB"):
         pyalloc.configure(f"extent={value}")
     assert pyalloc.config()["extent"] == before
+
+
+@pytest.mark.parametrize("extent, created_, released", [("2MiB", 16, 0), ("32MiB", 20, 16)])
+def test_reuse_maps_single_granules_again_and_gives_extents_back(extent: str, created_: int, released: int) -> None:
+    """A 128 MiB block freed, cold (the arena's only free block), and a 160 MiB request that no
+    cached block holds: reuse before growing moves the freed block's memory into the window, so
+    reserved memory stays at what is live. Single granules are mapped again: with extent=2MiB the
+    64 granules move and only the 16 missing are created, none released, as before extents. By
+    default the block's 16 extents of 8 MiB go back whole, and the window's memory is created
+    anew, in 20 extents of 8 MiB."""
+    a = rebuilt("sim", "vmm=shared", f"capacity=1GiB,extent={extent}")
+    try:
+        first = a.malloc(128 * MiB)
+        a.malloc(128 * MiB)
+        a.free(first)
+        before = a.stats()
+        a.malloc(160 * MiB)
+        s = a.stats()
+        assert s["num_reuses"] - before["num_reuses"] == 1 and s["reused_bytes"] - before["reused_bytes"] == 128 * MiB
+        assert (s["num_device_alloc"] - before["num_device_alloc"],
+                s["num_device_free"] - before["num_device_free"]) == (created_, released)
+        assert s["reserved_bytes.all.current"] == 288 * MiB
+        pyalloc.check(0)
+    finally:
+        a.free_all()

@@ -21,7 +21,9 @@
 // Stitching (stitch, ladder step 2): when the device is full, granules wholly
 // inside free blocks anywhere on the device, in any arena, are unmapped (a
 // free block becomes free edges around a hole) and mapped again into the
-// window the request needs. That is GMLake's idea with the allocator's own
+// window the request needs; a chunk of several granules (Note [Extents])
+// moves only whole, given back to the backend and created anew in the
+// window. That is GMLake's idea with the allocator's own
 // block structure: the request gets contiguous addresses over physical memory
 // that was scattered in free slivers.
 //
@@ -109,8 +111,8 @@
 // before reuse. A slack against what is allocated now (rather than the peak)
 // did the same.
 // The cost: a synchronization of the arena's stream and a remap of each
-// granule moved (on a GPU an unmap and a map, microseconds each), on such a
-// miss; counted in num_reuses and reused_bytes. On the recorded training
+// granule moved (on a GPU an unmap and a map, microseconds each; an extent
+// is given back and created anew, Note [Extents]), on such a miss; counted in num_reuses and reused_bytes. On the recorded training
 // traces it is paid in the first iterations (llama1b_b32_s4096_ckpt: 100
 // reuses before the first iteration mark, 4 and 2 in the next two, none in
 // the last); on a random churn that never repeats, on every miss, and the
@@ -266,12 +268,14 @@ bool DeviceAllocator::synchronize_stream(const Segment* arena) {
   return true;
 }
 
-// Gives back to the backend at least `wanted` granules (when there are so
-// many) wholly inside free blocks of any arena, lowest first, in whole chunks,
-// except blocks overlapping [skip_lo, skip_hi). Returns the granules given
-// back. An arena's sliver index, when on, lists those blocks (roomy); else
-// its blocks are walked.
-size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi) {
+// Unmaps at least `wanted` granules (when there are so many) wholly inside
+// free blocks of any arena, lowest first, in whole chunks, except blocks
+// overlapping [skip_lo, skip_hi): single granules go to `spares` (when not
+// null) to be mapped again, extents back to the backend (unmap_free_range).
+// Returns the granules unmapped. An arena's sliver index, when on, lists
+// those blocks (roomy); else its blocks are walked.
+size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi,
+                                            std::vector<PhysHandle>* spares) {
   size_t done = 0;
   for_each_arena([&](Segment* arena) {
     if (!arena->twins.empty() && !untwin_free(arena, skip_lo, skip_hi)) return;
@@ -285,7 +289,7 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
       if (!synchronized && !(synchronized = synchronize_stream(arena))) return false;
       z = chunks_holding(arena, a, z, wanted - done);
       done += (z - a) / granule_;
-      unmap_free_range(b, a, z);
+      unmap_free_range(b, a, z, spares);
       return true;
     };
     uintptr_t lo, hi;
@@ -326,33 +330,51 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   const uintptr_t hi = arena->base + round_up_to(w.lo + rounded - arena->base, g);
   const size_t need = w.granules;
 
-  // Make room under the limit first, so that running short maps nothing
-  // (Note [Extents]: moved memory goes back to the backend and comes anew).
+  // Memory moved from free blocks comes first, so that running short maps
+  // nothing: its single granules are mapped again (spares), its extents go
+  // back to the backend, which creates the window's memory anew (Note
+  // [Extents]).
+  std::vector<PhysHandle>& spares = spares_;
+  spares.clear();
   if (!stitch && reuses_first(need * g)) {
-    const size_t n = reuse_granules(pool, arena, need, lo, hi);
+    const size_t n = reuse_granules(pool, arena, need, lo, hi, &spares);
     if (n > 0) {
       stats_.num_reuses += 1;
       stats_.reused_bytes += static_cast<int64_t>(n * g);
     }
   }
+  auto short_by = [&](size_t granules) {  // what `granules` still lack
+    const size_t have = spares.size() + reservable_granules();
+    return have >= granules ? 0 : granules - have;
+  };
   auto take_free = [&](size_t granules) {
-    const size_t n = unmap_free_granules(granules, lo, hi);
+    const size_t n = unmap_free_granules(granules, lo, hi, &spares);
     if (n > 0) {
       stats_.num_stitches += 1;
       stats_.stitched_bytes += static_cast<int64_t>(n * g);
     }
     return n;
   };
-  if (stitch && reservable_granules() < need) take_free(need - reservable_granules());
-  Fill fill = reservable_granules() >= need ? map_window(arena, lo, hi, w.lo, w.lo + rounded) : Fill::kNoMemory;
+  if (stitch && short_by(need) > 0) take_free(short_by(need));
+  Fill fill = short_by(need) == 0 ? map_window(arena, lo, hi, w.lo, w.lo + rounded, &spares) : Fill::kNoMemory;
   // The backend itself ran out (another process's memory, a device smaller
   // than our limit): free memory of ours goes back to it, once.
-  if (fill == Fill::kNoMemory && stitch && take_free(need) > 0) fill = map_window(arena, lo, hi, w.lo, w.lo + rounded);
-  if (fill != Fill::kNoMemory) return pool.free_blocks.best_fit(stream, rounded);
-  if (!stitch || !sharing_) return nullptr;
-  index_slivers();
-  const SharePlan plan = plan_share(arena, rounded, g);
-  return plan.found && plan.fresh <= reservable_granules() ? map_share(arena, plan) : nullptr;
+  if (fill == Fill::kNoMemory && stitch && take_free(need - std::min(need, spares.size())) > 0) {
+    fill = map_window(arena, lo, hi, w.lo, w.lo + rounded, &spares);
+  }
+  Block* block = nullptr;
+  if (fill != Fill::kNoMemory) {
+    block = pool.free_blocks.best_fit(stream, rounded);
+  } else if (stitch && sharing_) {
+    index_slivers();
+    const SharePlan plan = plan_share(arena, rounded, g);
+    if (plan.found && short_by(plan.fresh) == 0 && new_granules(plan.fresh - std::min(plan.fresh, spares.size()), &spares)) {
+      block = map_share(arena, plan, &spares);
+    }
+  }
+  release_chunks(spares);  // what the window did not take
+  spares.clear();
+  return block;
 }
 
 // Whether a growth that needs `fresh` bytes of new granules takes cached free
@@ -388,14 +410,15 @@ bool DeviceAllocator::reuses_first(size_t fresh) {
 // at 81,446 MiB, as without reuse.
 //
 
-// Gives back to the backend about `n` granules (whole chunks: Note
-// [Extents]) from cold free blocks (Note [Cold donors]) of `pool` in `arena`
-// (its own stream's cached memory), smallest blocks first, except blocks
-// overlapping [skip_lo, skip_hi) (the window being grown), so that the
-// growth's new memory takes their place. Returns the granules given back. The
-// stream is synchronized first, once, as for stitching; nothing moves when it
-// cannot be.
-size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi) {
+// Unmaps about `n` granules (whole chunks: Note [Extents]) from cold free
+// blocks (Note [Cold donors]) of `pool` in `arena` (its own stream's cached
+// memory), smallest blocks first, except blocks overlapping [skip_lo,
+// skip_hi) (the window being grown): single granules go to `spares`, for the
+// growth to map again, extents back to the backend, for the growth to create
+// anew. Returns the granules unmapped. The stream is synchronized first,
+// once, as for stitching; nothing moves when it cannot be.
+size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
+                                       std::vector<PhysHandle>* spares) {
   const size_t g = granule_;
   std::vector<Donor>& donors = donors_;  // capacity kept between growths
   donors.clear();
@@ -419,7 +442,7 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
   for (const Donor& d : donors) {
     if (done >= n) break;
     const uintptr_t z = chunks_holding(arena, d.lo, d.hi, n - done);
-    unmap_free_range(d.block, d.lo, z);
+    unmap_free_range(d.block, d.lo, z, spares);
     done += (z - d.lo) / g;
   }
   return done;
@@ -445,7 +468,7 @@ Block* DeviceAllocator::stitch(Pool& pool, size_t rounded, StreamId stream) {
 size_t DeviceAllocator::release_arena_memory(size_t bytes) {
   if (granule_ == 0 || capturing_ > 0) return 0;  // no arena was ever made; Note [Capture]
   const size_t wanted = bytes == 0 ? SIZE_MAX : (bytes + granule_ - 1) / granule_;
-  const size_t released = unmap_free_granules(wanted, 0, 0) * granule_;
+  const size_t released = unmap_free_granules(wanted, 0, 0, nullptr) * granule_;
   std::vector<Segment*> empty;
   for_each_arena([&](Segment* a) {
     if (a->mapped == 0) empty.push_back(a);

@@ -16,24 +16,28 @@
 // So a growth creates its new memory hole by hole of its window (map_window):
 // the granules that the request lies over wholly in extents, one handle
 // mapped once each; the others (the request's partly used first and last
-// granule) as granules of their own. The partly used granules, where slivers
+// granule) as granules of their own. Extents are cut where a hole or the
+// request's whole granules end, so a chunk may be any number of granules up
+// to the cap. The partly used granules, where slivers
 // lie and shared granules map a second time (Note [Shared granules]: only a
 // chunk of one granule can be a twin), stay single.
 // A block freed gives back its extents whole, as it lies over all of them.
 // What cannot go back is an extent that a later, smaller request split, while
 // that request lives: memory stitching cannot move. So an extent is the
 // largest power of two of granules that is at most 1/kExtentShare (1/16) of
-// its request, and at most `extent` bytes (PYALLOC_CONF; 32 MiB by default;
-// extent=2MiB: every granule its own chunk, as before): a live tenant pins at
-// most a sixteenth of what the block it landed in had. A 287 MB tensor maps
-// in 16 MiB extents, one of 1 GiB or more in 32 MiB ones, 32 MiB and less
+// its request, and at most `extent` bytes (PYALLOC_CONF, a power of two; 32
+// MiB by default; extent=2MiB: every granule its own chunk, as before): a
+// live tenant pins at most a sixteenth of what the block it landed in had,
+// though many tenants can pin all of it, where single granules would have
+// let stitching move the free ones between them. A 287 MB tensor maps in 16
+// MiB extents, one of 512 MiB or more in 32 MiB ones, 32 MiB and less
 // granule by granule. Min capacity on the stress suite (sim), against every
 // granule single (extent=2MiB): llama7b_b1_s2048 64,724 MiB against 64,360
 // (expandable model 65,428), llama7b_b2_s4096_ckpt 64,542 against 64,296
 // (64,768), llama1b_b4 48,874 against 48,822 (49,008),
 // llama1b_b32_s4096_ckpt 69,232 against 69,082 (69,266), vit_l 40,290
-// against 40,272 (40,322), resnet50 10,998 against 10,944 (11,050),
-// batch_growth 1,628 against 1,626, the eleven others equal. Tried: 32 MiB extents under any
+// against 40,272 (40,322), resnet50 10,998 against 10,944 (11,050), the
+// twelve others equal. Tried: 32 MiB extents under any
 // whole granules of a request, 8 MiB ones, and 32 MiB ones only while
 // reserved memory was under half the limit: interleaved_lifetimes needed
 // 744, 672 and 670 MiB against 656 (expandable model 700) and llama7b_b1
@@ -44,13 +48,16 @@
 // reserved on vit_l_b256_s224 40,448 MiB against 40,362, 22 above the
 // expandable model's 40,426 (issue 18 asks for no more than either model);
 // llama7b_b1 64,852 against 64,506, llama7b_b2 64,508 against 64,298,
-// llama1b_b32 70,612 against 70,566, resnet50 10,992 against 10,960,
-// llama1b_b4 49,800 against 50,002; every other workload the same
+// llama1b_b32 70,584 against 70,566, resnet50 10,996 against 10,960,
+// llama1b_b4 49,800 against 50,002; batch_growth 1,626 against 1,624; every
+// other workload the same
 // (docs/benchmarks/2026-11-27-extents.md).
-// Moving memory (reuse before growing, stitching) gives whole chunks back to
-// the backend and creates the window's anew (a create and a release more per
-// chunk than remapping it, which would need the window's holes cut to the
-// chunk's size); stitching retries once when the backend itself has run out.
+// Moving memory (reuse before growing, stitching) maps single granules again
+// in the window, as before extents, and gives extents back to the backend,
+// whose memory the window then creates anew (a create and a release more per
+// extent than a remap, which would need the window's holes cut to its size;
+// and memory another process may take in between: stitching then retries
+// once).
 // Every chunk is recorded in phys[] under each granule it covers
 // (extent_start finds its first).
 //
@@ -70,13 +77,14 @@ constexpr size_t kExtentShare = 16;
 
 // ---- new memory --------------------------------------------------------------------
 
-// Granules the allocator may still reserve: before its limit, and before
-// the device's memory is all reserved (the backend may run out sooner: the
-// memory of other processes).
+// Granules the allocator may still reserve: before its limit, and within
+// the device's free memory as the backend reports it now (other processes'
+// memory included; the backend may still run out sooner).
 size_t DeviceAllocator::reservable_granules() {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
-  const size_t total = device_total();
-  const size_t limit = std::min(reserved_limit(), total != 0 ? total : SIZE_MAX);
+  const MemInfo info = backend_->mem_info(device_);
+  const size_t device = info.total_bytes != 0 ? reserved + info.free_bytes : SIZE_MAX;
+  const size_t limit = std::min(reserved_limit(), device);
   return reserved < limit ? (limit - reserved) / granule_ : 0;
 }
 
@@ -105,13 +113,16 @@ void DeviceAllocator::release_chunks(const std::vector<PhysHandle>& handles) {
   }
 }
 
-// Maps every hole of the window [lo, hi) of `arena` with new memory from the
-// backend (Note [Extents]): extents under the granules that the request
-// [req_lo, req_hi) lies over wholly, single granules under the rest. All or
-// nothing: kNoMemory when the backend cannot create it all (nothing changed);
-// kMapFailed when a map failed (the holes before it mapped, free).
+// Maps every hole of the window [lo, hi) of `arena` (Note [Extents]): the
+// single granules of `spares` first, as many as there are, lowest first;
+// then new memory from the backend: extents under the granules that the
+// request [req_lo, req_hi) lies over wholly, single granules under the rest.
+// All or nothing: kNoMemory when the backend cannot create it all (nothing
+// changed, `spares` as they were); kMapFailed when a map failed (the holes
+// before it mapped, free; the rest of the memory given back). Spares the
+// window does not need stay in `spares`.
 DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, uintptr_t hi, uintptr_t req_lo,
-                                                  uintptr_t req_hi) {
+                                                  uintptr_t req_hi, std::vector<PhysHandle>* spares) {
   const size_t g = granule_;
   // The largest power-of-two number of granules, up to extent_bytes_, that
   // is at most 1/kExtentShare of the request (Note [Extents]).
@@ -123,25 +134,36 @@ DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, 
   std::vector<PhysHandle>& handles = grow_handles_;
   pieces.clear();
   handles.clear();
+  size_t single = spares->size();  // granules the spares map, from the window's start
   for (const Block* b = block_near_holes(arena, lo); b != nullptr && b->addr < hi; b = b->next) {
     if (b->state != BlockState::kHole || end_of(b) <= lo) continue;
     const uintptr_t z = std::min(hi, end_of(b));
     for (uintptr_t va = std::max(lo, b->addr); va < z;) {
       // Wholly under the request: an extent, as far as the hole and the request allow.
-      const size_t size = va >= req_lo && va + g <= whole_hi ? std::min({extent, z - va, whole_hi - va}) : g;
+      size_t size = va >= req_lo && va + g <= whole_hi ? std::min({extent, z - va, whole_hi - va}) : g;
+      if (single > 0) {
+        size = g;
+        --single;
+      }
       pieces.push_back(Piece{va, size});
       va += size;
     }
   }
-  for (const Piece& p : pieces) {
+  const size_t spared = std::min(spares->size(), pieces.size());  // the first pieces, all single
+  for (size_t i = 0; i < pieces.size(); ++i) {
     PhysHandle h;
-    if (!succeeded(backend_->phys_create(device_, p.size, &h))) {
-      release_chunks(handles);
+    if (i < spared) {
+      h = (*spares)[spares->size() - 1 - i];
+    } else if (!succeeded(backend_->phys_create(device_, pieces[i].size, &h))) {
+      handles.erase(handles.begin(), handles.begin() + static_cast<std::ptrdiff_t>(spared));
+      release_chunks(handles);  // the new ones; the spares stay
       return Fill::kNoMemory;
+    } else {
+      ++stats_.num_device_alloc;
     }
-    ++stats_.num_device_alloc;
     handles.push_back(h);
   }
+  spares->resize(spares->size() - spared);
   // Map hole by hole: runs of pieces laid end to end. fill_hole coalesces,
   // so each hole is found again by address.
   for (size_t i = 0; i < pieces.size();) {
@@ -196,9 +218,11 @@ Block* DeviceAllocator::fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, const
 }
 
 // Unmaps [lo, hi), whole chunks (whole_chunks) of the free block `block`
-// (which must be in its free set), and gives them back to the backend. The
-// arena's stream must be synchronized.
-void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi) {
+// (which must be in its free set). Single granules go to `spares`, when
+// given, to be mapped again; extents, or everything when `spares` is null,
+// go back to the backend. The arena's stream must be synchronized.
+void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* spares) {
+  assert(lo < hi);
   Segment* arena = block->segment;
   const size_t g = granule_;
   Block* middle = carve_free(block, lo, hi);
@@ -215,8 +239,13 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi)
   for (const PhysHandle& chunk : chunks) {
     trace_.record(TraceAction::kSegmentUnmap, va, chunk.size, arena->stream);
     va += chunk.size;
+    if (spares != nullptr && chunk.size == g) {
+      spares->push_back(chunk);
+    } else {
+      backend_->phys_release(device_, chunk);
+      ++stats_.num_device_free;
+    }
   }
-  release_chunks(chunks);
   arena->mapped -= hi - lo;
   stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(hi - lo));
   middle->state = BlockState::kHole;
@@ -225,7 +254,8 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi)
 }
 
 // The end of the shortest run of whole chunks from `lo` (a chunk's start)
-// that holds `granules` granules, or `hi` when [lo, hi) holds fewer.
+// that holds `granules` granules, or `hi` (a chunk's end) when [lo, hi)
+// holds fewer.
 uintptr_t DeviceAllocator::chunks_holding(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t granules) const {
   uintptr_t z = lo;
   while (z < hi && (z - lo) / granule_ < granules) z += arena->phys[(z - arena->base) / granule_].size;

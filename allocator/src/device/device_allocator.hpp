@@ -299,12 +299,12 @@ class DeviceAllocator {
   void merge_holes(Block* hole);
   Block* align_to_granule(Block* block, size_t rounded);
   Block* fill_hole(Block* hole, uintptr_t lo, uintptr_t hi, const PhysHandle* handles, size_t n);
-  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi);
+  void unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi, std::vector<PhysHandle>* spares);
   bool synchronize_stream(const Segment* arena);
   template <typename F>
   void for_each_arena(F fn);
   uintptr_t chunks_holding(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t granules) const;
-  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi);
+  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* spares);
   size_t reservable_granules();
   bool new_granules(size_t n, std::vector<PhysHandle>* handles);
   void release_chunks(const std::vector<PhysHandle>& handles);
@@ -313,17 +313,19 @@ class DeviceAllocator {
     size_t size;
   };
   enum class Fill { kDone, kNoMemory, kMapFailed };
-  Fill map_window(Segment* arena, uintptr_t lo, uintptr_t hi, uintptr_t req_lo, uintptr_t req_hi);
+  Fill map_window(Segment* arena, uintptr_t lo, uintptr_t hi, uintptr_t req_lo, uintptr_t req_hi,
+                  std::vector<PhysHandle>* spares);
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
   bool reuses_first(size_t fresh);
-  size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi);
+  size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
+                        std::vector<PhysHandle>* spares);
   Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
   size_t release_arena_memory(size_t bytes);
   void release_arena(Segment* arena);
 
   // Shared granules (Note [Shared granules] in share.cpp).
   Block* share_first(Pool& pool, size_t rounded, StreamId stream);
-  Block* map_share(Segment* arena, const SharePlan& plan);
+  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
   Block* lend(Block* block, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
   void index_slivers();
@@ -441,12 +443,14 @@ class DeviceAllocator {
   std::deque<PendingFree> pending_;
   size_t cached_free_bytes_ = 0;                   // sum of free block sizes
   uint64_t next_segment_id_ = 0;
-  // Scratch of grow_arena and reuse_granules (under the lock; never nested).
+  // Scratch of grow_arena, map_window, unmap_free_range and reuse_granules
+  // (under the lock; never nested).
   struct Donor {
     Block* block;
     uintptr_t lo, hi;  // its whole chunks
   };
-  std::vector<PhysHandle> grow_handles_;  // map_window's new chunks
+  std::vector<PhysHandle> spares_;        // single granules a growth moves (Note [Extents])
+  std::vector<PhysHandle> grow_handles_;  // map_window's chunks
   std::vector<Piece> pieces_;             // and where they go
   std::vector<PhysHandle> chunks_;        // unmap_free_range's
   std::vector<Donor> donors_;

@@ -95,13 +95,22 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
   if (const Block* cached = pool.free_blocks.best_fit(stream, rounded)) {
     if (plan.fresh >= granules_taken(cached, rounded, granule_)) return nullptr;
   }
+  // The fresh granules: free ones moved (stitching), then new ones.
+  std::vector<PhysHandle>& spares = spares_;
+  spares.clear();
+  auto covered = [&](size_t fresh) { return spares.size() + reservable_granules() >= fresh; };
   SharePlan now = plan;
-  if (reservable_granules() < plan.fresh) {
-    unmap_free_granules(plan.fresh - reservable_granules(), 0, 0);
-    if (reservable_granules() < plan.fresh) return nullptr;
+  if (!covered(plan.fresh)) {
+    unmap_free_granules(plan.fresh - reservable_granules(), 0, 0, &spares);
     now = plan_share(arena, rounded, granule_);  // stitching may have split or joined free blocks
   }
-  return now.found && now.fresh <= reservable_granules() ? map_share(arena, now) : nullptr;
+  Block* block = nullptr;
+  if (now.found && covered(now.fresh) && new_granules(now.fresh - std::min(now.fresh, spares.size()), &spares)) {
+    block = map_share(arena, now, &spares);
+  }
+  release_chunks(spares);  // what the window did not take
+  spares.clear();
+  return block;
 }
 
 // Whether whole granules the device could still put behind `rounded` bytes
@@ -120,18 +129,16 @@ bool DeviceAllocator::spare_covers(size_t rounded) {
   return spare >= span;
 }
 
-// Carries out `plan` (plan_share, on the arena as it is now), its fresh
-// granules new from the backend, single (Note [Extents]): returns the free
-// block of exactly the planned range, or nullptr (the arena as it was) when
-// the backend cannot create or map them.
-Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan) {
+// Carries out `plan` (plan_share, on the arena as it is now), taking its
+// fresh granules, single ones (Note [Extents]), from the back of `handles`:
+// returns the free block of exactly the planned range, or nullptr (the arena
+// as it was, `handles` as it was) when a map failed.
+Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles) {
   const size_t g = granule_;
   const uintptr_t base = arena->base;
   const uintptr_t lo = plan.lo;
   const uintptr_t hi = lo + plan.granules * g;
-  std::vector<PhysHandle> fresh;
-  if (!new_granules(plan.fresh, &fresh)) return nullptr;
-  std::vector<PhysHandle>* handles = &fresh;
+  assert(handles->size() >= plan.fresh);
   assert(plan.granules > 1 || plan.front == SharePlan::kNone || plan.back == SharePlan::kNone);
   auto twin_of = [&](size_t i) {
     if (i == 0 && plan.front != SharePlan::kNone) return plan.front;
@@ -156,7 +163,6 @@ Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan) {
         backend_->unmap(device_, lo + j * g, g);
         if (twin_of(j) == SharePlan::kNone) handles->push_back(mapped[j]);
       }
-      release_chunks(fresh);
       return nullptr;
     }
     mapped.push_back(h);

@@ -155,12 +155,10 @@ const std::vector<KeySpec>& key_specs() {
        [](const std::string& v, Config* c) { return parse_bool(v, &c->share); }},
       {"reuse", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->reuse); }},
-      {"extent", "a size from 2MiB to 1GiB, a multiple of 2MiB (2MiB: every granule its own chunk)",
+      {"extent", "a power of two from 2MiB to 1GiB (2MiB: every granule its own chunk)",
        [](const std::string& v, Config* c) {
          size_t s;
-         if (!parse_size(v, &s) || s < (size_t{2} << 20) || s > (size_t{1} << 30) || s % (size_t{2} << 20) != 0) {
-           return false;
-         }
+         if (!parse_size(v, &s) || s < (size_t{2} << 20) || s > (size_t{1} << 30) || (s & (s - 1)) != 0) return false;
          c->extent = s;
          return true;
        }},
