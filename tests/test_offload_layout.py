@@ -89,7 +89,10 @@ def test_a_rerun_gets_its_inputs_laid_out_as_the_forward_gave_them() -> None:
     got, calls = _train(session)
     forward = {(s, i): layout for s, i, backward, layout in calls if not backward}
     reruns = [(s, i, layout) for s, i, backward, layout in calls if backward]
-    assert {i for _, i, _ in reruns} == {0, 1}, calls  # both dropouts were re-run
+    # The shifted dropout is re-run in every plan at this budget (below the floor); the first one
+    # only in the plans that hold least, which the profiled times decide (seen: about half the
+    # runs): each re-run that happens is checked.
+    assert 1 in {i for _, i, _ in reruns}, calls
     assert forward[(0, 1)][1:4] == (1, 4, False), forward  # the shifted view, as meant
     for s, i, layout in reruns:
         assert layout == forward[(s, i)], (s, i, layout, forward[(s, i)])

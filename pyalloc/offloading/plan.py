@@ -409,7 +409,7 @@ class Profile:
         if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
                 and not autocast_state():
             t0 = time.thread_time()
-            with self._probe():
+            with self._probe(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
                 found = exact_product_seconds(t)
             if found is not None:
                 path, source, seconds, a = found
