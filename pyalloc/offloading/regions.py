@@ -105,19 +105,20 @@ class _Rerun:
         self.args = args
         self.kwargs = kwargs
         self.cpu_rng = torch.get_rng_state()
-        received = tensor_leaves((args, kwargs)) if received is None else received
+        leaves = tensor_leaves((args, kwargs))  # once: this runs on every planned call of a step
+        received = leaves if received is None else received
         self.cuda_rng = rng.cuda_states(received, step.cuda)
         # with the check on: the inputs' layouts as received and as the re-run gets them, for its
         # reports (Note [Recompute check] in check.py)
         self.input_layouts = [recompute_check.geometry(t) for t in received] if step.check is not None else None
         self.rerun_layouts: list[dict[str, Any]] | None = None
         self.pins: list[StorageKey] = []
-        for t in tensor_leaves((args, kwargs)):
+        for t in leaves:
             if is_activation(t):
                 key = storage_key(t)
                 step.bytes.add(key, t.untyped_storage().nbytes())
                 self.pins.append(key)
-        self.versions = [(t, t._version) for t in tensor_leaves((args, kwargs))]
+        self.versions = [(t, t._version) for t in leaves]
         # autocast as the call ran (backward, where the re-run happens, usually runs without it)
         self.autocast = autocast_state()
 
@@ -377,11 +378,9 @@ class ProductSlot(_Counted):
             st["recomputed_tensors_total"] += 1
             st["recompute_seconds_total"] += seconds
             step.product_seconds += seconds
-            if self.original is not None and step.check is not None:
+            if self.original is not None:
                 original, self.original = self.original, None
-                step.check.compare(original, self.tensor, step=int(st["steps_total"]), kind="product",
-                                   module=type(nodes[1]).__name__, call=0, save=self.seq, cuda_generators=[],
-                                   linked_inputs=0, input_layouts=[], rerun_input_layouts=[], inputs_alike=True)
+                step.compare(original, self.tensor, "product", None, self.seq, module=type(nodes[1]).__name__)
         return self.tensor
 
 
@@ -599,17 +598,26 @@ class PlannedStep:
         self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
         self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
 
-    def compare(self, original: Original, got: torch.Tensor, kind: str, rerun: "_Rerun", seq: int) -> None:
+    def compare(self, original: Original, got: torch.Tensor, kind: str, rerun: "_Rerun | None", seq: int,
+                module: str = "") -> None:
         """Debug mode: a regenerated save (the ``seq``-th of the step) against the one dropped
         (Note [Recompute check] in check.py); a report names the re-run call, the CUDA
         generators it replayed, how many of its inputs were regenerated through other calls, and
-        its inputs' layouts as received and as re-run."""
+        its inputs' layouts as received and as re-run. With no re-run (a dropout product, refilled
+        from its nodes' saves) ``module`` names the operand's node, and there are no generators,
+        links or inputs to report."""
         assert self.check is not None
-        received, rerun_got = rerun.input_layouts or [], rerun.rerun_layouts
+        call, linked = 0, 0
+        generators: list[int] = []
+        received: list[dict[str, Any]] = []
+        rerun_got: list[dict[str, Any]] | None = []
+        if rerun is not None:
+            module, call = type(rerun.module).__name__, rerun.key[1]
+            generators = [d for d, _ in rerun.cuda_rng]
+            linked = len(rerun.links) if isinstance(rerun, Output) else 0
+            received, rerun_got = rerun.input_layouts or [], rerun.rerun_layouts
         self.check.compare(original, got, step=int(self.session._stats["steps_total"]), kind=kind,
-                           module=type(rerun.module).__name__, call=rerun.key[1], save=seq,
-                           cuda_generators=[d for d, _ in rerun.cuda_rng],
-                           linked_inputs=len(rerun.links) if isinstance(rerun, Output) else 0,
+                           module=module, call=call, save=seq, cuda_generators=generators, linked_inputs=linked,
                            input_layouts=received, rerun_input_layouts=rerun_got,
                            inputs_alike=rerun_got is not None and recompute_check.alike(received, rerun_got))
 
