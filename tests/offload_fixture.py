@@ -1,7 +1,9 @@
-"""Helpers shared by the offload tests: one training step, its saved-activation peak, a profiled
-step, and a bit-for-bit comparison of gradients."""
+"""Helpers shared by the offload tests: one training step, steps under a session, the saved-activation
+peak, a profiled step, and a bit-for-bit comparison of gradients."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +19,16 @@ def step(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def session_steps(session: Any, model: nn.Module, x: torch.Tensor, steps: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` steps of ``model`` on ``x`` under ``session`` (seeds 0, 1, ...): each step's
+    gradients, to compare bit for bit with those of :func:`step` without offload."""
+    got = []
+    for seed in range(steps):
+        with session:
+            got.append(step(model, x, seed))
+    return got
 
 
 def saved_bytes_peak(model: nn.Module, x: torch.Tensor) -> int:

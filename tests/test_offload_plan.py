@@ -17,6 +17,7 @@ from pyalloc.offloading.session import ActivationOffload, OffloadFloorWarning, o
 from offload_fixture import assert_bitwise_equal as _assert_bitwise_equal
 from offload_fixture import saved_bytes_peak as _saved_bytes_peak
 from offload_fixture import step as _step
+from offload_fixture import session_steps
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # bit-for-bit comparisons (conftest.py)
 
@@ -361,10 +362,7 @@ def test_a_step_cut_short_by_an_exception_is_neither_profile_nor_measurement(bas
     st = session.stats()
     assert st["profile_steps_total"] == 0 and st["planned_steps_total"] == 0
     model.zero_grad(set_to_none=True)
-    got = []
-    for seed in range(STEPS):
-        with session:
-            got.append(_step(model, x, seed))
+    got = session_steps(session, model, x, STEPS)
     for e, g in zip(grads, got):
         _assert_bitwise_equal(e, g)
     assert session.stats()["profile_steps_total"] == 1

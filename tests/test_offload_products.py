@@ -15,7 +15,7 @@ from pyalloc.offloading.dropout import exact_product_seconds, product_nodes, pro
 from pyalloc.offloading.plan import PRODUCT, REGION, _Planner, make_plan
 from pyalloc.offloading.session import offload
 
-from offload_fixture import assert_bitwise_equal, profiled, saved_bytes_peak
+from offload_fixture import assert_bitwise_equal, profiled, saved_bytes_peak, session_steps
 from offload_fixture import step as _step
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # bit-for-bit comparisons (conftest.py)
@@ -91,10 +91,7 @@ def test_the_plan_drops_dropout_products_and_gradients_stay_bit_identical() -> N
     # the products (a fifth of the saves here) and a few cheap outputs reach this budget
     budget = saved_bytes_peak(model, x) * 85 // 100
     session = offload(budget=budget, pressure_callback=False, check=True)
-    got = []
-    for s in range(STEPS):
-        with session:
-            got.append(_step(model, x, s))
+    got = session_steps(session, model, x, STEPS)
     for e, g in zip(expected, got):
         assert_bitwise_equal(e, g)
     st = session.stats()
