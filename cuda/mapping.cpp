@@ -1,8 +1,6 @@
 // mapping.cpp: the driver calls of mapping.hpp.
 #include "mapping.hpp"
 
-#include <algorithm>
-
 namespace pyalloc {
 namespace cuda_backend {
 
@@ -29,13 +27,7 @@ DriverCall map_chunks(const DriverApi& api, CUdevice device, uintptr_t va, const
     const CUresult rc = api.cuMemSetAccess(va, end - va, &access, 1);
     if (rc != CUDA_SUCCESS) result = {rc, "cuMemSetAccess"};
   }
-  if (!result.ok()) {  // all or none: leave the range as it was
-    uintptr_t at = va;
-    for (size_t i = 0; i < mapped; ++i) {
-      api.cuMemUnmap(at, handles[i].size);
-      at += handles[i].size;
-    }
-  }
+  if (!result.ok()) unmap_chunks(api, va, handles, mapped);  // all or none: leave the range as it was
   return result;
 }
 

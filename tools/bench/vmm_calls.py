@@ -74,15 +74,12 @@ class Driver:
         self._check(self.lib.cuMemGetAllocationGranularity(ctypes.byref(granule), ctypes.byref(self.prop), 0),
                     "cuMemGetAllocationGranularity")
         self.granule = granule.value
-        for name in ("cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemAddressReserve", "cuMemAddressFree"):
-            getattr(self.lib, name).argtypes = {
-                "cuMemMap": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64],
-                "cuMemUnmap": [ctypes.c_uint64, ctypes.c_size_t],
-                "cuMemSetAccess": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t],
-                "cuMemAddressReserve": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64,
-                                        ctypes.c_uint64],
-                "cuMemAddressFree": [ctypes.c_uint64, ctypes.c_size_t],
-            }[name]
+        u64, size = ctypes.c_uint64, ctypes.c_size_t
+        self.lib.cuMemMap.argtypes = [u64, size, size, u64, u64]
+        self.lib.cuMemUnmap.argtypes = [u64, size]
+        self.lib.cuMemSetAccess.argtypes = [u64, size, ctypes.c_void_p, size]
+        self.lib.cuMemAddressReserve.argtypes = [ctypes.c_void_p, size, size, u64, u64]
+        self.lib.cuMemAddressFree.argtypes = [u64, size]
         self.lib.cuMemCreate.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64]
         self.lib.cuMemRelease.argtypes = [ctypes.c_uint64]
 

@@ -26,11 +26,7 @@ Status Backend::map_range(int device, uintptr_t va, const PhysHandle* handles, s
   for (size_t i = 0; i < n; ++i) {
     Status s = map(device, at, handles[i]);
     if (!s.ok) {
-      uintptr_t undo = va;  // all or none: each mapping undone whole
-      for (size_t j = 0; j < i; ++j) {
-        unmap(device, undo, handles[j].size);
-        undo += handles[j].size;
-      }
+      unmap_range(device, va, handles, i);  // all or none: each mapping undone whole
       return s;
     }
     at += handles[i].size;

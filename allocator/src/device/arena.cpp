@@ -343,10 +343,6 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
       stats_.reused_bytes += static_cast<int64_t>(n * g);
     }
   }
-  auto short_by = [&](size_t granules) {  // what `granules` still lack
-    const size_t have = spares.size() + reservable_granules();
-    return have >= granules ? 0 : granules - have;
-  };
   auto take_free = [&](size_t granules) {
     const size_t n = unmap_free_granules(granules, lo, hi, &spares);
     if (n > 0) {
@@ -355,8 +351,12 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
     }
     return n;
   };
-  if (stitch && short_by(need) > 0) take_free(short_by(need));
-  Fill fill = short_by(need) == 0 ? map_window(arena, lo, hi, w.lo, w.lo + rounded, &spares) : Fill::kNoMemory;
+  size_t lacking = granules_lacking(need);
+  if (stitch && lacking > 0) {
+    take_free(lacking);
+    lacking = granules_lacking(need);
+  }
+  Fill fill = lacking == 0 ? map_window(arena, lo, hi, w.lo, w.lo + rounded, &spares) : Fill::kNoMemory;
   // The backend itself ran out (another process's memory, a device smaller
   // than our limit): free memory of ours goes back to it, once.
   if (fill == Fill::kNoMemory && stitch && take_free(need - std::min(need, spares.size())) > 0) {
@@ -368,11 +368,9 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   } else if (stitch && sharing_) {
     index_slivers();
     const SharePlan plan = plan_share(arena, rounded, g);
-    if (plan.found && short_by(plan.fresh) == 0 && new_granules(plan.fresh - std::min(plan.fresh, spares.size()), &spares)) {
-      block = map_share(arena, plan, &spares);
-    }
+    if (plan.found && granules_lacking(plan.fresh) == 0) block = map_share(arena, plan, &spares);
   }
-  release_chunks(spares);  // what the window did not take
+  release_chunks(spares.data(), spares.size());  // what the window did not take
   spares.clear();
   return block;
 }

@@ -88,6 +88,13 @@ size_t DeviceAllocator::reservable_granules() {
   return reserved < limit ? (limit - reserved) / granule_ : 0;
 }
 
+// Granules that a growth needing `granules` still lacks: beyond the moved
+// single granules waiting in spares_ and what the allocator may still reserve.
+size_t DeviceAllocator::granules_lacking(size_t granules) {
+  const size_t have = spares_.size() + reservable_granules();
+  return have >= granules ? 0 : granules - have;
+}
+
 // Appends `n` new single granules from the backend to `handles`: all, or
 // none (false).
 bool DeviceAllocator::new_granules(size_t n, std::vector<PhysHandle>* handles) {
@@ -95,8 +102,7 @@ bool DeviceAllocator::new_granules(size_t n, std::vector<PhysHandle>* handles) {
   for (size_t made = 0; made < n; ++made) {
     PhysHandle h;
     if (!succeeded(backend_->phys_create(device_, granule_, &h))) {
-      std::vector<PhysHandle> made_here(handles->begin() + static_cast<std::ptrdiff_t>(before), handles->end());
-      release_chunks(made_here);
+      release_chunks(handles->data() + before, made);
       handles->resize(before);
       return false;
     }
@@ -106,9 +112,9 @@ bool DeviceAllocator::new_granules(size_t n, std::vector<PhysHandle>* handles) {
   return true;
 }
 
-void DeviceAllocator::release_chunks(const std::vector<PhysHandle>& handles) {
-  for (const PhysHandle& h : handles) {
-    backend_->phys_release(device_, h);
+void DeviceAllocator::release_chunks(const PhysHandle* chunks, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    backend_->phys_release(device_, chunks[i]);
     ++stats_.num_device_free;
   }
 }
@@ -155,8 +161,7 @@ DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, 
     if (i < spared) {
       h = (*spares)[spares->size() - 1 - i];
     } else if (!succeeded(backend_->phys_create(device_, pieces[i].size, &h))) {
-      handles.erase(handles.begin(), handles.begin() + static_cast<std::ptrdiff_t>(spared));
-      release_chunks(handles);  // the new ones; the spares stay
+      release_chunks(handles.data() + spared, handles.size() - spared);  // the new ones; the spares stay
       return Fill::kNoMemory;
     } else {
       ++stats_.num_device_alloc;
@@ -172,8 +177,7 @@ DeviceAllocator::Fill DeviceAllocator::map_window(Segment* arena, uintptr_t lo, 
     const uintptr_t a = pieces[i].va;
     const uintptr_t z = pieces[j - 1].va + pieces[j - 1].size;
     if (fill_hole(block_near_holes(arena, a), a, z, handles.data() + i, j - i) == nullptr) {
-      handles.erase(handles.begin(), handles.begin() + static_cast<std::ptrdiff_t>(i));
-      release_chunks(handles);  // those not mapped
+      release_chunks(handles.data() + i, handles.size() - i);  // those not mapped
       return Fill::kMapFailed;
     }
     i = j;
@@ -242,8 +246,7 @@ void DeviceAllocator::unmap_free_range(Block* block, uintptr_t lo, uintptr_t hi,
     if (spares != nullptr && chunk.size == g) {
       spares->push_back(chunk);
     } else {
-      backend_->phys_release(device_, chunk);
-      ++stats_.num_device_free;
+      release_chunks(&chunk, 1);
     }
   }
   arena->mapped -= hi - lo;

@@ -306,8 +306,9 @@ class DeviceAllocator {
   uintptr_t chunks_holding(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t granules) const;
   size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* spares);
   size_t reservable_granules();
+  size_t granules_lacking(size_t granules);
   bool new_granules(size_t n, std::vector<PhysHandle>* handles);
-  void release_chunks(const std::vector<PhysHandle>& handles);
+  void release_chunks(const PhysHandle* chunks, size_t n);
   struct Piece {  // a chunk of new memory for a window: where it goes and its size
     uintptr_t va;
     size_t size;
@@ -325,7 +326,7 @@ class DeviceAllocator {
 
   // Shared granules (Note [Shared granules] in share.cpp).
   Block* share_first(Pool& pool, size_t rounded, StreamId stream);
-  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles);
+  Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* spares);
   Block* lend(Block* block, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
   void index_slivers();

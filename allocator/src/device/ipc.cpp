@@ -35,7 +35,6 @@ constexpr char kMagic[12] = "pyalloc-ipc";
 constexpr uint8_t kVersion = 2;  // 2: each chunk's size travels with it (extents)
 constexpr uint8_t kPlain = 'S';
 constexpr uint8_t kGranules = 'G';
-constexpr uint64_t kLargestChunk = uint64_t{1} << 30;  // config's largest extent
 
 // 40 bytes, no padding; then each part: for kGranules its mapped size
 // (uint64), then its length (uint32) and its bytes.
@@ -143,7 +142,7 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
     // Parts that add up to more than the header's size, or a chunk larger
     // than any extent, would map past the reservation: refused (total never
     // passes h.size, so the subtraction cannot wrap).
-    if (!plain && (size > kLargestChunk || size > h.size - total)) break;
+    if (!plain && (size > kMaxExtent || size > h.size - total)) break;
     parts.emplace_back(handle, at, n);
     at += n;
     sizes.push_back(size);
@@ -171,17 +170,19 @@ bool DeviceAllocator::ipc_import(const std::string& handle, uintptr_t* base, std
       *error = last_backend_error_;
       return false;
     }
-    uintptr_t va = *base;
-    for (size_t i = 0; i < parts.size(); va += sizes[i], ++i) {
+    // Every chunk imported, then mapped end to end in one call, all or none.
+    bool ok = true;
+    for (size_t i = 0; i < parts.size() && ok; ++i) {
       PhysHandle chunk;
-      const bool ok = succeeded(backend_->phys_import(device_, parts[i], sizes[i], &chunk)) &&
-                      (succeeded(backend_->map(device_, va, chunk)) || (backend_->phys_close(device_, chunk), false));
-      if (!ok) {
-        *error = last_backend_error_;
-        close_import_chunks(*base, imported);  // what was mapped so far, and the reservation
-        return false;
-      }
-      imported.chunks.push_back(chunk);
+      ok = succeeded(backend_->phys_import(device_, parts[i], sizes[i], &chunk));
+      if (ok) imported.chunks.push_back(chunk);
+    }
+    ok = ok && succeeded(backend_->map_range(device_, *base, imported.chunks.data(), imported.chunks.size()));
+    if (!ok) {
+      *error = last_backend_error_;
+      for (const PhysHandle& chunk : imported.chunks) backend_->phys_close(device_, chunk);
+      backend_->release_reservation(device_, *base, h.size);
+      return false;
     }
   }
   // The driver maps a handle once per process: an import of one already

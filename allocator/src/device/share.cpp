@@ -98,17 +98,13 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream)
   // The fresh granules: free ones moved (stitching), then new ones.
   std::vector<PhysHandle>& spares = spares_;
   spares.clear();
-  auto covered = [&](size_t fresh) { return spares.size() + reservable_granules() >= fresh; };
   SharePlan now = plan;
-  if (!covered(plan.fresh)) {
-    unmap_free_granules(plan.fresh - reservable_granules(), 0, 0, &spares);
+  if (const size_t lacking = granules_lacking(plan.fresh); lacking > 0) {
+    unmap_free_granules(lacking, 0, 0, &spares);
     now = plan_share(arena, rounded, granule_);  // stitching may have split or joined free blocks
   }
-  Block* block = nullptr;
-  if (now.found && covered(now.fresh) && new_granules(now.fresh - std::min(now.fresh, spares.size()), &spares)) {
-    block = map_share(arena, now, &spares);
-  }
-  release_chunks(spares);  // what the window did not take
+  Block* block = now.found && granules_lacking(now.fresh) == 0 ? map_share(arena, now, &spares) : nullptr;
+  release_chunks(spares.data(), spares.size());  // what the window did not take
   spares.clear();
   return block;
 }
@@ -130,42 +126,37 @@ bool DeviceAllocator::spare_covers(size_t rounded) {
 }
 
 // Carries out `plan` (plan_share, on the arena as it is now), taking its
-// fresh granules, single ones (Note [Extents]), from the back of `handles`:
-// returns the free block of exactly the planned range, or nullptr (the arena
-// as it was, `handles` as it was) when a map failed.
-Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* handles) {
+// fresh granules, single ones (Note [Extents]), from the back of `spares`,
+// topped up from the backend: returns the free block of exactly the planned
+// range, or nullptr (the arena as it was; what was taken or made is back in
+// `spares`) when the backend cannot make or map them.
+Block* DeviceAllocator::map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* spares) {
   const size_t g = granule_;
   const uintptr_t base = arena->base;
   const uintptr_t lo = plan.lo;
   const uintptr_t hi = lo + plan.granules * g;
-  assert(handles->size() >= plan.fresh);
   assert(plan.granules > 1 || plan.front == SharePlan::kNone || plan.back == SharePlan::kNone);
-  auto twin_of = [&](size_t i) {
-    if (i == 0 && plan.front != SharePlan::kNone) return plan.front;
-    if (i + 1 == plan.granules && plan.back != SharePlan::kNone) return plan.back;
-    return SharePlan::kNone;
-  };
+  if (!new_granules(plan.fresh - std::min(plan.fresh, spares->size()), spares)) return nullptr;
 
-  // Map first, so that a failure leaves the arena as it was.
-  std::vector<PhysHandle> mapped;
+  // The window's granules in order: the twins' handles at its ends, fresh
+  // ones between. Mapped in one call, all or none, so that a failure leaves
+  // the arena as it was.
+  std::vector<PhysHandle> mapped(plan.granules);
   for (size_t i = 0; i < plan.granules; ++i) {
-    const size_t twin = twin_of(i);
-    PhysHandle h;
-    if (twin != SharePlan::kNone) {
-      h = arena->phys[twin];
+    if (i == 0 && plan.front != SharePlan::kNone) {
+      mapped[i] = arena->phys[plan.front];
+    } else if (i + 1 == plan.granules && plan.back != SharePlan::kNone) {
+      mapped[i] = arena->phys[plan.back];
     } else {
-      h = handles->back();
-      handles->pop_back();
+      mapped[i] = spares->back();
+      spares->pop_back();
     }
-    if (!succeeded(backend_->map(device_, lo + i * g, h))) {
-      if (twin == SharePlan::kNone) handles->push_back(h);
-      for (size_t j = 0; j < mapped.size(); ++j) {
-        backend_->unmap(device_, lo + j * g, g);
-        if (twin_of(j) == SharePlan::kNone) handles->push_back(mapped[j]);
-      }
-      return nullptr;
-    }
-    mapped.push_back(h);
+  }
+  if (!succeeded(backend_->map_range(device_, lo, mapped.data(), mapped.size()))) {
+    const size_t from = plan.front != SharePlan::kNone;
+    spares->insert(spares->end(), mapped.begin() + static_cast<std::ptrdiff_t>(from),
+                   mapped.begin() + static_cast<std::ptrdiff_t>(from + plan.fresh));
+    return nullptr;
   }
 
   const size_t first = (lo - base) / g;

@@ -158,7 +158,7 @@ const std::vector<KeySpec>& key_specs() {
       {"extent", "a power of two from 2MiB to 1GiB (2MiB: every granule its own chunk)",
        [](const std::string& v, Config* c) {
          size_t s;
-         if (!parse_size(v, &s) || s < (size_t{2} << 20) || s > (size_t{1} << 30) || (s & (s - 1)) != 0) return false;
+         if (!parse_size(v, &s) || s < kMinExtent || s > kMaxExtent || (s & (s - 1)) != 0) return false;
          c->extent = s;
          return true;
        }},

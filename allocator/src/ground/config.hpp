@@ -16,6 +16,8 @@ namespace pyalloc {
 constexpr size_t kMinCapacity = size_t{2} << 20;     // one granule: less and every allocation fails
 constexpr size_t kTraceEventBytes = 48;              // sizeof(TraceEvent), asserted in observe/trace.hpp
 constexpr size_t kMaxTraceBytes = size_t{1} << 30;   // all devices' trace rings together
+constexpr size_t kMinExtent = size_t{2} << 20;       // Note [Extents]: one granule
+constexpr size_t kMaxExtent = size_t{1} << 30;       // the largest chunk an arena creates or imports
 
 
 enum class BackendKind { kCuda, kHost, kSim };
