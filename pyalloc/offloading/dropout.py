@@ -49,6 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .ops import View, as_view, view_of
+
 __all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "product_nodes", "product_refill", "refill", "refillable",
            "saved_noise"]
 
@@ -111,15 +113,11 @@ def product_nodes(t: torch.Tensor) -> tuple[tuple[str, ...], Any, Any] | None:
     return tuple(path), node, source
 
 
-def product_refill(product: Any, source: Any, geometry: tuple[tuple[int, ...], tuple[int, ...], int]) -> torch.Tensor:
+def product_refill(product: Any, source: Any, view: View) -> torch.Tensor:
     """The saved view of ``a * noise`` again, from ``a`` (``source``'s saved result) and the
     noise the product's node saved; exact only where :func:`exact_product_seconds` said so."""
-    shape, stride, offset = geometry
     with torch.no_grad():
-        out = torch.mul(source._saved_result, product._saved_other)
-    if (tuple(out.shape), out.stride(), out.storage_offset()) == geometry:
-        return out
-    return out.as_strided(shape, stride, offset)
+        return as_view(torch.mul(source._saved_result, product._saved_other), view)
 
 
 def exact_product_seconds(t: torch.Tensor) -> tuple[tuple[str, ...], str, float, torch.Tensor] | None:
@@ -140,14 +138,13 @@ def exact_product_seconds(t: torch.Tensor) -> tuple[tuple[str, ...], str, float,
     if not isinstance(noise, torch.Tensor) or noise.grad_fn is not None or noise.requires_grad \
             or not isinstance(a, torch.Tensor) or a.dtype != t.dtype:
         return None
-    geometry = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
     try:
         with torch.no_grad():
             first = torch.mul(a, noise)
             if first.untyped_storage().nbytes() != t.untyped_storage().nbytes():
                 return None
             t0 = time.thread_time()
-            got = product_refill(product, source, geometry)
+            got = product_refill(product, source, view_of(t))
             seconds = time.thread_time() - t0
     except Exception:
         return None

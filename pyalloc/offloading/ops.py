@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from .plan import ProfileKey
 
 __all__ = ["COMPUTE", "FAKE", "SKIP", "SOURCE", "OpInfo", "OpRecorder", "Recipe", "RerunMismatch",
-           "SelectiveRerun", "StopRerun", "CallOps", "geometry"]
+           "SelectiveRerun", "StopRerun", "CallOps", "View", "as_view", "geometry", "view_of"]
 
 COMPUTE, SOURCE, FAKE, SKIP = 0, 1, 2, 3
 
@@ -135,6 +135,20 @@ def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
 def geometry(t: torch.Tensor) -> Geometry:
     """``t``'s view: shape, strides, storage offset, dtype, device."""
     return (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype, t.device)
+
+
+View = tuple[tuple[int, ...], tuple[int, ...], int]
+"""A tensor's view of its storage: shape, strides, storage offset (elements)."""
+
+
+def view_of(t: torch.Tensor) -> View:
+    return (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+
+def as_view(base: torch.Tensor, view: View) -> torch.Tensor:
+    """A dropped save taken again from ``base``, the tensor it viewed (regenerated): ``base``
+    itself where it is laid out as the save was, else that view of its storage."""
+    return base if view_of(base) == view else base.as_strided(*view)
 
 
 class OpRecorder(TorchDispatchMode):

@@ -22,7 +22,7 @@ from . import dropout, refills, rng
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
 from .calls import autocast_state
-from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, geometry, run_replay
+from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, run_replay, view_of
 from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 
 if TYPE_CHECKING:
@@ -358,7 +358,7 @@ class ProductSlot(_Counted):
         super().__init__(step.bytes)
         self.step: PlannedStep | None = step
         self.nodes: tuple[Any, Any] | None = (product, source)
-        self.geometry = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        self.geometry = view_of(t)
         self.tensor: torch.Tensor | None = None
         check = step.check
         self.original = check.original(t) if check is not None else None
@@ -530,7 +530,7 @@ class OutputSlot(_Counted):
         super().__init__(record.step.bytes)
         self.record: Output | None = record
         self.tensor: torch.Tensor | None = None
-        self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        self.geometry = view_of(t)
         check = record.step.check  # the save as it was, to compare (Note [Recompute check] in check.py)
         self.original = (check.original(t), seq) if check is not None else None
         record.pending += 1
@@ -555,10 +555,7 @@ class OutputSlot(_Counted):
         record = self.record
         if self.tensor is None and record is not None:
             self.record = None
-            base = record.output()
-            shape, stride, offset = self.geometry
-            self.tensor = base if (tuple(base.shape), tuple(base.stride()), base.storage_offset()) == self.geometry \
-                else base.as_strided(shape, stride, offset)
+            self.tensor = as_view(record.output(), self.geometry)
             self.count(self.tensor)
             if self.original is not None:
                 (original, seq), self.original = self.original, None
