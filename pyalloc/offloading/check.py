@@ -14,11 +14,9 @@ Note [Recompute check]
     A report on a module's re-run also gives the layouts of the call's inputs as the forward
     received them and as the re-run got them (``input_layouts``, ``rerun_input_layouts``), and
     ``inputs_alike``: every input with the same shape, strides, storage offset, dtype and
-    alignment class up to ``VECTOR_ALIGNMENT`` bytes. Why the alignment: CUDA's dropout
-    (aten/src/ATen/native/cuda/Dropout.cu, ``get_vector_size``) runs a vectorised kernel whose
-    width is what its input's data pointer's alignment allows (16 bytes at most) when input,
-    output and mask are dense, else an unrolled one, and the kernels give the generator's numbers
-    to the elements in different orders: the same generator state, another mask.
+    alignment class up to ``VECTOR_ALIGNMENT`` bytes. Why the alignment: CUDA's dropout picks
+    its kernel's width by its input's layout and pointer alignment, and another width draws
+    another mask from the same generator state (Note [Generator states] in rng.py says how).
     ``session.recompute_mismatches()`` lists the first ``MAX_REPORTS``, each with the step, the
     module (or operator) re-run, the save's index and both geometries;
     ``recompute_checked_total`` and ``recompute_mismatches_total`` count them all.
