@@ -124,12 +124,14 @@ def test_the_offload_check_runs_every_column_and_checkpoint_and_pyalloc_are_exac
         f = check["figures"]
         assert f["sizes"] == "cpu" and f["common_batch"] == 3  # 90% of the plain step's largest, 4
         assert f["budget_bytes"] == f["baseline_saved_bytes"] // 2 > 0 and f["baseline_repeatable"]
+        assert f["determinism"] == "strict"  # every operation of both models has a deterministic kernel
         # no memory cap on the CPU; time enough for every step asked (--steps 2)
         assert f["memory_cap_bytes"] is None and f["common_steps"] == 2
         columns = f["columns"]
         assert list(columns) == ["baseline", "checkpoint", "save_on_cpu", "pyalloc"]
         for c in columns.values():
-            # nothing runs out of memory on the CPU: each search trains 1, 2, 4 and stops at the cap
+            # nothing runs out of memory on the CPU: the baseline's search trains 1, 2, 4 and stops
+            # at the cap; the others start at the baseline's largest, 4, the cap
             assert (c["largest_batch"], c["first_failing_batch"], c["stop"]) == (4, None, "max_batch")
             assert c["seconds_per_sample"] > 0 and c["step_seconds"] > 0 and c["time_ratio"] > 0
             assert c["steps_at_largest"] == 2
@@ -208,3 +210,36 @@ def test_offload_targets_compare_pyalloc_with_the_plain_step_and_checkpointing()
     got = {t["target"]: t for t in run.targets([run.CheckResult("offload (gpt-like)", "pass", 1.0, figures)])}
     assert not any(got[f"gpt-like offload {t}"]["met"] for t in ("largest batch", "time per sample", "gradients exact"))
     assert "pyalloc" in got["gpt-like offload gradients exact"]["what"]
+
+
+def test_exactness_falls_back_to_warn_only_where_an_operation_has_no_deterministic_kernel() -> None:
+    """Strict determinism makes the fused attention kernels' backward deterministic; a model with an
+    operation that has no deterministic kernel is compared under warn_only instead, and its
+    gradients are still compared, not lost to the refusal. No CPU operation of torch 2.13 raises
+    PyTorch's alert (on CUDA adaptive average pooling's backward does), so the model's forward
+    raises what the alert raises, with its words, where strict determinism is on."""
+    import torch
+    from torch import nn
+
+    from pyalloc.gpucheck import offload as check
+    from pyalloc.offloading.bench_models import Workload
+
+    class Alerting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError("Alerting.forward does not have a deterministic implementation, but you set "
+                                   "'torch.use_deterministic_algorithms(True)'.")
+            return self.linear(x)
+
+    for model, expected in ((lambda: nn.Linear(8, 8), "strict"), (Alerting, "warn_only")):
+        bench = check.Bench(Workload(model, lambda batch: torch.randn(batch, 8)), "cpu")
+        columns = [check.Column(name, bench.model, 0) for name in ("baseline", "checkpoint")]
+        bench.model.checkpoint = False  # what the checkpoint column switches (the models' attribute)
+        mode, diffs = check._exactness(bench, columns, bench.input(4))
+        assert mode == expected
+        assert diffs == {"baseline": (True, 0.0), "checkpoint": (True, 0.0)}
+        assert not torch.are_deterministic_algorithms_enabled()  # restored

@@ -35,7 +35,8 @@ Measured, in this order:
    saved-activation bytes (a counting saved-tensor hook; parameters and leaves excluded), which
    set pyalloc's budget and save_on_cpu's host-memory cap.
 3. The other columns' largest batches, the same way (pyalloc's first, after its plan settled),
-   each search stopping at :data:`SEARCH_RATIO` times the baseline's largest (``stop: "3x the
+   each search starting at the baseline's largest batch (the batch they are to pass; doubling
+   from ``start_batch`` again spent pyalloc's share of the time on batches below it) and stopping at :data:`SEARCH_RATIO` times the baseline's largest (``stop: "3x the
    plain step's"``): enough to show which column trains the larger batch, and it bounds the
    batches that this search and item 5 run. save_on_cpu's search also stops (``stop: "host memory"``)
    where its saved bytes, the baseline's per sample times the batch, would pass
@@ -44,7 +45,8 @@ Measured, in this order:
 4. At the common batch, on one input with the same seeds: every column's gradients against the
    baseline's (kept in host memory, which the cap does not leave room for), bit for bit
    (``exact``; those steps run with cuDNN's deterministic algorithms and
-   ``torch.use_deterministic_algorithms(True, warn_only=True)``, and ``baseline_repeatable`` says
+   ``torch.use_deterministic_algorithms(True)``: ``determinism`` "strict", or "warn_only" where
+   the model has an operation without a deterministic kernel; ``baseline_repeatable`` says
    whether two plain steps agreed, without which ``exact`` means nothing); then each column's
    step time, the median of up to ``steps`` interleaved repetitions (the column order turning
    each time; ``common_steps`` says how many ran), and its ratio to the baseline's
@@ -328,13 +330,17 @@ def _cap_memory(device: str, cap: int) -> tuple[int | None, str]:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
-    """Deterministic kernels where PyTorch has them (warnings where it does not), so that two runs
-    of the same step can agree bit for bit; restored after."""
+def _deterministic(strict: bool) -> Iterator[None]:
+    """Deterministic kernels where PyTorch has them, so that two runs of the same step can agree bit
+    for bit; restored after. ``strict`` is ``warn_only=False``: an operation that has no
+    deterministic kernel then raises, and without it the fused attention kernels (memory-efficient
+    and flash) take their non-deterministic backward, which PyTorch chooses when warn_only is set
+    (the GPT-like model's plain steps differed on an H200 so); not strict, such an operation only
+    warns."""
     was_algorithms, was_warn = torch.are_deterministic_algorithms_enabled(), \
         torch.is_deterministic_algorithms_warn_only_enabled()
     was_cudnn = torch.backends.cudnn.deterministic
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
     torch.backends.cudnn.deterministic = True
     try:
         with warnings.catch_warnings():
@@ -343,6 +349,28 @@ def _deterministic() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(was_algorithms, warn_only=was_warn)
         torch.backends.cudnn.deterministic = was_cudnn
+
+
+def _has_no_deterministic_kernel(error: RuntimeError) -> bool:
+    """Whether strict determinism refused an operation (PyTorch's alert says it "does not have a
+    deterministic implementation")."""
+    return "deterministic" in str(error)
+
+
+def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor) -> tuple[str, dict[str, tuple[bool, float | None]]]:
+    """Each column's gradients against a plain step's (the baseline's own row: a second plain
+    step), under strict determinism, or, where the model has an operation that has no
+    deterministic kernel, under warn_only; which of the two it was."""
+    for mode in ("strict", "warn_only"):
+        try:
+            with _deterministic(strict=mode == "strict"):
+                expected = _on_host(columns[0].step(x))
+                return mode, {c.name: _difference(c.step(x), expected) for c in columns}
+        except RuntimeError as e:
+            if mode != "strict" or not _has_no_deterministic_kernel(e):
+                raise
+            bench.model.zero_grad(set_to_none=True)  # what the refused step left
+    raise AssertionError("unreachable: warn_only refuses nothing")
 
 
 def _on_host(grads: Grads) -> Grads:
@@ -362,16 +390,14 @@ def _difference(grads: Grads, expected: Grads) -> tuple[bool, float | None]:
 
 
 def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int,
-                     deadline: float) -> tuple[bool, int, dict[str, dict[str, Any]]]:
-    """Whether two plain steps agree, how many repetitions were timed, and per column: exactness
+                     deadline: float) -> tuple[bool, str, int, dict[str, dict[str, Any]]]:
+    """Whether two plain steps agree and under which determinism (:func:`_exactness`), how many repetitions were timed, and per column: exactness
     against the baseline, then the interleaved step times, all at one batch on one input. The
     repetitions stop at ``steps`` or where the next would end after the deadline (one at least)."""
     x = bench.input(batch)
     for column in columns:
         column.start(x)
-    with _deterministic():
-        expected = _on_host(columns[0].step(x))
-        diffs = {c.name: _difference(c.step(x), expected) for c in columns}  # the baseline: a second plain step
+    determinism, diffs = _exactness(bench, columns, x)
     repeatable = diffs["baseline"][0]
     times: dict[str, list[float]] = {c.name: [] for c in columns}
     repetition = 0.0
@@ -395,7 +421,7 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int
                                      floor_bytes=int(stats["plan_floor_bytes"]), regions=int(stats["plan_regions"]),
                                      outputs=int(stats["plan_outputs"]), below_floor_warned=column.floor_warned)
         column.stop()
-    return repeatable, len(times["baseline"]), rows
+    return repeatable, determinism, len(times["baseline"]), rows
 
 
 def compare(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -432,11 +458,12 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
         if name == "save_on_cpu":
             limits.append((host_cap, "host memory"))
         column_cap, why = min(limits, key=lambda pair: pair[0])  # on a tie, max_batch
-        found = bench.search(columns[name], start, column_cap, _share(searches_end, len(SEARCH_ORDER) - done))
+        begin = min(column_cap, max(start, searches["baseline"].largest))
+        found = bench.search(columns[name], begin, column_cap, _share(searches_end, len(SEARCH_ORDER) - done))
         searches[name] = replace(found, stop=why) if found.stop == "max_batch" else found
 
     ordered = [columns[name] for name in COLUMNS]
-    repeatable, common_steps, at_common = _at_common_batch(bench, ordered, common, steps, _share(end, 2))
+    repeatable, determinism, common_steps, at_common = _at_common_batch(bench, ordered, common, steps, _share(end, 2))
     bench.release()
     at_largest = {}
     for done, name in enumerate(SEARCH_ORDER):
@@ -447,7 +474,7 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
         "memory_cap_bytes": cap_bytes, "memory_cap": cap_words, "common_batch": common,
         "baseline_saved_bytes": saved, "budget_bytes": budget,
         "budget": f"{BUDGET_FRACTION:.0%} of the baseline's saved-activation bytes at the common batch",
-        "baseline_repeatable": repeatable, "common_steps": common_steps, "time_limit_seconds": round(limit, 1),
+        "baseline_repeatable": repeatable, "determinism": determinism, "common_steps": common_steps, "time_limit_seconds": round(limit, 1),
         "columns": {}}
     if device == "cuda":
         figures["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()

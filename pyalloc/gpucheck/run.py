@@ -198,7 +198,9 @@ def plan(args: argparse.Namespace) -> list[Planned]:
     largest-batch search 17-34 s): the default budget of 480 s fits one command with room to
     build. What does not fit is not-run, and ``--only`` runs it next.
     Order: the environment; what growing costs under each allocator (the figure that says why one
-    is slower); the features under pyalloc; the A/B/C of GPT-2 then ResNet-50; the offload check
+    is slower); the features under pyalloc; the A/B/C of GPT-2 then ResNet-50 (a model's second
+    and third largest-batch searches double from the largest batch an allocator before trained,
+    not from ``--start-batch``: on an H200 ResNet-50's first search, from 4 to 2,496, took 29 s); the offload check
     (a fifth of the budget kept for it); last, tests/gpu with a quarter kept for it, whose
     per-test log (tests-gpu-results.log) keeps the details of every test that finished even when
     time runs out."""
@@ -232,9 +234,11 @@ def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckRes
         left = budget.left() - kept
         timeout = min(left, step.share * args.budget)
         cfg = dict(step.cfg)
+        found = largest.get(cfg.get("model", ""), {})
         if cfg.get("mode") == "time":  # 90% of the smallest largest batch of the model's searches
-            found = largest.get(cfg["model"], {})
             cfg["batch"] = max(1, int(0.9 * min(found.values()))) if found else args.start_batch
+        elif cfg.get("mode") == "max-batch" and found:  # from where an allocator before trained
+            cfg["start_batch"] = max(args.start_batch, min(found.values()))
         if timeout < 5:
             result = CheckResult(step.name, "not-run", 0.0, detail="the time budget was spent")
         elif step.check == "tests/gpu":
@@ -331,7 +335,8 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
     cap = figures.get("memory_cap_bytes")
     lines = ["", f"## {name}", "",
              f"pyalloc's budget: {figures['budget_bytes']} bytes ({figures['budget']}). Two plain steps "
-             f"{'agreed' if figures['baseline_repeatable'] else 'differed'} bit for bit. Device memory capped at "
+             f"{'agreed' if figures['baseline_repeatable'] else 'differed'} bit for bit (deterministic algorithms: "
+             f"{figures.get('determinism', '?')}). Device memory capped at "
              f"{_gib(cap) if cap else figures.get('memory_cap', 'none')} (peak reserved "
              f"{_gib(figures.get('peak_reserved_bytes'))}); step times at the common batch are medians of "
              f"{figures.get('common_steps', '?')} repetitions; time limit {figures.get('time_limit_seconds', '?')} s.", "",

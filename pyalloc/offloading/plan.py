@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import sys
 import threading
 import time
 import weakref
@@ -216,6 +217,14 @@ class ProductInfo:
     source_nbytes: int
 
 
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether the module is torch.compile's wrapper. Asked of torch._dynamo only once something
+    imported it (torch.compile does): importing it here would cost the first profiled step a
+    second, and no compiled module exists without it."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
 class Profile:
     """Records one step: module calls (through global module hooks) and saves (fed by the
     session's pack hook). See Note [Planned recompute]."""
@@ -313,7 +322,7 @@ class Profile:
             self.busy = busy
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        if self._suspended is None and isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        if self._suspended is None and _compiled(module):
             self._suspend(module)
         if self.paused or not torch.is_grad_enabled() or threading.get_ident() != self._thread:
             return
