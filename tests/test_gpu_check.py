@@ -239,7 +239,46 @@ def test_exactness_falls_back_to_warn_only_where_an_operation_has_no_determinist
         bench = check.Bench(Workload(model, lambda batch: torch.randn(batch, 8)), "cpu")
         columns = [check.Column(name, bench.model, 0) for name in ("baseline", "checkpoint")]
         bench.model.checkpoint = False  # what the checkpoint column switches (the models' attribute)
-        mode, diffs = check._exactness(bench, columns, bench.input(4))
+        x = bench.input(4)
+        mode, diffs = check._exactness(bench, columns, x, lambda c: c.step(x))
         assert mode == expected
         assert diffs == {"baseline": (True, 0.0), "checkpoint": (True, 0.0)}
         assert not torch.are_deterministic_algorithms_enabled()  # restored
+
+
+def test_a_column_out_of_memory_at_the_common_batch_leaves_the_other_figures() -> None:
+    """pyalloc running out of memory at a batch the plain step trains is a finding, not a lost
+    check: its row says out of memory (not exact, no time), the other columns are compared and
+    timed, and the targets say what was missed."""
+    import torch
+    from torch import nn
+
+    from pyalloc.gpucheck import offload as check
+    from pyalloc.offloading.bench_models import Workload
+
+    class Full(check.Column):
+        def step(self, x: torch.Tensor) -> check.Grads:
+            raise torch.OutOfMemoryError("CUDA out of memory (a column that does not fit)")
+
+    bench = check.Bench(Workload(lambda: nn.Linear(8, 8), lambda batch: torch.randn(batch, 8)), "cpu")
+    bench.model.checkpoint = False
+    columns = [check.Column("baseline", bench.model, 0), check.Column("checkpoint", bench.model, 0),
+               check.Column("save_on_cpu", bench.model, 0), Full("pyalloc", bench.model, 1 << 20)]
+    repeatable, determinism, timed, rows = check._at_common_batch(bench, columns, 4, 3, float("inf"))
+    assert repeatable and determinism == "strict" and timed == 3
+    assert rows["pyalloc"]["out_of_memory"] and rows["pyalloc"]["step_seconds"] is None
+    assert (rows["pyalloc"]["exact"], rows["pyalloc"]["time_ratio"]) == (False, None)
+    for name in ("baseline", "checkpoint", "save_on_cpu"):
+        assert rows[name]["exact"] and rows[name]["step_seconds"] > 0 and not rows[name]["out_of_memory"]
+
+    column_row = {"largest_batch": 4, "first_failing_batch": None, "stop": "max_batch", "seconds_per_sample": 0.1,
+                  "steps_at_largest": 1}
+    figures = {"model": "tiny-like", "common_batch": 4, "baseline_repeatable": True, "budget_bytes": 1 << 20,
+               "budget": "a test's", "columns": {name: {**column_row, **row} for name, row in rows.items()}}
+    table = run._offload_table("offload (tiny-like)", figures)
+    assert [line for line in table if line.startswith("| pyalloc |")] == \
+        ["| pyalloc | 4 | max_batch | 0.1 | 1 | out of memory | - | out of memory |"]
+    by_name = {t["target"]: t for t in run.offload_targets(figures)}
+    assert by_name["tiny-like offload time per sample"]["value"] == "out of memory"
+    assert not by_name["tiny-like offload time per sample"]["met"]
+    assert by_name["tiny-like offload gradients exact"]["value"] == 1

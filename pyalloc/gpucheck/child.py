@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -491,6 +492,16 @@ CHECKS: dict[str, Callable[[dict[str, Any]], Figures]] = {
 }
 
 
+def _traceback(e: BaseException) -> str:
+    """Where the check failed, short enough for the report: every frame of pyalloc's own as one
+    line (file, line, function: the path from the check to the failure, which the tail of a deep
+    torch traceback cut off on the H200), then the full traceback's last 3,000 characters."""
+    ours = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)
+            if f"{os.sep}pyalloc{os.sep}" in f.filename]
+    full = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return "pyalloc frames, outermost first: " + " > ".join(ours) + "\n" + full[-3000:]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in CHECKS:
         print(f"usage: python -m pyalloc.gpucheck.child {{{','.join(CHECKS)}}} CONFIG_JSON", file=sys.stderr)
@@ -501,9 +512,8 @@ def main(argv: list[str]) -> int:
     except CheckFailed as e:
         result = {"status": "fail", "figures": {}, "detail": str(e)}
     except Exception as e:  # noqa: BLE001  (any failure of the check is its result)
-        tb = traceback.format_exception(type(e), e, e.__traceback__)
         result = {"status": "fail", "figures": {}, "detail": f"{type(e).__name__}: {e}"[:2000],
-                  "traceback": "".join(tb)[-4000:]}
+                  "traceback": _traceback(e)}
     print(RESULT_MARKER + json.dumps(result, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)),
           flush=True)
     return 0

@@ -357,20 +357,30 @@ def _has_no_deterministic_kernel(error: RuntimeError) -> bool:
     return "deterministic" in str(error)
 
 
-def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor) -> tuple[str, dict[str, tuple[bool, float | None]]]:
+def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor,
+               step: Callable[[Column], Grads | None]) -> tuple[str, dict[str, tuple[bool, float | None]]]:
     """Each column's gradients against a plain step's (the baseline's own row: a second plain
     step), under strict determinism, or, where the model has an operation that has no
-    deterministic kernel, under warn_only; which of the two it was."""
+    deterministic kernel, under warn_only; which of the two it was. ``step`` runs a column's step
+    (None: it ran out of memory, and that column's row says it is not exact)."""
     for mode in ("strict", "warn_only"):
         try:
             with _deterministic(strict=mode == "strict"):
                 expected = _on_host(columns[0].step(x))
-                return mode, {c.name: _difference(c.step(x), expected) for c in columns}
+                return mode, {c.name: _inexact if (grads := step(c)) is None else _difference(grads, expected)
+                              for c in columns}
         except RuntimeError as e:
-            if mode != "strict" or not _has_no_deterministic_kernel(e):
+            if mode != "strict" or not _has_no_deterministic_kernel(e) or isinstance(e, torch.OutOfMemoryError):
                 raise
-            bench.model.zero_grad(set_to_none=True)  # what the refused step left
+        for column in columns:  # what the refused step left, a session stopped mid-step included
+            column.stop()
+        bench.release()
+        for column in columns:
+            column.start(x)
     raise AssertionError("unreachable: warn_only refuses nothing")
+
+
+_inexact: tuple[bool, float | None] = (False, None)
 
 
 def _on_host(grads: Grads) -> Grads:
@@ -391,13 +401,31 @@ def _difference(grads: Grads, expected: Grads) -> tuple[bool, float | None]:
 
 def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int,
                      deadline: float) -> tuple[bool, str, int, dict[str, dict[str, Any]]]:
-    """Whether two plain steps agree and under which determinism (:func:`_exactness`), how many repetitions were timed, and per column: exactness
-    against the baseline, then the interleaved step times, all at one batch on one input. The
-    repetitions stop at ``steps`` or where the next would end after the deadline (one at least)."""
+    """Whether two plain steps agree and under which determinism (:func:`_exactness`), how many
+    repetitions were timed, and per column: exactness against the baseline, then the interleaved
+    step times, all at one batch on one input. The repetitions stop at ``steps`` or where the next
+    would end after the deadline (one at least). A column other than the baseline that runs out of
+    memory at this batch (which the baseline trains) is left out from then on, its row saying so
+    (``out_of_memory``) instead of the check losing every figure."""
     x = bench.input(batch)
+    out_of_memory: set[str] = set()
+
+    def guarded(column: Column, run: Callable[[], Any]) -> Any:
+        if column.name in out_of_memory:
+            return None
+        try:
+            return run()
+        except torch.OutOfMemoryError:
+            if column.name == "baseline":
+                raise
+        out_of_memory.add(column.name)
+        column.stop()
+        bench.release()
+        return None
+
     for column in columns:
-        column.start(x)
-    determinism, diffs = _exactness(bench, columns, x)
+        guarded(column, lambda: column.start(x))
+    determinism, diffs = _exactness(bench, columns, x, lambda c: guarded(c, lambda: c.step(x)))
     repeatable = diffs["baseline"][0]
     times: dict[str, list[float]] = {c.name: [] for c in columns}
     repetition = 0.0
@@ -406,15 +434,17 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int
             break
         began = time.monotonic()
         for column in columns[rep % len(columns):] + columns[:rep % len(columns)]:
-            times[column.name].append(bench.timed(column, x))
+            seconds = guarded(column, lambda: bench.timed(column, x))
+            if seconds is not None:
+                times[column.name].append(seconds)
         repetition = max(repetition, time.monotonic() - began)
     base = statistics.median(times["baseline"])
     rows = {}
     for column in columns:
-        median = statistics.median(times[column.name])
+        median = statistics.median(times[column.name]) if column.name not in out_of_memory else None
         exact, worst = diffs[column.name]
-        rows[column.name] = {"step_seconds": median, "time_ratio": round(median / base, 3), "exact": exact,
-                             "max_abs_diff": worst}
+        rows[column.name] = {"step_seconds": median, "time_ratio": None if median is None else round(median / base, 3),
+                             "exact": exact, "max_abs_diff": worst, "out_of_memory": column.name in out_of_memory}
         if column.session is not None:
             stats = column.session.stats()
             rows[column.name].update(saved_peak_bytes=int(stats["step_saved_bytes_peak"]),
@@ -431,6 +461,9 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
     ``memory_cap_bytes`` (CUDA; default :data:`MEMORY_CAP_BYTES`)."""
     limit, end = _time_limit(cfg)
     device = cfg.get("device", "cuda")
+    # Strict determinism refuses every cuBLAS product unless cuBLAS has a fixed workspace, set before
+    # its first handle (PyTorch's words: "you must set an environment variable"); a user's own wins.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if device == "cpu":
         torch.set_num_threads(1)  # one reduction order: several threads may split a product differently
     cap_bytes, cap_words = _cap_memory(device, int(cfg.get("memory_cap_bytes", MEMORY_CAP_BYTES)))
@@ -463,6 +496,8 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
         searches[name] = replace(found, stop=why) if found.stop == "max_batch" else found
 
     ordered = [columns[name] for name in COLUMNS]
+    bench.release()
+    allocated_before_common = torch.cuda.memory_allocated() if device == "cuda" else None  # what the searches left
     repeatable, determinism, common_steps, at_common = _at_common_batch(bench, ordered, common, steps, _share(end, 2))
     bench.release()
     at_largest = {}
@@ -474,7 +509,8 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
         "memory_cap_bytes": cap_bytes, "memory_cap": cap_words, "common_batch": common,
         "baseline_saved_bytes": saved, "budget_bytes": budget,
         "budget": f"{BUDGET_FRACTION:.0%} of the baseline's saved-activation bytes at the common batch",
-        "baseline_repeatable": repeatable, "determinism": determinism, "common_steps": common_steps, "time_limit_seconds": round(limit, 1),
+        "baseline_repeatable": repeatable, "determinism": determinism,
+        "allocated_before_common_bytes": allocated_before_common, "common_steps": common_steps, "time_limit_seconds": round(limit, 1),
         "columns": {}}
     if device == "cuda":
         figures["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()

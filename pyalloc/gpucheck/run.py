@@ -292,14 +292,15 @@ def offload_targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
     checkpointing, leaves the gradients bit for bit those of the plain step."""
     model, columns = figures["model"], figures["columns"]
     base, ckpt, ours, swap = (columns[c] for c in ("baseline", "checkpoint", "pyalloc", "save_on_cpu"))
-    ratio = round(ours["step_seconds"] / ckpt["step_seconds"], 3)
+    timed = ours["step_seconds"] is not None and ckpt["step_seconds"] is not None
+    ratio: Any = round(ours["step_seconds"] / ckpt["step_seconds"], 3) if timed else "out of memory"
     inexact = [c for c in ("checkpoint", "pyalloc") if not columns[c]["exact"]]
     return [
         {"target": f"{model} offload largest batch", "value": ours["largest_batch"], "limit": base["largest_batch"],
          "met": ours["largest_batch"] > base["largest_batch"],
          "what": f"pyalloc.offload's largest batch, to exceed the plain step's (searches stopped by: "
                  f"pyalloc {ours['stop']}, plain {base['stop']})"},
-        {"target": f"{model} offload time per sample", "value": ratio, "limit": 1.0, "met": ratio <= 1.0,
+        {"target": f"{model} offload time per sample", "value": ratio, "limit": 1.0, "met": timed and ratio <= 1.0,
          "what": f"pyalloc.offload / checkpoint on every block at the common batch {figures['common_batch']} "
                  f"(against the plain step: pyalloc {ours['time_ratio']}x, checkpoint {ckpt['time_ratio']}x)"},
         {"target": f"{model} offload gradients exact", "value": len(inexact), "limit": 0, "met": not inexact,
@@ -336,7 +337,8 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
     lines = ["", f"## {name}", "",
              f"pyalloc's budget: {figures['budget_bytes']} bytes ({figures['budget']}). Two plain steps "
              f"{'agreed' if figures['baseline_repeatable'] else 'differed'} bit for bit (deterministic algorithms: "
-             f"{figures.get('determinism', '?')}). Device memory capped at "
+             f"{figures.get('determinism', '?')}); allocated when the common batch began: "
+             f"{_gib(figures.get('allocated_before_common_bytes'))}. Device memory capped at "
              f"{_gib(cap) if cap else figures.get('memory_cap', 'none')} (peak reserved "
              f"{_gib(figures.get('peak_reserved_bytes'))}); step times at the common batch are medians of "
              f"{figures.get('common_steps', '?')} repetitions; time limit {figures.get('time_limit_seconds', '?')} s.", "",
@@ -345,9 +347,12 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for column, c in figures["columns"].items():
         per_sample = "-" if c["seconds_per_sample"] is None else f"{c['seconds_per_sample']:.4g}"
-        exact = "yes" if c["exact"] else f"no (max difference {c['max_abs_diff']})"
+        exact = "yes" if c["exact"] else "out of memory" if c.get("out_of_memory") else \
+            f"no (max difference {c['max_abs_diff']})"
+        step = "out of memory" if c["step_seconds"] is None else f"{c['step_seconds']:.4g}"
+        ratio = "-" if c["time_ratio"] is None else f"{c['time_ratio']}x"
         lines.append(f"| {column} | {c['largest_batch']} | {c['stop']} | {per_sample} | {c.get('steps_at_largest', '?')} "
-                     f"| {c['step_seconds']:.4g} | {c['time_ratio']}x | {exact} |")
+                     f"| {step} | {ratio} | {exact} |")
     return lines
 
 
