@@ -300,3 +300,77 @@ def test_released_activations_stop_counting() -> None:
     with offload(budget=None, pressure_callback=False) as s:
         model(torch.randn(128, 64)).sum().backward()
         assert s.stats()["resident_bytes"] == 0  # autograd freed every node after backward
+
+
+# ---------------------------------------------------------------------------------------------
+# A step cut short by an exception (Note [Abandoned steps] in session.py)
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("policy", ["plan", "dtr"])
+@pytest.mark.parametrize("fail_at", [2, 5, 9])
+def test_a_step_cut_short_by_out_of_memory_leaves_no_saved_tensor_behind(policy: str, fail_at: int) -> None:
+    """A batch-size search's failed attempt: the forward raises torch.OutOfMemoryError part way.
+    Autograd holds the session's handles and each handle its tensor, a cycle through C++ that gc
+    does not see; unbroken, every tensor the step saved outlived it (on an H200, 3.9 GiB held
+    after a failed attempt). After the exception the tensors are gone and the session goes with
+    its last reference; the next step under a fresh session trains."""
+    import weakref
+
+    model = _mlp()
+    calls = {"n": 0}
+
+    def fail(module: nn.Module, args: object, output: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    x = torch.randn(32, 64)
+    model(x).sum().backward()  # the model's own first-use allocations, before the count
+    model.zero_grad(set_to_none=True)
+    before = _live_tensors()
+    hooks = [m.register_forward_hook(fail) for m in model if isinstance(m, (nn.ReLU, nn.GELU, nn.Tanh))]
+    session = offload(budget=1, policy=policy, swap=False)
+    raised = False
+    try:  # not pytest.raises: its record of the exception would keep the failing frames' tensors
+        for _ in range(4):  # the profile, then planned steps: the failure lands in one of them
+            with session:
+                model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+    except torch.OutOfMemoryError:
+        raised = True
+    assert raised
+    for h in hooks:
+        h.remove()
+    gone = weakref.ref(session)
+    del session
+    assert _live_tensors() == before
+    assert gone() is None
+    with offload(budget=1, policy=policy, swap=False):
+        model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("steps_before", [0, 3])  # the profiled step (DTR's handles); a planned one (the plan's)
+def test_backward_of_a_graph_whose_step_was_cut_short_says_why(steps_before: int) -> None:
+    model = _mlp()
+    x = torch.randn(32, 64)
+    session = offload(budget=1, swap=False)
+    for _ in range(steps_before):
+        with session:
+            model(x).sum().backward()
+    assert session.stats()["plan_settled"] == (steps_before > 0)
+    loss = None
+    with pytest.raises(KeyboardInterrupt):
+        with session:
+            loss = model(x).sum()
+            raise KeyboardInterrupt  # after the forward: its saves belong to a step cut short
+    assert loss is not None
+    with pytest.raises(OffloadError, match="cut short"):
+        loss.backward()

@@ -24,6 +24,7 @@ from .check import Original, RecomputeCheck
 from .calls import autocast_state
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, run_replay, view_of
 from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
+from .saved import ABANDONED_MESSAGE
 
 if TYPE_CHECKING:
     from .ops import Recipe
@@ -64,11 +65,24 @@ class SavedBytes:
 class _Counted:
     """Base of every handle that holds bytes: releases its storage's count when autograd frees it."""
 
-    __slots__ = ("_bytes", "_key", "__weakref__")
+    __slots__ = ("_bytes", "_key", "abandoned", "__weakref__")
 
     def __init__(self, counter: SavedBytes) -> None:
         self._bytes = counter
         self._key: StorageKey | None = None
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """Its step was cut short (Note [Abandoned steps] in session.py): lets go of every tensor
+        and record it holds, and of its count."""
+        if self._key is not None:
+            self._bytes.release(self._key)
+            self._key = None
+        for cls in type(self).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if name not in _Counted.__slots__:
+                    setattr(self, name, None)
+        self.abandoned = True
 
     def count(self, t: torch.Tensor) -> None:
         self._key = storage_key(t)
@@ -593,6 +607,7 @@ class PlannedStep:
         self._regions: list[Region] = []
         self._outputs: dict[tuple[int, int], Output] = {}
         self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
+        self._handed: list[weakref.ref[_Counted]] = []  # what pack gave autograd, for abandon()
         self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
 
     def compare(self, original: Original, got: torch.Tensor, kind: str, rerun: "_Rerun | None", seq: int,
@@ -625,6 +640,16 @@ class PlannedStep:
         self._regions.clear()
         self._outputs.clear()
         self._made.clear()
+        self._handed.clear()
+
+    def abandon(self) -> None:
+        """The step was cut short by an exception: every handle pack gave autograd lets go of
+        what it holds (Note [Abandoned steps] in session.py)."""
+        for ref in self._handed:
+            h = ref()
+            if h is not None:
+                h.abandon()
+        self.close()
 
     def install(self, stack: contextlib.ExitStack) -> None:
         """Puts the hooks in place for the step; ``stack`` takes them off."""
@@ -698,29 +723,38 @@ class PlannedStep:
             region = self._regions[-1] if self._regions else None
             if region is not None and region.key == plan.owners[seq]:
                 self._count_drop(t)
-                return RegionSlot(region, seq - region.first_seq, t)
+                return self._hand(RegionSlot(region, seq - region.first_seq, t))
             self._diverge()
         elif action == OUTPUT:
             record = self._outputs.get(plan.owners[seq])  # type: ignore[arg-type]
             if record is not None and (record.inside is not None or record.out_ref is not None
                                        and record.out_ref() is not None and storage_key(t) == record.out_key):
                 self._count_drop(t)
-                return OutputSlot(record, t, seq)
+                return self._hand(OutputSlot(record, t, seq))
             self._diverge()
         elif action == PRODUCT:
             info = plan.products[seq]
             found = dropout.product_nodes(t)
             if found is not None and found[0] == info.path and type(found[2]).__name__ == info.source:
                 self._count_drop(t)
-                return ProductSlot(self, found[1], found[2], t, seq)
+                return self._hand(ProductSlot(self, found[1], found[2], t, seq))
             self._diverge()
         kept: Any = KeptSave(self.bytes, t) if is_activation(t) else t
         region = self._regions[-1] if self._regions else None
         if region is not None and region.recipe is not None and seq - region.first_seq in region.recipe.source_keys:
             region.sources[seq - region.first_seq] = kept  # the re-run takes it instead of computing it
-        return kept
+        return self._hand(kept)
+
+    def _hand(self, h: Any) -> Any:
+        if isinstance(h, _Counted):
+            self._handed.append(weakref.ref(h))
+        return h
 
     def unpack(self, h: Any) -> torch.Tensor:
+        if isinstance(h, _Counted) and h.abandoned:
+            from .session import OffloadError  # session.py imports this module
+
+            raise OffloadError(ABANDONED_MESSAGE)
         if isinstance(h, KeptSave):
             return h.tensor
         if isinstance(h, (RegionSlot, OutputSlot, ProductSlot)):

@@ -20,6 +20,10 @@ def _span(t: torch.Tensor) -> int:
 
 
 RESIDENT, SWAPPED, DROPPED = "resident", "swapped", "dropped"
+ABANDONED = "abandoned"  # its step was cut short by an exception: released (Note [Abandoned steps] in session.py)
+ABANDONED_MESSAGE = ("pyalloc.offload: this saved tensor belongs to a step that an exception cut short, and was "
+                     "released when the exception left the offload session (Note [Abandoned steps]); run the "
+                     "forward again under the session before calling backward")
 
 
 class SavedActivation:

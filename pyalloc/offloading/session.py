@@ -38,7 +38,7 @@ from .check import RecomputeCheck, enabled_by_environment as check_env
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
 from .plan import OUTPUT, Plan, PlanSearch, Profile
 from .regions import IdleStep, PlannedStep
-from .saved import DROPPED, RESIDENT, SWAPPED, SavedActivation
+from .saved import ABANDONED, ABANDONED_MESSAGE, DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
 
 __all__ = ["ActivationOffload", "OffloadError", "OffloadFloorWarning", "POLICIES", "latest_session_stats", "offload"]
@@ -174,6 +174,7 @@ class ActivationOffload:
         counted and evictable. The clock and the byte counters run on."""
         live = sorted(self._handles.values(), key=lambda h: h.seq)
         self._handles = weakref.WeakValueDictionary((id(h), h) for h in live)
+        self._step_clock = self._clock  # the handles made after it are this step's (_abandon_step)
         self._by_tensor = TensorMap()  # tensor -> weakref(handle)
         self._order: list[weakref.ref] = []  # pack order, for prefetch
         self._reorder(live)
@@ -326,8 +327,28 @@ class ActivationOffload:
     def __exit__(self, *exc: Any) -> None:
         self._leave_thread()
         if exc[0] is not None:  # a step cut short: neither a profile nor a measurement
+            self._abandon_step()
             self._discard_plan_step()
         self.end_step()
+
+    def _abandon_step(self) -> None:
+        """Note [Abandoned steps]. A handle holds its saved tensor, whose autograd graph holds the
+        handle (autograd keeps what ``_pack`` returned): a cycle through C++ that Python's garbage
+        collector does not see. Backward breaks it (each node releases its saves as it runs); a
+        step that an exception cut short (a ``torch.OutOfMemoryError`` in forward, the error a
+        batch-size search waits for) never runs it, and every tensor the step saved would stay on
+        the device for the life of the process: on an H200 the offload check's pyalloc column,
+        after a search's failed attempt, ran out of memory at a batch the plain step trains. So
+        the handles the step made let go of their tensors and how to regenerate them; autograd
+        reading one later (a backward of that graph after the exception) gets an OffloadError
+        that says why. Handles of earlier steps (a retained graph) are untouched."""
+        with self._lock:
+            for h in list(self._handles.values()):
+                if h.seq > self._step_clock and h.state != ABANDONED:
+                    self._forget(h)
+                    h.state, h.producer, h.original = ABANDONED, None, None
+            if isinstance(self._planned, PlannedStep):  # a step under the plan: its own handles
+                self._planned.abandon()
 
     def _discard_plan_step(self) -> None:
         profile, self._profile = self._profile, None
@@ -513,6 +534,8 @@ class ActivationOffload:
             return self._use(h)
         if self._probing:
             raise LookupError("pyalloc.offload: a probe read a saved tensor that is not resident")
+        if h.state == ABANDONED:
+            raise OffloadError(ABANDONED_MESSAGE)
         with self._lock:
             if self._host:
                 self._host.reap(wait=False)
