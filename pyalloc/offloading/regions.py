@@ -100,7 +100,7 @@ class KeptSave(_Counted):
 
     def __init__(self, counter: SavedBytes, t: torch.Tensor) -> None:
         super().__init__(counter)
-        self.tensor = t
+        self.tensor = t.detach()
         self.count(t)
 
 
@@ -549,7 +549,7 @@ class OutputSlot(_Counted):
         self.original = (check.original(t), seq) if check is not None else None
         record.pending += 1
         if record.inside is not None:
-            self.tensor = t
+            self.tensor = t.detach()
             record.inside.append(self)
 
     def confirm(self, out_key: StorageKey | None) -> None:

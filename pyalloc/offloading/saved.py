@@ -40,7 +40,7 @@ class SavedActivation:
 
     def __init__(self, session: "ActivationOffload", t: torch.Tensor, seq: int) -> None:
         self.session = session
-        self.tensor: torch.Tensor | None = t
+        self.tensor: torch.Tensor | None = t.detach()
         self.state = RESIDENT
         self.dtype = t.dtype
         self.device = t.device

@@ -332,16 +332,20 @@ class ActivationOffload:
         self.end_step()
 
     def _abandon_step(self) -> None:
-        """Note [Abandoned steps]. A handle holds its saved tensor, whose autograd graph holds the
-        handle (autograd keeps what ``_pack`` returned): a cycle through C++ that Python's garbage
-        collector does not see. Backward breaks it (each node releases its saves as it runs); a
-        step that an exception cut short (a ``torch.OutOfMemoryError`` in forward, the error a
-        batch-size search waits for) never runs it, and every tensor the step saved would stay on
-        the device for the life of the process: on an H200 the offload check's pyalloc column,
-        after a search's failed attempt, ran out of memory at a batch the plain step trains. So
-        the handles the step made let go of their tensors and how to regenerate them; autograd
-        reading one later (a backward of that graph after the exception) gets an OffloadError
-        that says why. Handles of earlier steps (a retained graph) are untouched."""
+        """Note [Abandoned steps]. Autograd keeps what a pack hook returns: our handle. A handle
+        that held the saved tensor itself made a cycle whenever a node saves its own output
+        (relu, tanh, softmax): node -> handle -> tensor -> grad_fn -> node, through C++, which
+        Python's garbage collector does not see. Backward breaks it (each node releases its saves
+        as it runs); a forward that never reaches backward (an OOM in forward, the error a
+        batch-size search waits for; a forward with grad on whose loss is only logged) kept every
+        such save on the device for the life of the process: on an H200 the offload check's
+        pyalloc column, after a search's failed attempt, ran out of memory at a batch the plain
+        step trains. So every handle holds a detached alias of its tensor (same storage, strides
+        and version counter, no grad_fn: autograd re-attaches the node when it unpacks, double
+        backward included), and when an exception leaves the session the handles its step made
+        let go of their tensors and how to regenerate them at once: autograd reading one later
+        (a backward of that graph after the exception) gets an OffloadError that says why.
+        Handles of earlier steps (a retained graph) are untouched."""
         with self._lock:
             for h in list(self._handles.values()):
                 if h.seq > self._step_clock and h.state != ABANDONED:
