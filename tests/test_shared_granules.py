@@ -150,15 +150,51 @@ def test_near_a_full_device_a_cached_fit_is_taken_while_whole_granules_cover_the
         for p in (x, y, spare):
             a.free(p)
         assert a.stats()["reserved_bytes.all.current"] == 10 * MiB
-        # [6, 10) holds two whole granules; 2.5 MiB spans two: best fit, no window.
+        # [6, 10) holds two whole granules; 2.5 MiB spans two: best fit, no window,
+        # and no sliver index either: the fit's own whole granules answer.
         n = a.malloc(5 * MiB // 2)
         s = a.stats()
         assert n - base == 6 * MiB
-        assert s["num_shared_granules"] == 0 and s["num_ooms"] == 0 and s["num_sliver_indexes"] == 1
+        assert s["num_shared_granules"] == 0 and s["num_ooms"] == 0 and s["num_sliver_indexes"] == 0
         a.free_all()
         pyalloc.empty_cache()
         assert a.stats()["reserved_bytes.all.current"] == 0
         del c, b
+
+
+def test_sliver_indexes_go_when_their_upkeep_passes_what_building_them_costs() -> None:
+    """Near a full device the sliver indexes, once built, follow every free-set change and send
+    every call down the general path. When requests stop asking them (their cached fits' whole
+    granules cover them), the indexes go after upkeep of about twice what building them walks,
+    and come back when a request needs them again: built twice here, where they used to stay."""
+    for backend in ("host", "sim"):
+        a = rebuilt(backend, "vmm=shared", "capacity=10MiB")
+        base = a.malloc(MiB)  # [0, 1)
+        x, c, y = a.malloc(MiB), a.malloc(2 * MiB), a.malloc(MiB)  # [1, 2), [2, 4), [4, 5)
+        a.malloc(MiB)  # [5, 6)
+        spare = a.malloc(4 * MiB)  # [6, 10): the device is full
+        assert spare - base == 6 * MiB
+        for p in (x, c, y, spare):  # free: [1, 5), one whole granule; [6, 10), two
+            a.free(p)
+
+        def needs_the_index() -> int:
+            # 3.5 MiB spans two granules; its best fit [1, 5) (the lower of two of 4 MiB) holds
+            # one whole: the arenas' count, three, answers, from the indexes, built (or asked).
+            n = a.malloc(7 * MiB // 2)
+            assert MiB <= n - base <= 3 * MiB // 2  # in [1, 5)
+            return n
+
+        n = needs_the_index()
+        assert a.stats()["num_sliver_indexes"] == 1
+        for _ in range(400):  # small blocks come and go where n's fit left room: upkeep, no asking
+            a.free(a.malloc(4096))
+        a.free(n)
+        needs_the_index()
+        s = a.stats()
+        assert s["num_sliver_indexes"] == 2 and s["num_ooms"] == 0 and s["num_shared_granules"] == 0
+        pyalloc.check(0)
+        a.free_all()
+        pyalloc.empty_cache()
 
 
 def test_near_a_full_device_a_shared_window_comes_before_a_cached_fit() -> None:

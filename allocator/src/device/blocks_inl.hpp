@@ -194,11 +194,17 @@ PYALLOC_INLINE void DeviceAllocator::uncount_cached(StatType t, const Block* blo
 // diverts every call (kDivertSlivers), so its copies of these operations
 // (kFast) leave the index out and keep its few registers.
 PYALLOC_INLINE void DeviceAllocator::index_in(Block* block) {
-  if (PYALLOC_UNLIKELY(block->segment->indexed)) block->segment->slivers.insert(block);
+  if (PYALLOC_UNLIKELY(block->segment->indexed)) {
+    block->segment->slivers.insert(block);
+    ++sliver_upkeep_;
+  }
 }
 
 PYALLOC_INLINE void DeviceAllocator::index_out(Block* block) {
-  if (PYALLOC_UNLIKELY(block->segment->indexed)) block->segment->slivers.erase(block);
+  if (PYALLOC_UNLIKELY(block->segment->indexed)) {
+    block->segment->slivers.erase(block);
+    ++sliver_upkeep_;
+  }
 }
 
 PYALLOC_INLINE void DeviceAllocator::insert_free(Block* block) {

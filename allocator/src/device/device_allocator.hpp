@@ -334,7 +334,7 @@ class DeviceAllocator {
   void index_arena(Segment* arena);
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
-  bool spare_covers(size_t rounded);
+  bool spare_covers(size_t rounded, const Block* fit = nullptr);
 
   // Placement policies (placement.cpp): lifetime-aware placement (Note
   // [Lifetime-aware placement] in policy/lifetime.cpp) and iteration plans
@@ -419,6 +419,11 @@ class DeviceAllocator {
   // number of them, may be served from a shared window first (SIZE_MAX: never).
   size_t share_from_ = SIZE_MAX;
   size_t share_limit_ = SIZE_MAX;  // what the allocator may reserve, when share_from_ is set
+  // The sliver indexes' upkeep (free-set changes they followed) since they
+  // were last asked, and what building them walked: drop_sliver_indexes
+  // drops them once the first passes twice the second (Note [Sliver index]).
+  size_t sliver_upkeep_ = 0;
+  size_t sliver_build_blocks_ = 0;
   bool reusing_ = true;  // Note [Reuse before growing]
   size_t extent_bytes_ = size_t{32} << 20;  // Note [Extents]
   // Reserved bytes below which an arena's growth takes cached free granules
