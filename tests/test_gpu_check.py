@@ -10,6 +10,7 @@ at --max-batch, and the figures show that the columns run, agree and are timed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -282,3 +283,20 @@ def test_a_column_out_of_memory_at_the_common_batch_leaves_the_other_figures() -
     assert by_name["tiny-like offload time per sample"]["value"] == "out of memory"
     assert not by_name["tiny-like offload time per sample"]["met"]
     assert by_name["tiny-like offload gradients exact"]["value"] == 1
+
+
+def test_what_the_budget_left_unfinished_is_named_as_the_next_command() -> None:
+    """A GPU session's first run does not fit every check: the report names the --only groups of
+    the checks left unrun or cut short, in the run's order, each once, for a second command."""
+    args = argparse.Namespace(only=None, start_batch=4, max_batch=4096, steps=10, budget=480.0)
+    results = [run.CheckResult("environment", "pass", 4.0),
+               run.CheckResult("gpt2 max-batch (pyalloc)", "pass", 20.0),
+               run.CheckResult("resnet50 max-batch (default)", "pass", 38.0),
+               run.CheckResult("resnet50 max-batch (expandable)", "timeout", 7.5),
+               run.CheckResult("resnet50 max-batch (pyalloc)", "not-run", 0.0),
+               run.CheckResult("offload (gpt-like)", "fail", 27.0),
+               run.CheckResult("tests/gpu", "timeout", 149.0)]
+    assert run.unfinished(args, results) == ["resnet50", "tests/gpu"]
+    report = {"date": "2026-11-27", "environment": {}, "checks": [], "targets": [],
+              "unfinished": run.unfinished(args, results)}
+    assert "`pyalloc gpu-check --only resnet50,tests/gpu`" in run.markdown(report)

@@ -10,6 +10,11 @@
 # (the progress lines and the targets), and gpu-check's own files: gpu-check.json, gpu-check.md,
 # tests-gpu.log and tests-gpu-results.log. Exits with gpu-check's status, or 1 when the build fails (its log's tail is
 # printed).
+#
+# A GPU session (15 minutes of device time) does not fit every check in one command: the first run's last line
+# names what the budget left unfinished; run that next on the same warm machine (the build and the torch layer
+# are kept, so it starts at once), e.g.
+#   tools/gpu_check_from_checkout.sh OUT_DIR-rest --only resnet50,tests/gpu --budget 280
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -328,6 +328,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Targets", ""]
     for t in report["targets"]:
         lines.append(f"- {'met' if t['met'] else '**MISSED**'} {t['target']}: {t['value']} (limit {t['limit']}; {t['what']})")
+    if report.get("unfinished"):
+        lines += ["", f"Not finished in the budget: {', '.join(report['unfinished'])} "
+                      f"(next: `pyalloc gpu-check --only {','.join(report['unfinished'])}`)."]
     return "\n".join(lines) + "\n"
 
 
@@ -367,6 +370,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def unfinished(args: argparse.Namespace, results: list[CheckResult]) -> list[str]:
+    """The ``--only`` groups, in the run's order, of the checks that the time budget left unrun or
+    cut short: what a second command on the same machine runs (a GPU session's first run does
+    not fit everything: docs/benchmarks/2026-11-27-gpu-check-h200-run4.md)."""
+    group_of = {p.name: p.group for p in plan(args)}
+    groups: list[str] = []
+    for r in results:
+        group = group_of.get(r.name)
+        if r.status in ("not-run", "timeout") and group is not None and group not in groups:
+            groups.append(group)
+    return groups
+
+
 def _gpu_check(args: argparse.Namespace) -> int:
     device = args.device
     if device == "cuda":
@@ -381,7 +397,8 @@ def _gpu_check(args: argparse.Namespace) -> int:
     environment = _find(results, "environment")
     report = {"date": datetime.date.today().isoformat(), "device_kind": device,
               "environment": environment.figures if environment else {},
-              "checks": [asdict(r) for r in results], "targets": targets(results)}
+              "checks": [asdict(r) for r in results], "targets": targets(results),
+              "unfinished": unfinished(args, results)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -392,6 +409,9 @@ def _gpu_check(args: argparse.Namespace) -> int:
         for t in report["targets"]:
             print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']} (limit {t['limit']})")
         print(f"report: {out / 'gpu-check.json'}, {out / 'gpu-check.md'}")
+        if report["unfinished"]:
+            print(f"not finished in the budget: {', '.join(report['unfinished'])}; next: "
+                  f"pyalloc gpu-check --only {','.join(report['unfinished'])} --out {out}-rest")
     return 0
 
 
