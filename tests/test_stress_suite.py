@@ -439,3 +439,16 @@ def test_a_replay_ignores_the_configuration_the_process_had() -> None:
     fresh = find_min_capacity(flat, "pyalloc-plain")
     pyalloc.configure("backend=sim,memory_fraction=0.75,max_cached=64MiB,round_power2=4,small_segment=4MiB")
     assert find_min_capacity(flat, "pyalloc-plain") == fresh == find_min_capacity(flat, "native")
+
+
+def test_with_no_limit_pyalloc_reserves_no_more_than_either_pytorch_model_on_the_gpu_scale_traces() -> None:
+    """Issue 18's peak-reserved target on the recorded GPU-scale workloads (80 GiB, no limit).
+    vit_l_b256_s224 missed it by 22 MiB until a growth past a standing peak took warm donors too
+    (Note [Cold donors] in allocator/src/device/arena.cpp): 40,448 MiB against the expandable
+    model's 40,426, now 40,292."""
+    for name in ("llama1b_b32_s4096_ckpt", "llama1b_b4_s4096", "llama7b_b1_s2048", "llama7b_b2_s4096_ckpt",
+                 "resnet50_b256_s224", "vit_l_b256_s224"):
+        flat = stress.load_workload(name, 0, False).flat
+        ours = replay(flat, "pyalloc", "sim").peak_reserved_bytes
+        for model in ("native", "native-expandable"):
+            assert ours <= replay(flat, model, "sim").peak_reserved_bytes, (name, model)

@@ -277,7 +277,10 @@ class DeviceAllocator {
   Segment* alloc_segment(Pool& pool, size_t size, StreamId stream);
   Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   bool succeeded(const Status& s);  // records a failed backend call's message
-  void reserved_changed() { hooks_.reserved_changed(); }
+  void reserved_changed() {
+    if (stats_.reserved_bytes.current(kStatAll) == 0) reserved_high_ = 0;  // all given back: a new start
+    hooks_.reserved_changed();
+  }
   void drop_sliver_indexes(bool always);
   void make_pending(Block* block);
   void record_pending_events(PendingFree* pending);
@@ -319,7 +322,7 @@ class DeviceAllocator {
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
   bool reuses_first(size_t fresh);
   size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
-                        std::vector<PhysHandle>* spares);
+                        std::vector<PhysHandle>* spares, bool any = false);
   Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
   size_t release_arena_memory(size_t bytes);
   void release_arena(Segment* arena);
@@ -422,6 +425,11 @@ class DeviceAllocator {
   // The sliver indexes' upkeep (free-set changes they followed) since they
   // were last asked, and what building them walked: drop_sliver_indexes
   // drops them once the first passes twice the second (Note [Sliver index]).
+  // The most an arena's growth left reserved since reserved memory was last
+  // zero, and frees_ when it was set (Note [Cold donors] in arena.cpp: past a
+  // standing mark, warm donors too).
+  size_t reserved_high_ = 0;
+  uint64_t high_set_at_ = 0;
   size_t sliver_upkeep_ = 0;
   size_t sliver_build_blocks_ = 0;
   bool reusing_ = true;  // Note [Reuse before growing]
