@@ -236,12 +236,23 @@ def test_exactness_falls_back_to_warn_only_where_an_operation_has_no_determinist
                                    "'torch.use_deterministic_algorithms(True)'.")
             return self.linear(x)
 
-    for model, expected in ((lambda: nn.Linear(8, 8), "strict"), (Alerting, "warn_only")):
+    class NeedsMoreWhenStrict(nn.Linear):  # as the fused attention's deterministic backward may
+        def __init__(self) -> None:
+            super().__init__(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's: strict kernels need more)")
+            return super().forward(x)
+
+    for model, expected in ((lambda: nn.Linear(8, 8), "strict"),
+                            (Alerting, "warn_only (strict: an operation without a deterministic kernel)"),
+                            (NeedsMoreWhenStrict, "warn_only (strict: out of memory)")):
         bench = check.Bench(Workload(model, lambda batch: torch.randn(batch, 8)), "cpu")
         columns = [check.Column(name, bench.model, 0) for name in ("baseline", "checkpoint")]
         bench.model.checkpoint = False  # what the checkpoint column switches (the models' attribute)
         x = bench.input(4)
-        mode, diffs = check._exactness(bench, columns, x, lambda c: c.step(x))
+        mode, diffs = check._exactness(bench, columns, x, lambda c, run: run())
         assert mode == expected
         assert diffs == {"baseline": (True, 0.0), "checkpoint": (True, 0.0)}
         assert not torch.are_deterministic_algorithms_enabled()  # restored

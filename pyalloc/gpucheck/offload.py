@@ -45,8 +45,9 @@ Measured, in this order:
 4. At the common batch, on one input with the same seeds: every column's gradients against the
    baseline's (kept in host memory, which the cap does not leave room for), bit for bit
    (``exact``; those steps run with cuDNN's deterministic algorithms and
-   ``torch.use_deterministic_algorithms(True)``: ``determinism`` "strict", or "warn_only" where
-   the model has an operation without a deterministic kernel; ``baseline_repeatable`` says
+   ``torch.use_deterministic_algorithms(True)``: ``determinism`` "strict", or "warn_only (strict:
+   ...)" where the model has an operation without a deterministic kernel or the plain step ran
+   out of memory under strict kernels; ``baseline_repeatable`` says
    whether two plain steps agreed, without which ``exact`` means nothing); then each column's
    step time, the median of up to ``steps`` interleaved repetitions (the column order turning
    each time; ``common_steps`` says how many ran), and its ratio to the baseline's
@@ -358,26 +359,36 @@ def _has_no_deterministic_kernel(error: RuntimeError) -> bool:
 
 
 def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor,
-               step: Callable[[Column], Grads | None]) -> tuple[str, dict[str, tuple[bool, float | None]]]:
+               guarded: Callable[[Column, Callable[[], Any]], Any]) -> tuple[str, dict[str, tuple[bool, float | None]]]:
     """Each column's gradients against a plain step's (the baseline's own row: a second plain
-    step), under strict determinism, or, where the model has an operation that has no
-    deterministic kernel, under warn_only; which of the two it was. ``step`` runs a column's step
-    (None: it ran out of memory, and that column's row says it is not exact)."""
-    for mode in ("strict", "warn_only"):
+    step), under strict determinism: "strict"; or, where strict determinism refused an
+    operation (no deterministic kernel) or the plain step ran out of memory under it (the
+    deterministic backward of fused attention may need more), under warn_only: "warn_only
+    (strict: why)". ``guarded(column, fn)`` runs ``fn`` for a column other than the baseline and
+    gives None when it ran out of memory (its row then says it is not exact)."""
+    refused = ""
+    for strict in (True, False):
         try:
-            with _deterministic(strict=mode == "strict"):
+            with _deterministic(strict=strict):
                 expected = _on_host(columns[0].step(x))
-                return mode, {c.name: _inexact if (grads := step(c)) is None else _difference(grads, expected)
-                              for c in columns}
+                diffs = {c.name: _inexact if (grads := guarded(c, lambda c=c: c.step(x))) is None
+                         else _difference(grads, expected) for c in columns}
+                return ("strict" if strict else f"warn_only (strict: {refused})"), diffs
         except RuntimeError as e:
-            if mode != "strict" or not _has_no_deterministic_kernel(e) or isinstance(e, torch.OutOfMemoryError):
+            if not strict:
+                raise
+            if isinstance(e, torch.OutOfMemoryError):
+                refused = "out of memory"
+            elif _has_no_deterministic_kernel(e):
+                refused = "an operation without a deterministic kernel"
+            else:
                 raise
         for column in columns:  # what the refused step left, a session stopped mid-step included
             column.stop()
         bench.release()
         for column in columns:
-            column.start(x)
-    raise AssertionError("unreachable: warn_only refuses nothing")
+            guarded(column, lambda c=column: c.start(x))
+    raise AssertionError("unreachable: the warn_only pass returns or raises")
 
 
 _inexact: tuple[bool, float | None] = (False, None)
@@ -425,7 +436,7 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int
 
     for column in columns:
         guarded(column, lambda: column.start(x))
-    determinism, diffs = _exactness(bench, columns, x, lambda c: guarded(c, lambda: c.step(x)))
+    determinism, diffs = _exactness(bench, columns, x, guarded)
     repeatable = diffs["baseline"][0]
     times: dict[str, list[float]] = {c.name: [] for c in columns}
     repetition = 0.0
