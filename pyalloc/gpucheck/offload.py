@@ -36,8 +36,9 @@ Measured, in this order:
    set pyalloc's budget and save_on_cpu's host-memory cap.
 3. The other columns' largest batches, the same way (pyalloc's first, after its plan settled),
    each search starting at the baseline's largest batch (the batch they are to pass; doubling
-   from ``start_batch`` again spent pyalloc's share of the time on batches below it) and stopping at :data:`SEARCH_RATIO` times the baseline's largest (``stop: "3x the
-   plain step's"``): enough to show which column trains the larger batch, and it bounds the
+   from ``start_batch`` again spent pyalloc's share of the time on batches below it) and
+   stopping at :data:`SEARCH_RATIO` times the baseline's largest (``stop: "3x the plain
+   step's"``): enough to show which column trains the larger batch, and it bounds the
    batches that this search and item 5 run. save_on_cpu's search also stops (``stop: "host memory"``)
    where its saved bytes, the baseline's per sample times the batch, would pass
    :data:`HOST_FRACTION` of the host's available memory: pinning more could get the process
@@ -352,12 +353,6 @@ def _deterministic(strict: bool) -> Iterator[None]:
         torch.backends.cudnn.deterministic = was_cudnn
 
 
-def _has_no_deterministic_kernel(error: RuntimeError) -> bool:
-    """Whether strict determinism refused an operation (PyTorch's alert says it "does not have a
-    deterministic implementation")."""
-    return "deterministic" in str(error)
-
-
 def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor,
                guarded: Callable[[Column, Callable[[], Any]], Any]) -> tuple[str, dict[str, tuple[bool, float | None]]]:
     """Each column's gradients against a plain step's (the baseline's own row: a second plain
@@ -379,7 +374,7 @@ def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor,
                 raise
             if isinstance(e, torch.OutOfMemoryError):
                 refused = "out of memory"
-            elif _has_no_deterministic_kernel(e):
+            elif "deterministic" in str(e):  # PyTorch's alert: "does not have a deterministic implementation"
                 refused = "an operation without a deterministic kernel"
             else:
                 raise
@@ -521,7 +516,8 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
         "baseline_saved_bytes": saved, "budget_bytes": budget,
         "budget": f"{BUDGET_FRACTION:.0%} of the baseline's saved-activation bytes at the common batch",
         "baseline_repeatable": repeatable, "determinism": determinism,
-        "allocated_before_common_bytes": allocated_before_common, "common_steps": common_steps, "time_limit_seconds": round(limit, 1),
+        "allocated_before_common_bytes": allocated_before_common, "common_steps": common_steps,
+        "time_limit_seconds": round(limit, 1),
         "columns": {}}
     if device == "cuda":
         figures["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()

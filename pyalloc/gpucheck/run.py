@@ -200,8 +200,8 @@ def plan(args: argparse.Namespace) -> list[Planned]:
     Order: the environment; what growing costs under each allocator (the figure that says why one
     is slower); the features under pyalloc; the A/B/C of GPT-2 then ResNet-50 (a model's second
     and third largest-batch searches double from the largest batch an allocator before trained,
-    not from ``--start-batch``: on an H200 ResNet-50's first search, from 4 to 2,496, took 29 s); the offload check
-    (a fifth of the budget kept for it); last, tests/gpu with a quarter kept for it, whose
+    not from ``--start-batch``: on an H200 ResNet-50's first search, from 4 to 2,496, took 29 s);
+    the offload check (a fifth of the budget kept for it); last, tests/gpu with a quarter kept for it, whose
     per-test log (tests-gpu-results.log) keeps the details of every test that finished even when
     time runs out."""
     steps: list[Planned] = [Planned("environment", "environment", "environment", {"allocator": "pyalloc"}, 0.04)]

@@ -644,12 +644,11 @@ class PlannedStep:
 
     def abandon(self) -> None:
         """The step was cut short by an exception: every handle pack gave autograd lets go of
-        what it holds (Note [Abandoned steps] in session.py)."""
+        what it holds (Note [Abandoned steps] in session.py); the session closes the step after."""
         for ref in self._handed:
             h = ref()
             if h is not None:
                 h.abandon()
-        self.close()
 
     def install(self, stack: contextlib.ExitStack) -> None:
         """Puts the hooks in place for the step; ``stack`` takes them off."""

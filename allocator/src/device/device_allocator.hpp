@@ -328,7 +328,7 @@ class DeviceAllocator {
   void release_arena(Segment* arena);
 
   // Shared granules (Note [Shared granules] in share.cpp).
-  Block* share_first(Pool& pool, size_t rounded, StreamId stream);
+  Block* share_first(Pool& pool, size_t rounded, StreamId stream, const Block* fit);
   Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* spares);
   Block* lend(Block* block, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
@@ -425,13 +425,13 @@ class DeviceAllocator {
   // The sliver indexes' upkeep (free-set changes they followed) since they
   // were last asked, and what building them walked: drop_sliver_indexes
   // drops them once the first passes twice the second (Note [Sliver index]).
+  size_t sliver_upkeep_ = 0;
+  size_t sliver_build_blocks_ = 0;
   // The most an arena's growth left reserved since reserved memory was last
   // zero, and frees_ when it was set (Note [Cold donors] in arena.cpp: past a
   // standing mark, warm donors too).
   size_t reserved_high_ = 0;
   uint64_t high_set_at_ = 0;
-  size_t sliver_upkeep_ = 0;
-  size_t sliver_build_blocks_ = 0;
   bool reusing_ = true;  // Note [Reuse before growing]
   size_t extent_bytes_ = size_t{32} << 20;  // Note [Extents]
   // Reserved bytes below which an arena's growth takes cached free granules

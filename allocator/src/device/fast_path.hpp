@@ -198,7 +198,7 @@ PYALLOC_INLINE Block* DeviceAllocator::alloc_block(Pool& pool, size_t size, size
   Block* block = pool.free_blocks.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(shares_first(pool, rounded)) &&
       (block == nullptr || should_split(pool, block->size - rounded))) {
-    Block* shared = share_first(pool, rounded, stream);
+    Block* shared = share_first(pool, rounded, stream, block);
     // share_first may change the free sets even when it finds no window.
     block = shared != nullptr ? shared : pool.free_blocks.best_fit(stream, rounded);
   }

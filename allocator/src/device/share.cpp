@@ -84,11 +84,12 @@ namespace pyalloc {
 // cached fit would. Twins whose own part is free part first, and the window's
 // fresh granules come from the backend, after free blocks give theirs back
 // (stitching) when the limit is near. The free sets may change even when it
-// returns nullptr.
-Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream) {
+// returns nullptr. `fit`: the request's cached best fit, as the caller found
+// it (nullptr: none).
+Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream, const Block* fit) {
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
-  if (spare_covers(rounded, pool.free_blocks.best_fit(stream, rounded))) return nullptr;  // the sliver index is on from here
+  if (spare_covers(rounded, fit)) return nullptr;  // the sliver index is on from here
   if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
   const SharePlan plan = plan_share(arena, rounded, granule_);
   if (!plan.found) return nullptr;
