@@ -520,7 +520,8 @@ def test_a_chain_of_regenerated_outputs_re_runs_each_call_once(baselines) -> Non
         children = [c for c in profile.calls if c.parent == call.index]
         call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
     _whole_forwards(profile)
-    search.plan = make_plan(profile, search.budget, selective=False)
+    # 30% of the saved bytes: at half, the plan drops a Linear's or a LayerNorm's output, not both
+    search.plan = make_plan(profile, peak * 3 // 10, selective=False)
     search.settled = True
     names = [c.name for c in search.plan.outputs.values()]
     assert {"LayerNorm", "Linear", "GELU"} <= set(names), names

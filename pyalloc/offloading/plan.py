@@ -777,6 +777,7 @@ class _Planner:
                 return
             self._take(move)
         self._refine(budget, density)
+        self._prune(budget)
 
     def _take(self, move: "Move") -> None:
         for d in move[0]:
@@ -808,6 +809,18 @@ class _Planner:
                     self._take(move)
             if self.estimate() > budget or self.seconds() >= spent:
                 self._take((list(self.chosen), before))
+
+    def _prune(self, budget: int) -> None:
+        """Once the plan fits: each chosen candidate, costliest first, is let go when the plan
+        still fits without it (a later move, such as the region that closed the gap, can make an
+        earlier one unneeded)."""
+        for c in sorted(self.chosen, key=lambda c: -c.seconds):
+            if c not in self.chosen:
+                continue
+            spent = self.seconds()
+            self._take(([c], []))
+            if self.estimate() > budget or self.seconds() >= spent:
+                self._take(([], [c]))
 
     Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
 
