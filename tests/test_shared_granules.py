@@ -162,11 +162,12 @@ def test_near_a_full_device_a_cached_fit_is_taken_while_whole_granules_cover_the
         del c, b
 
 
-def test_sliver_indexes_go_when_their_upkeep_passes_what_building_them_costs() -> None:
-    """Near a full device the sliver indexes, once built, follow every free-set change and send
-    every call down the general path. When requests stop asking them (their cached fits' whole
-    granules cover them), the indexes go after upkeep of about twice what building them walks,
-    and come back when a request needs them again: built twice here, where they used to stay."""
+def test_whole_granules_are_counted_without_the_sliver_indexes() -> None:
+    """Near a full device a request that splits its cached fit asks whether whole granules cover
+    it before sharing one (Note [Whole-granule count] in share.cpp). When the fit's own do not,
+    the device's count of whole free granules answers, kept by free-set membership: no sliver
+    index is built (they send every call down the general path), and the request goes where it
+    would with no sharing. pyalloc_check compares the count with a walk (I6)."""
     for backend in ("host", "sim"):
         a = rebuilt(backend, "vmm=shared", "capacity=10MiB")
         base = a.malloc(MiB)  # [0, 1)
@@ -176,25 +177,49 @@ def test_sliver_indexes_go_when_their_upkeep_passes_what_building_them_costs() -
         assert spare - base == 6 * MiB
         for p in (x, c, y, spare):  # free: [1, 5), one whole granule; [6, 10), two
             a.free(p)
-
-        def needs_the_index() -> int:
-            # 3.5 MiB spans two granules; its best fit [1, 5) (the lower of two of 4 MiB) holds
-            # one whole: the arenas' count, three, answers, from the indexes, built (or asked).
+        for _ in range(3):
+            # 3.5 MiB spans two granules; its best fit [1, 5) (the lower of two of 4 MiB) holds one
+            # whole: the count, three, covers it
             n = a.malloc(7 * MiB // 2)
             assert MiB <= n - base <= 3 * MiB // 2  # in [1, 5)
-            return n
-
-        n = needs_the_index()
-        assert a.stats()["num_sliver_indexes"] == 1
-        for _ in range(400):  # small blocks come and go where n's fit left room: upkeep, no asking
-            a.free(a.malloc(4096))
-        a.free(n)
-        needs_the_index()
+            pyalloc.check(0)
+            for _ in range(50):  # small blocks come and go beside it: the count follows
+                a.free(a.malloc(4096))
+            pyalloc.check(0)
+            a.free(n)
         s = a.stats()
-        assert s["num_sliver_indexes"] == 2 and s["num_ooms"] == 0 and s["num_shared_granules"] == 0
-        pyalloc.check(0)
+        assert s["num_sliver_indexes"] == 0 and s["num_ooms"] == 0 and s["num_shared_granules"] == 0
         a.free_all()
         pyalloc.empty_cache()
+
+
+def test_sliver_indexes_go_when_their_upkeep_passes_what_building_them_costs() -> None:
+    """Near a full device the sliver indexes, once built for a shared window, follow every
+    free-set change and send every call down the general path. When requests stop asking them,
+    they go after upkeep of about twice what building them walks, and come back when a request
+    needs them again: with 400 small blocks coming and going between two shared windows they
+    are built twice, with 10 once."""
+    for backend in ("host", "sim"):
+        for churn, builds in ((10, 1), (400, 2)):
+            # Laid out on 16 MiB (far from full: no window), then capped at 12, as below.
+            a = rebuilt(backend, "vmm=shared", "capacity=16MiB")
+            sizes = [MiB, MiB, 3 * MiB // 2, MiB // 2, 2 * MiB, MiB, 5 * MiB]
+            base, x, y, l1, c, l2, cached = (a.malloc(size) for size in sizes)
+            pyalloc.set_memory_fraction(0.75)
+            for p in (x, y, cached):
+                a.free(p)
+            a.malloc(9 * MiB // 2)  # shares two granules: the indexes are built
+            assert a.stats()["num_sliver_indexes"] == 1
+            for _ in range(churn):  # upkeep, nobody asking
+                a.free(a.malloc(4096))
+            a.malloc(5 * MiB // 2)  # shares a third
+            s = a.stats()
+            assert s["num_sliver_indexes"] == builds, (churn, s["num_sliver_indexes"])
+            assert s["num_shared_granules"] == 3 and s["num_ooms"] == 0
+            pyalloc.check(0)
+            a.free_all()
+            pyalloc.empty_cache()
+            pyalloc.set_memory_fraction(1.0)
 
 
 def test_near_a_full_device_a_shared_window_comes_before_a_cached_fit() -> None:

@@ -51,11 +51,15 @@ Window best_window(const Segment* arena, size_t rounded, size_t g) {
   uintptr_t walked_to = arena->base;  // runs end before holes beyond this start
   arena->holes.for_each([&](const Block* hole) {
     if (hole->addr < walked_to) return true;  // in the run just walked
+    // A run shorter than the request holds no window: skip it in one walk,
+    // back from the hole to the run's start and on until the request fits.
+    size_t run = hole->size;
     const Block* b = hole;
-    while (b->prev != nullptr && usable(b->prev)) b = b->prev;
-    // A run shorter than the request holds no window: skip it in one walk.
-    size_t run = 0;
-    const Block* end = b;
+    for (const Block* p = hole->prev; p != nullptr && usable(p); p = p->prev) {
+      run += p->size;
+      b = p;
+    }
+    const Block* end = hole->next;
     for (; end != nullptr && usable(end) && run < rounded; end = end->next) run += end->size;
     if (run < rounded) {
       walked_to = end != nullptr ? end->addr : arena->base + arena->size;

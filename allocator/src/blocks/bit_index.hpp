@@ -73,6 +73,20 @@ class BitIndex {
     return word * 64 + static_cast<size_t>(__builtin_ctzll(w));
   }
 
+  // Calls f(i) for every member, lowest first, while f returns true: each
+  // word read once. The set must not change meanwhile.
+  template <class F>
+  void for_each(F&& f) const {
+    for (size_t top = 0; top < words_.size(); ++top) {
+      for (uint64_t t = words_[top]; t != 0; t &= t - 1) {
+        const size_t word = top * 64 + static_cast<size_t>(__builtin_ctzll(t));
+        for (uint64_t w = bits_[word]; w != 0; w &= w - 1) {
+          if (!f(word * 64 + static_cast<size_t>(__builtin_ctzll(w)))) return;
+        }
+      }
+    }
+  }
+
   // The largest member <= i, or kNone.
   size_t prev(size_t i) const {
     if (bits_.empty()) return kNone;
@@ -185,8 +199,7 @@ class BlockTable {
   // Calls f(slot, block) for every listed slot, lowest first, while f returns true.
   template <class F>
   void for_each(F&& f) const {
-    for (size_t s = listed_.next(0); s != BitIndex::kNone && f(s, table_[s]); s = listed_.next(s + 1)) {
-    }
+    listed_.for_each([&](size_t s) { return f(s, table_[s]); });
   }
 
  private:

@@ -42,6 +42,9 @@
 //   I5  a block is in the pending list  <=>  it is pending-free
 //   I6  reserved == allocated + pending_free + cached_free      (bytes)
 //       active   == allocated + pending_free                   (bytes)
+//       and, while counted, the device's count of whole free granules ==
+//       the whole granules inside free blocks of its arenas (Note
+//       [Whole-granule count] in device/share.cpp)
 //   I7  every counter's current value equals what the walk sums, for all,
 //       small-pool and large-pool stat types
 //   I8  block sizes and addresses are multiples of kBlockAlign (512 B)
@@ -194,6 +197,9 @@ struct Segment {
   // in granule order; `doubled` counts one granule per such pair.
   bool arena = false;
   bool indexed = false;  // slivers.on(), here beside the fields a cache hit reads
+  // Its free blocks' whole granules are in the device's count (Note
+  // [Whole-granule count] in device/share.cpp), here for the same reason.
+  bool counted = false;
   size_t mapped = 0;
   size_t doubled = 0;
   std::vector<PhysHandle> phys;

@@ -173,6 +173,7 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   arena->twinned.resize(size / g);
   pool.arenas.push_back(arena);
   if (divert_ & kDivertSlivers) index_arena(arena);  // every arena is, while any is
+  arena->counted = whole_counted_;  // and counted (Note [Whole-granule count]): it holds no free block yet
   return arena;
 }
 

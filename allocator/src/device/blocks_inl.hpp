@@ -111,6 +111,23 @@ PYALLOC_INLINE bool DeviceAllocator::shares_first(const Pool& pool, size_t round
          granule_ != 0 && rounded > granule_ && rounded % granule_ != 0;
 }
 
+// Whether whole granules cover `rounded` bytes without sharing one (Note
+// [Whole-granule count] in share.cpp), as far as it is known without a walk:
+// those the device may still reserve, and those inside free blocks of the
+// arenas once counted, else inside `fit` (a free block of an arena, the
+// request's cached best fit, or nullptr). Needs an arena (granule_ known).
+PYALLOC_INLINE bool DeviceAllocator::covered_without_sharing(size_t rounded, const Block* fit) const {
+  const size_t span = (rounded + granule_ - 1) / granule_;
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  size_t spare = reserved < share_limit_ ? (share_limit_ - reserved) / granule_ : 0;
+  if (whole_counted_) {
+    spare += free_whole_bytes_ / granule_;
+  } else if (fit != nullptr) {
+    spare += SliverIndex::whole_granules(fit, granule_);
+  }
+  return spare >= span;
+}
+
 // pyalloc::granule_offset (blocks/arena.hpp) in this device's arenas. An
 // arena exists, so granule_ is known (arena_for).
 PYALLOC_INLINE size_t DeviceAllocator::granule_offset(const Block* block, size_t rounded) const {
@@ -169,8 +186,12 @@ PYALLOC_INLINE void DeviceAllocator::absorb_next(Block* block) {
 
 // ---- free-set membership ----------------------------------------------------------------
 
-// Free-set membership is where cached-free and inactive-split counters live.
-// A block is split when it does not fill its segment.
+// Free-set membership is where cached-free and inactive-split counters live
+// (a block is split when it does not fill its segment), and near a full
+// device the count of whole free granules in the arenas (Note [Whole-granule
+// count] in share.cpp). kCount false: the caller knows the block's segment is
+// not counted (the fast path's hits, which keep their few registers so).
+template <bool kCount>
 PYALLOC_INLINE void DeviceAllocator::count_cached(StatType t, const Block* block) {
   const size_t bytes = block->size;
   cached_free_bytes_ += bytes;
@@ -178,14 +199,23 @@ PYALLOC_INLINE void DeviceAllocator::count_cached(StatType t, const Block* block
     stats_.inactive_split.increase(t, 1);
     stats_.inactive_split_bytes.increase(t, static_cast<int64_t>(bytes));
   }
+  assert(kCount || !block->segment->counted);
+  if (kCount && PYALLOC_UNLIKELY(block->segment->counted)) {
+    free_whole_bytes_ += SliverIndex::whole_granules(block, granule_) * granule_;
+  }
 }
 
+template <bool kCount>
 PYALLOC_INLINE void DeviceAllocator::uncount_cached(StatType t, const Block* block) {
   const size_t bytes = block->size;
   cached_free_bytes_ -= bytes;
   if (bytes != block->segment->size) {
     stats_.inactive_split.decrease(t, 1);
     stats_.inactive_split_bytes.decrease(t, static_cast<int64_t>(bytes));
+  }
+  assert(kCount || !block->segment->counted);
+  if (kCount && PYALLOC_UNLIKELY(block->segment->counted)) {
+    free_whole_bytes_ -= SliverIndex::whole_granules(block, granule_) * granule_;
   }
 }
 
@@ -215,10 +245,10 @@ PYALLOC_INLINE void DeviceAllocator::insert_free(Block* block) {
 
 // insert_free() for a block whose stream its pool's free set has seen
 // (FreeSet::reinsert): no call.
-template <bool kFast>
+template <bool kFast, bool kCount>
 PYALLOC_INLINE void DeviceAllocator::reinsert_free(Block* block) {
   block->pool->free_blocks.reinsert(block);
-  count_cached(block->pool->stat, block);
+  count_cached<kCount>(block->pool->stat, block);
   if constexpr (!kFast) index_in(block);
 }
 

@@ -53,6 +53,7 @@ void DeviceAllocator::apply_settings(const Config& config) {
   extent_bytes_ = config.extent;
   update_share_from();
   if (trace_.capacity() != config.trace) trace_.resize(config.trace);
+  divert_ = static_cast<uint8_t>(trace_.on() ? divert_ | kDivertTrace : divert_ & ~kDivertTrace);
   if (cached_free_bytes_ > max_cached_) enforce_max_cached();
 }
 

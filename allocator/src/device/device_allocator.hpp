@@ -240,23 +240,27 @@ class DeviceAllocator {
   void split_into(Block* block, Block* rest, size_t offset);  // `rest` becomes the part after `offset`
   void absorb_next(Block* block);                           // spare_room(1)
   void insert_free(Block* block);
-  template <bool kFast = false>
+  template <bool kFast = false, bool kCount = true>
   void reinsert_free(Block* block);
   void erase_free(Block* block);
+  template <bool kCount = true>
   void count_cached(StatType t, const Block* block);
+  template <bool kCount = true>
   void uncount_cached(StatType t, const Block* block);
   void index_in(Block* block);
   void index_out(Block* block);
 
   // The fast path's state changes and the general path (fast_path.hpp).
-  template <bool kFast = false>
+  template <bool kFast = false, bool kCount = true>
   void* hand_out(Pool& pool, Block* block, Block* rest, size_t size, size_t rounded);
   void count_freed(const Block* block);
   bool has_free_neighbour(const Block* block) const;
-  template <bool kFast = false>
+  template <bool kFast = false, bool kCount = true>
   void cache_block(Block* block);
   void* split_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
   void merge_and_unlock(Block* block);
+  void* counted_hand_out_and_unlock(Pool& pool, Block* block, size_t size, size_t rounded);
+  void counted_cache_and_unlock(Block* block);
   // The general path's allocation by the cache: the allocated block, or
   // nullptr with *status. Callers that keep a number with the block (the
   // planner, lifetime placement) have it at hand with no live-map lookup.
@@ -278,7 +282,9 @@ class DeviceAllocator {
   Segment* add_segment(Pool& pool, StreamId stream, uintptr_t base, size_t size, BlockState head_state);
   bool succeeded(const Status& s);  // records a failed backend call's message
   void reserved_changed() {
-    if (stats_.reserved_bytes.current(kStatAll) == 0) reserved_high_ = 0;  // all given back: a new start
+    const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+    if (reserved == 0) reserved_high_ = 0;  // all given back: a new start
+    if (whole_counted_ && reserved < share_from_ / 19 * 18) stop_counting_whole_granules();
     hooks_.reserved_changed();
   }
   void drop_sliver_indexes(bool always);
@@ -333,6 +339,9 @@ class DeviceAllocator {
   Block* lend(Block* block, uintptr_t from, uintptr_t to);
   void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
   void index_slivers();
+  void count_whole_granules();
+  void stop_counting_whole_granules();
+  bool covered_without_sharing(size_t rounded, const Block* fit) const;
   void relist_granule(Segment* arena, size_t slot, Block* inside);
   void index_arena(Segment* arena);
   void untwin(Segment* arena, size_t slot);
@@ -372,13 +381,15 @@ class DeviceAllocator {
   // observing, or a plan is in force), kDivertLifetime (lifetime-aware
   // placement is on), kDivertSlivers (an arena's sliver index is on: Note
   // [Sliver index]), kDivertCapture (a CUDA graph capture is under way:
-  // Note [Capture] in pools.cpp).
+  // Note [Capture] in pools.cpp), kDivertTrace (a trace is being recorded:
+  // one flag for the fast path to test instead of two).
   enum : uint8_t {
     kDivertRetired = 1,
     kDivertPlanner = 2,
     kDivertLifetime = 4,
     kDivertSlivers = 8,
-    kDivertCapture = 16
+    kDivertCapture = 16,
+    kDivertTrace = 32
   };
   uint8_t divert_ = 0;
 
@@ -427,6 +438,10 @@ class DeviceAllocator {
   // drops them once the first passes twice the second (Note [Sliver index]).
   size_t sliver_upkeep_ = 0;
   size_t sliver_build_blocks_ = 0;
+  // The bytes of whole granules inside free blocks of the arenas, counted
+  // while whole_counted_, else 0 (Note [Whole-granule count] in share.cpp).
+  size_t free_whole_bytes_ = 0;
+  bool whole_counted_ = false;
   // The most an arena's growth left reserved since reserved memory was last
   // zero, and frees_ when it was set (Note [Cold donors] in arena.cpp: past a
   // standing mark, warm donors too).

@@ -11,12 +11,15 @@
 // takes the general path, malloc() / free() under guarded(), which does the
 // same operation the same way:
 //   - both: a contended lock, a retired allocator, a planner at work,
-//     lifetime-aware placement or a CUDA graph capture (divert_), a trace
-//     being recorded;
+//     lifetime-aware placement, a CUDA graph capture or a trace being
+//     recorded (all in divert_, one test);
 //   - malloc: a thread in a user pool (abi/capi.cpp), a pending free (active
 //     peaks), no fitting block (the slow path), a live map that must grow, a
 //     split with no spare Block object, a split in an arena that starts the
-//     block on a granule boundary (Note [Whole granules]);
+//     block on a granule boundary (Note [Whole granules]) or that may take a
+//     shared window near a full device, unless the counted whole free
+//     granules pass the request by a granule (then they cover it: Note
+//     [Whole-granule count] in share.cpp);
 //   - free: a bad call (a size or stream other than the malloc's), a block
 //     used on other streams (record_stream), a
 //     free that takes the cache past max_cached, a merge with fewer than two
@@ -24,9 +27,10 @@
 // The state changes are shared: hand_out() and give_back() make no call
 // either, given room in the live map and on the spare-Block stack. The
 // general path makes that room first (it may allocate); the fast path checks
-// that it is there. Splits and merges are tail calls out of line
-// (split_and_unlock, merge_and_unlock), so that a plain hit keeps its
-// registers.
+// that it is there. Splits, merges and hits in an arena whose whole free
+// granules are counted are tail calls out of line (split_and_unlock,
+// merge_and_unlock, counted_hand_out_and_unlock, counted_cache_and_unlock),
+// so that a plain hit keeps its registers.
 //
 // A cache hit costs: the lock, best fit in the request's size class (its
 // class computed once: Block::bin_class keeps it for the free), erase from
@@ -56,18 +60,20 @@ namespace pyalloc {
 
 template <typename Otherwise>
 PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream, Otherwise otherwise) {
-  if (PYALLOC_UNLIKELY(divert_ || trace_.on() || stats_.any_pending() || live_.full())) return otherwise();
+  if (PYALLOC_UNLIKELY(divert_ || stats_.any_pending() || live_.full())) return otherwise();
   const size_t rounded = round_size(size);
   Pool& pool = select_pool(rounded, 0);
   Block* block = pool.free_blocks.best_fit(stream, rounded);
   if (PYALLOC_UNLIKELY(block == nullptr)) return otherwise();
   if (PYALLOC_LIKELY(block->size == rounded || !should_split(pool, block->size - rounded))) {
-    void* p = hand_out<true>(pool, block, nullptr, size, rounded);
+    if (PYALLOC_UNLIKELY(block->segment->counted)) return counted_hand_out_and_unlock(pool, block, size, rounded);
+    void* p = hand_out<true, false>(pool, block, nullptr, size, rounded);
     mutex_.unlock();
     return p;
   }
   if (PYALLOC_UNLIKELY(spare_blocks_.empty())) return otherwise();
-  if (PYALLOC_UNLIKELY(pool.in_arenas) && (granule_offset(block, rounded) != 0 || shares_first(pool, rounded))) {
+  if (PYALLOC_UNLIKELY(pool.in_arenas) && (granule_offset(block, rounded) != 0 ||
+                                            (shares_first(pool, rounded) && free_whole_bytes_ < rounded + granule_))) {
     return otherwise();
   }
   return split_and_unlock(pool, block, size, rounded);
@@ -75,7 +81,7 @@ PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream
 
 template <typename Otherwise>
 PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, StreamId stream, Otherwise otherwise) {
-  if (PYALLOC_UNLIKELY(divert_ || trace_.on())) return otherwise();
+  if (PYALLOC_UNLIKELY(divert_)) return otherwise();
   auto* entry = live_.find(addr);
   if (PYALLOC_UNLIKELY(entry == nullptr)) return otherwise();
   Block* block = entry->value;
@@ -92,7 +98,8 @@ PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, St
   }
   count_freed(block);
   live_.erase(entry);
-  cache_block<true>(block);
+  if (PYALLOC_UNLIKELY(block->segment->counted)) return counted_cache_and_unlock(block);
+  cache_block<true, false>(block);
   mutex_.unlock();
 }
 
@@ -101,20 +108,22 @@ PYALLOC_INLINE void DeviceAllocator::free_cached(uintptr_t addr, size_t size, St
 // Hands out `block` (a free block of `pool` of at least `rounded` bytes). When
 // `rest` is not null (should_split), it becomes the free remainder. The live
 // map must have room. kFast: on the fast path (no sliver index, index_in).
-template <bool kFast>
+// kCount false: the block's segment is not counted (Note [Whole-granule
+// count] in share.cpp), and the count's code is left out.
+template <bool kFast, bool kCount>
 PYALLOC_INLINE void* DeviceAllocator::hand_out(Pool& pool, Block* block, Block* rest, size_t size,
                                                size_t rounded) {
   assert(!kFast || !block->segment->indexed);
   const uintptr_t addr = block->addr;
   const StatType t = pool.stat;
   if constexpr (!kFast) index_out(block);
-  uncount_cached(t, block);
+  uncount_cached<kCount>(t, block);
   pool.free_blocks.erase(block);  // erase_free(), with the pool at hand
   if (rest != nullptr) {
     split_into(block, rest, rounded);
     block->bin_class = FreeSet::size_class(rounded);
     rest->bin_class = FreeSet::size_class(rest->size);
-    reinsert_free<kFast>(rest);
+    reinsert_free<kFast, kCount>(rest);
   }
   const size_t bytes = block->size;
   block->state = BlockState::kAllocated;
@@ -141,15 +150,15 @@ PYALLOC_INLINE bool DeviceAllocator::has_free_neighbour(const Block* block) cons
 }
 
 // give_back() for a block with no free neighbour, whose bin_class is still
-// the class of its size (Block::bin_class). kFast: as for hand_out.
-template <bool kFast>
+// the class of its size (Block::bin_class). kFast, kCount: as for hand_out.
+template <bool kFast, bool kCount>
 PYALLOC_INLINE void DeviceAllocator::cache_block(Block* block) {
   assert(block->bin_class == FreeSet::size_class(block->size));
   assert(!kFast || !block->segment->indexed);
   block->state = BlockState::kFree;
   block->requested = 0;
   block->freed_at = ++frees_;  // also orders wholly free segments' release (release_free_segments)
-  reinsert_free<kFast>(block);
+  reinsert_free<kFast, kCount>(block);
 }
 
 // The rarer halves of malloc_cached() and free_cached(), out of line so that
@@ -163,6 +172,21 @@ __attribute__((noinline)) inline void* DeviceAllocator::split_and_unlock(Pool& p
 
 __attribute__((noinline)) inline void DeviceAllocator::merge_and_unlock(Block* block) {
   give_back(block);
+  mutex_.unlock();
+}
+
+// A hit (no split, no merge) in an arena whose free blocks' whole granules
+// are counted (Note [Whole-granule count] in share.cpp): the inline hits
+// leave the count out, so that they keep their registers.
+__attribute__((noinline)) inline void* DeviceAllocator::counted_hand_out_and_unlock(Pool& pool, Block* block,
+                                                                                    size_t size, size_t rounded) {
+  void* p = hand_out<true>(pool, block, nullptr, size, rounded);
+  mutex_.unlock();
+  return p;
+}
+
+__attribute__((noinline)) inline void DeviceAllocator::counted_cache_and_unlock(Block* block) {
+  cache_block<true>(block);
   mutex_.unlock();
 }
 

@@ -133,6 +133,8 @@ bool DeviceAllocator::check(std::string* error) {
   heap.live = &live_;
   for (const PendingFree& p : pending_) heap.pending.push_back(p.block);
   heap.cached_free_bytes = cached_free_bytes_;
+  heap.whole_counted = whole_counted_;
+  heap.free_whole_granules = granule_ != 0 ? free_whole_bytes_ / granule_ : 0;
   heap.frees = frees_;
   heap.stats = &stats_;
   // A pool that serves nothing holds nothing: the long pool with placement

@@ -89,7 +89,8 @@ namespace pyalloc {
 Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream, const Block* fit) {
   Segment* arena = arena_for(pool, stream);
   if (arena == nullptr) return nullptr;
-  if (spare_covers(rounded, fit)) return nullptr;  // the sliver index is on from here
+  if (spare_covers(rounded, fit)) return nullptr;
+  index_slivers();  // untwin_free and plan_share read the sliver indexes
   if (!arena->twins.empty() && !untwin_free(arena, 0, 0)) return nullptr;
   const SharePlan plan = plan_share(arena, rounded, granule_);
   if (!plan.found) return nullptr;
@@ -110,30 +111,51 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream,
   return block;
 }
 
-// Whether whole granules the device could still put behind `rounded` bytes
-// without a shared one are at least as many as the request spans: those it
-// may reserve before its limit, and those wholly inside free blocks of its
-// arenas, which stitching takes. The second are counted by the arenas' sliver
-// indexes, built here only when the first do not suffice; when this returns
-// false, they are on.
-// `fit`, when not null, is a free block of an arena (the request's cached
-// best fit): its own whole granules are asked first, since they are among
-// those the index would count. Near a full device with few, large blocks
-// they usually cover the request, and then no index is built: once built,
-// its upkeep sends every call down the general path until reserved memory
-// falls under 90% of the limit (Note [Sliver index]), which on a churn of 10^2
-// blocks at 1.05 times their peak never happened (tools/bench/scale.py:
-// 719 instructions per operation against 366 with no limit, the index's
-// inserts and erases 20% of them, while no request shared a granule).
+// Note [Whole-granule count]
+// Near a full device a request that would split its cached fit asks first
+// whether whole granules cover it without sharing one (spare_covers): those
+// the device may still reserve before its limit, and those wholly inside free
+// blocks of its arenas, which stitching takes. The second are counted once,
+// by one walk of the arenas (count_whole_granules), the first time they are
+// needed, and then kept by free-set membership (count_cached and
+// uncount_cached in device/blocks_inl.hpp, on the fast path too: a flag of
+// the block's segment, Segment::counted, read beside the fields a cache hit
+// reads anyway, and a few instructions while it is set) until reserved
+// memory falls under 90% of the limit (reserved_changed), as the sliver
+// indexes are dropped. A request they cover takes its fit as it would
+// with no sharing, so the fast path serves it (covered_without_sharing),
+// and only a request they do not cover builds the sliver indexes for
+// plan_share. Until 2026-11-27 the sliver indexes counted them: asked on
+// nearly every split, they stayed on, and kept every call of a churn of 10^3
+// to 10^4 blocks at 1.05 times their peak on the general path, where no
+// request shared a granule (tools/bench/scale.py: 626 and 469 instructions
+// per operation).
 bool DeviceAllocator::spare_covers(size_t rounded, const Block* fit) {
-  const size_t span = (rounded + granule_ - 1) / granule_;
-  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
-  size_t spare = reserved < share_limit_ ? (share_limit_ - reserved) / granule_ : 0;
-  if (spare >= span) return true;
-  if (fit != nullptr && spare + SliverIndex::whole_granules(fit, granule_) >= span) return true;
-  index_slivers();
-  for_each_arena([&](const Segment* arena) { spare += arena->slivers.whole_granules(); });
-  return spare >= span;
+  if (covered_without_sharing(rounded, fit)) return true;
+  if (whole_counted_) return false;
+  count_whole_granules();
+  return covered_without_sharing(rounded, fit);
+}
+
+// Counts the whole granules inside free blocks of the arenas, and keeps the
+// count from here on (Note [Whole-granule count]).
+void DeviceAllocator::count_whole_granules() {
+  size_t whole = 0;
+  for_each_arena([&](Segment* arena) {
+    for (const Block* b = arena->head; b != nullptr; b = b->next) {
+      if (b->is_free()) whole += SliverIndex::whole_granules(b, granule_);
+    }
+    arena->counted = true;
+  });
+  free_whole_bytes_ = whole * granule_;
+  whole_counted_ = true;
+}
+
+// Reserved memory fell under 90% of the limit: the count is no longer kept.
+void DeviceAllocator::stop_counting_whole_granules() {
+  for_each_arena([](Segment* arena) { arena->counted = false; });
+  whole_counted_ = false;
+  free_whole_bytes_ = 0;
 }
 
 // Carries out `plan` (plan_share, on the arena as it is now), taking its

@@ -27,6 +27,7 @@ struct Sums {
   int64_t pending[kNumStatTypes] = {};
   int64_t pending_bytes_by_type[kNumStatTypes] = {};
   int64_t cached_free = 0;
+  size_t free_whole_granules = 0;  // inside free blocks of arenas
   int64_t pending_bytes = 0;
 
   void add(int64_t (&a)[kNumStatTypes], StatType t, int64_t n) {
@@ -293,6 +294,10 @@ bool check_heap(const HeapView& heap, std::string* error) {
     const StatType t = seg->pool->stat;
     sums.add(sums.segments, t, 1);
     sums.add(sums.reserved, t, static_cast<int64_t>(seg->reserved_bytes()));
+    if (seg->arena && seg->counted != heap.whole_counted) {
+      return fail("I6: " + sname + (seg->counted ? " is" : " is not") + " in the count of whole free granules, " +
+                  (heap.whole_counted ? "which is kept" : "which is not kept"));
+    }
     if (seg->arena) {
       std::string problem;
       if (!check_arena(*seg, heap.granule, &problem)) return fail("I9: " + sname + ": " + problem);
@@ -330,6 +335,7 @@ bool check_heap(const HeapView& heap, std::string* error) {
           if (b->freed_at > heap.frees) return fail(bname + ": freed later than the last free (Block::freed_at)");
           ++free_blocks_walked;
           sums.cached_free += static_cast<int64_t>(b->size);
+          if (seg->arena) sums.free_whole_granules += SliverIndex::whole_granules(b, heap.granule);
           if (b->size != seg->size) {
             sums.add(sums.inactive_split, t, 1);
             sums.add(sums.inactive_split_bytes, t, static_cast<int64_t>(b->size));
@@ -389,6 +395,10 @@ bool check_heap(const HeapView& heap, std::string* error) {
                 std::to_string(allocated_walked) + " allocated blocks");
   }
   if (pending_blocks.size() != heap.pending.size()) return fail("I5: a block is pending twice");
+  if (heap.whole_counted && sums.free_whole_granules != heap.free_whole_granules) {
+    return fail("I6: the count of whole free granules is " + std::to_string(heap.free_whole_granules) +
+                " but the arenas' free blocks hold " + std::to_string(sums.free_whole_granules));
+  }
   if (sums.cached_free != static_cast<int64_t>(heap.cached_free_bytes)) {
     return fail("I6: cached free counter is " + std::to_string(heap.cached_free_bytes) + " but the walk sums " +
                 std::to_string(sums.cached_free));

@@ -39,6 +39,8 @@ struct HeapView {
   const PtrMap<Block*>* live = nullptr;
   std::vector<const Block*> pending;  // the pending-free list, in order
   size_t cached_free_bytes = 0;
+  bool whole_counted = false;     // the count of whole free granules is kept (Note [Whole-granule count])
+  size_t free_whole_granules = 0;  // and what it says
   uint64_t frees = 0;  // the clock of Block::freed_at
   const DeviceStats* stats = nullptr;
   std::vector<PoolRule> rules;
