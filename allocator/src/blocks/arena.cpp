@@ -4,13 +4,16 @@
 #include <algorithm>
 #include <cassert>
 
+#include "blocks/holes_inl.hpp"
 #include "blocks/sliver_index.hpp"
 
 namespace pyalloc {
 
 namespace {
 
-bool usable(const Block* b) { return b->state == BlockState::kFree || b->state == BlockState::kHole; }
+// Free or a hole: one test of a bit mask (best_window asks it of every block of every run).
+constexpr unsigned kUsable = 1u << static_cast<unsigned>(BlockState::kFree) | 1u << static_cast<unsigned>(BlockState::kHole);
+bool usable(const Block* b) { return (kUsable >> static_cast<unsigned>(b->state)) & 1u; }
 
 // Granules that [lo, hi) needs mapped: the holes it overlaps, widened to
 // granule boundaries (holes are granule-aligned, so the widened overlap
@@ -117,11 +120,13 @@ bool whole_chunks(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t g, ui
   return *a < *z;
 }
 
-// The granule-aligned interior of a free block of an arena: [*lo, *hi).
+// The granule-aligned interior of a free block of an arena: [*lo, *hi). The
+// granule is a power of two (arena_for).
 bool free_interior(const Block* b, size_t granule, uintptr_t* lo, uintptr_t* hi) {
   const uintptr_t base = b->segment->base;
-  *lo = base + round_up_to(b->addr - base, granule);
-  *hi = base + (end_of(b) - base) / granule * granule;
+  const size_t mask = granule - 1;
+  *lo = base + ((b->addr - base + mask) & ~mask);
+  *hi = base + ((end_of(b) - base) & ~mask);
   return *lo < *hi;
 }
 

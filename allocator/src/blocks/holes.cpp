@@ -12,6 +12,7 @@ void Holes::start(uintptr_t base, size_t bytes, size_t granule) {
   granule_ = granule;
   const size_t slots = bytes / granule;
   all_.reset(slots);
+  lowest_ = nullptr;
   by_class_.assign(kClasses, BitIndex{});
   for (BitIndex& c : by_class_) c.reset(slots);
   in_class_.assign(kClasses, 0);
@@ -28,6 +29,13 @@ size_t Holes::size_class(size_t bytes) const {
 void Holes::insert(Block* hole) {
   assert(granule_ != 0 && hole->size % granule_ == 0 && (hole->addr - base_) % granule_ == 0);
   const size_t s = slot(hole->addr);
+  // Its neighbours in the address-order list: the hole before it, and the one that follows that.
+  Block* before = all_.prev(s);
+  Block* after = before != nullptr ? before->bin_next : lowest_;
+  hole->bin_prev = before;
+  hole->bin_next = after;
+  (before != nullptr ? before->bin_next : lowest_) = hole;
+  if (after != nullptr) after->bin_prev = hole;
   all_.insert(s, hole);
   const size_t c = size_class(hole->size);
   by_class_[c].insert(s);
@@ -39,6 +47,9 @@ void Holes::erase(Block* hole) {
   const size_t s = slot(hole->addr);
   assert(all_.at(s) == hole);
   all_.erase(s);
+  (hole->bin_prev != nullptr ? hole->bin_prev->bin_next : lowest_) = hole->bin_next;
+  if (hole->bin_next != nullptr) hole->bin_next->bin_prev = hole->bin_prev;
+  hole->bin_prev = hole->bin_next = nullptr;
   const size_t c = size_class(hole->size);
   by_class_[c].erase(s);
   if (--in_class_[c] == 0) nonempty_[c / 64] &= ~(uint64_t{1} << (c % 64));
@@ -98,12 +109,17 @@ bool Holes::consistent(const Segment* arena) const {
   }
   size_t all = 0;
   bool ok = true;
+  const Block* in_list = lowest_;  // the address-order list lists the same holes, in order
+  const Block* before = nullptr;
   all_.for_each([&](size_t s, const Block* hole) {
-    ok = hole->segment == arena && hole->state == BlockState::kHole && slot(hole->addr) == s;
+    ok = hole->segment == arena && hole->state == BlockState::kHole && slot(hole->addr) == s &&
+         in_list == hole && hole->bin_prev == before;
+    before = hole;
+    in_list = hole->bin_next;
     ++all;
     return ok;
   });
-  return ok && listed == all_.size() && all == all_.size();
+  return ok && in_list == nullptr && listed == all_.size() && all == all_.size();
 }
 
 }  // namespace pyalloc

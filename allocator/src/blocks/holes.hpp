@@ -12,8 +12,11 @@
 //
 // Holes start on granule boundaries, so each is listed by its first granule
 // (a BitIndex over the arena's granules, and a pointer per granule): a hole
-// comes and goes in a few stores, without a tree node, on every growth, and
-// the walk by address reads bits.
+// comes and goes in a few stores, without a tree node, on every growth. The
+// walk by address follows a list in address order threaded through the holes'
+// free-set links (Block::bin_prev and bin_next, unused while a block is a
+// hole), whose neighbours insert finds in the BitIndex: best_window walks
+// every hole of the arena on most growths near a full device.
 //
 // A hole's address and size stay as they are while it is listed: erase it
 // before splitting or merging it, insert it after.
@@ -43,11 +46,10 @@ class Holes {
   bool contains(const Block* hole) const;
   // The hole that starts at `addr`, or nullptr.
   Block* at(uintptr_t addr) const;
-  // Calls f(hole) for every hole, lowest first, while f returns true.
+  // Calls f(hole) for every hole, lowest first, while f returns true
+  // (holes_inl.hpp).
   template <class F>
-  void for_each(F&& f) const {
-    all_.for_each([&](size_t, Block* hole) { return f(hole); });
-  }
+  void for_each(F&& f) const;
   // The lowest hole that starts at or after `addr`, or nullptr.
   Block* first_from(uintptr_t addr) const;
   // The highest hole that starts at or before `addr`, or nullptr.
@@ -67,6 +69,7 @@ class Holes {
   uintptr_t base_ = 0;
   size_t granule_ = 0;
   BlockTable all_;                  // per granule: the hole that starts there
+  Block* lowest_ = nullptr;         // the first hole of the address-order list
   std::vector<BitIndex> by_class_;  // the granules where one starts, per size class (kClasses; arenas only)
   std::vector<size_t> in_class_;    // holes per class
   uint64_t nonempty_[2] = {0, 0};   // bit c: by_class_[c] holds a hole

@@ -149,8 +149,8 @@ struct alignas(64) Block {
   size_t size = 0;           // bytes, multiple of kBlockAlign
   Block* prev = nullptr;     // address-order neighbours in the segment
   Block* next = nullptr;
-  Block* bin_prev = nullptr;   // neighbours in its free-set class list, while free
-  Block* bin_next = nullptr;
+  Block* bin_prev = nullptr;   // neighbours in its free-set class list, while free; in its
+  Block* bin_next = nullptr;   // arena's address-order list of holes, while a hole (holes.hpp)
   Segment* segment = nullptr;
   BlockState state = BlockState::kFree;
   uint8_t sliver_kinds = 0;  // bit k: listed as a sliver of kind k (Note [Sliver index])
