@@ -128,8 +128,9 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream,
 // plan_share. Until 2026-11-27 the sliver indexes counted them: asked on
 // nearly every split, they stayed on, and kept every call of a churn of 10^3
 // to 10^4 blocks at 1.05 times their peak on the general path, where no
-// request shared a granule (tools/bench/scale.py: 626 and 469 instructions
-// per operation).
+// request shared a granule (tools/bench/scale.py: 630 and 471 instructions
+// per operation; 516 and 349 with the count,
+// docs/benchmarks/2026-11-27-whole-granule-count-cpu.md).
 bool DeviceAllocator::spare_covers(size_t rounded, const Block* fit) {
   if (covered_without_sharing(rounded, fit)) return true;
   if (whole_counted_) return false;
