@@ -196,7 +196,8 @@ class BlockTable {
     const size_t s = listed_.prev(slot);
     return s == BitIndex::kNone ? nullptr : table_[s];
   }
-  // Calls f(slot, block) for every listed slot, lowest first, while f returns true.
+  // Calls f(slot, block) for every listed slot, lowest first, while f returns
+  // true. The table must not change meanwhile (BitIndex::for_each).
   template <class F>
   void for_each(F&& f) const {
     listed_.for_each([&](size_t s) { return f(s, table_[s]); });

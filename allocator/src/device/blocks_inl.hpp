@@ -89,8 +89,9 @@ PYALLOC_INLINE bool DeviceAllocator::should_split(const Pool& pool, size_t remai
   return remaining >= kBlockAlign;
 }
 
-// Every arena of every pool, in pools() order, with no list built: near a
-// full device this runs once per request.
+// Every arena of every pool, in pools() order, with no list built (the
+// slow paths walk them: stitching, releasing, starting the whole-granule
+// count).
 template <typename F>
 void DeviceAllocator::for_each_arena(F fn) {
   for (Pool* pool : {&small_pool_, &large_pool_, &long_pool_, &plan_pool_}) {

@@ -73,6 +73,7 @@ void DeviceAllocator::update_share_from() {
   reuse_below_ = reusing_ && vmm_ != VmmMode::kOff ? (limit != 0 ? limit / 20 * 19 : SIZE_MAX) : 0;
   share_limit_ = limit;
   if (divert_ & kDivertSlivers) drop_sliver_indexes(false);
+  settle_whole_count(static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)));
 }
 
 // Asked lazily: on cuda, asking creates the device's context, which a

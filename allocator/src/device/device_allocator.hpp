@@ -284,7 +284,7 @@ class DeviceAllocator {
   void reserved_changed() {
     const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
     if (reserved == 0) reserved_high_ = 0;  // all given back: a new start
-    if (whole_counted_ && reserved < share_from_ / 19 * 18) stop_counting_whole_granules();
+    settle_whole_count(reserved);
     hooks_.reserved_changed();
   }
   void drop_sliver_indexes(bool always);
@@ -341,6 +341,11 @@ class DeviceAllocator {
   void index_slivers();
   void count_whole_granules();
   void stop_counting_whole_granules();
+  // Stops the count once reserved memory is under 90% of where sharing starts
+  // (after a change of either).
+  void settle_whole_count(size_t reserved) {
+    if (whole_counted_ && reserved < share_from_ / 19 * 18) stop_counting_whole_granules();
+  }
   bool covered_without_sharing(size_t rounded, const Block* fit) const;
   void relist_granule(Segment* arena, size_t slot, Block* inside);
   void index_arena(Segment* arena);

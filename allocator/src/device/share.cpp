@@ -121,10 +121,12 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream,
 // uncount_cached in device/blocks_inl.hpp, on the fast path too: a flag of
 // the block's segment, Segment::counted, read beside the fields a cache hit
 // reads anyway, and a few instructions while it is set) until reserved
-// memory falls under 90% of the limit (reserved_changed), as the sliver
-// indexes are dropped. A request they cover takes its fit as it would
-// with no sharing, so the fast path serves it (covered_without_sharing),
-// and only a request they do not cover builds the sliver indexes for
+// memory falls under 90% of the limit, or the limit moves above it
+// (settle_whole_count), as the sliver indexes are dropped. A request they
+// cover takes its fit as it would with no sharing, so the fast path serves
+// one whose count passes it by a granule (the general path's test,
+// covered_without_sharing, also counts what may still be reserved), and
+// only a request they do not cover builds the sliver indexes for
 // plan_share. Until 2026-11-27 the sliver indexes counted them: asked on
 // nearly every split, they stayed on, and kept every call of a churn of 10^3
 // to 10^4 blocks at 1.05 times their peak on the general path, where no

@@ -294,7 +294,7 @@ bool check_heap(const HeapView& heap, std::string* error) {
     const StatType t = seg->pool->stat;
     sums.add(sums.segments, t, 1);
     sums.add(sums.reserved, t, static_cast<int64_t>(seg->reserved_bytes()));
-    if (seg->arena && seg->counted != heap.whole_counted) {
+    if (seg->counted != (seg->arena && heap.whole_counted)) {
       return fail("I6: " + sname + (seg->counted ? " is" : " is not") + " in the count of whole free granules, " +
                   (heap.whole_counted ? "which is kept" : "which is not kept"));
     }
@@ -395,6 +395,9 @@ bool check_heap(const HeapView& heap, std::string* error) {
                 std::to_string(allocated_walked) + " allocated blocks");
   }
   if (pending_blocks.size() != heap.pending.size()) return fail("I5: a block is pending twice");
+  if (!heap.whole_counted && heap.free_whole_granules != 0) {
+    return fail("I6: the count of whole free granules is not kept but says " + std::to_string(heap.free_whole_granules));
+  }
   if (heap.whole_counted && sums.free_whole_granules != heap.free_whole_granules) {
     return fail("I6: the count of whole free granules is " + std::to_string(heap.free_whole_granules) +
                 " but the arenas' free blocks hold " + std::to_string(sums.free_whole_granules));
