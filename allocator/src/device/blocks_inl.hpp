@@ -106,10 +106,10 @@ void DeviceAllocator::for_each_arena(F fn) {
 
 // Whether a request of `rounded` bytes in `pool` tries a shared window before
 // the cache (Note [Shared granules]): the device is nearly full, and the
-// request spans more than a granule without being a whole number of them.
+// request spans more than a granule.
 PYALLOC_INLINE bool DeviceAllocator::shares_first(const Pool& pool, size_t rounded) const {
   return static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + rounded >= share_from_ && pool.in_arenas &&
-         granule_ != 0 && rounded > granule_ && rounded % granule_ != 0;
+         granule_ != 0 && rounded > granule_;
 }
 
 // Whether whole granules cover `rounded` bytes without sharing one (Note

@@ -434,8 +434,8 @@ class DeviceAllocator {
   int round_power2_;
   bool oom_report_;
   bool sharing_ = true;  // Note [Shared granules]
-  // Reserved bytes from which a request of more than a granule, not a whole
-  // number of them, may be served from a shared window first (SIZE_MAX: never).
+  // Reserved bytes from which a request of more than a granule may be served
+  // from a shared window first (SIZE_MAX: never).
   size_t share_from_ = SIZE_MAX;
   size_t share_limit_ = SIZE_MAX;  // what the allocator may reserve, when share_from_ is set
   // The sliver indexes' upkeep (free-set changes they followed) since they
