@@ -261,13 +261,15 @@ def test_near_a_full_device_a_shared_window_comes_before_a_cached_fit() -> None:
         del l1, c, l2
 
 
-def test_shared_granules_lower_what_generated_workloads_need_below_both_pytorch_models() -> None:
+def test_shared_granules_lower_what_workloads_need_below_both_pytorch_models() -> None:
     """Random sizes living long among short-lived ones leave slivers: windows
-    over them never need more than no sharing, need less on at least one of
-    these workloads (two_stream: 944 MiB against 946 on 2026-11-25), and less
-    than both models of PyTorch (its default and expandable_segments)."""
+    over them never need more than no sharing, and less than both models of
+    PyTorch (its default and expandable_segments). They need less than no
+    sharing on lstm_varlen (196 MiB against 198 on 2026-11-27; two_stream's 944
+    against 946 until stitching took the whole granules of a free block the
+    window being grown overlaps, beyond the window)."""
     lower = 0
-    for name in ("interleaved_lifetimes", "two_stream"):
+    for name in ("interleaved_lifetimes", "two_stream", "lstm_varlen"):
         flat = stress.load_workload(name, 0, False).flat
         with_share = replay.find_min_capacity(flat, "pyalloc", "sim")
         without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0")

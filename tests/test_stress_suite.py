@@ -257,6 +257,18 @@ def test_one_arena_for_every_size_needs_less_memory_than_a_small_pool_on_transfo
     assert small_pool < find_min_capacity(flat, "native")
 
 
+
+def test_stitching_takes_the_granules_of_a_free_block_the_window_overlaps_beyond_the_window() -> None:
+    """mlp_fixed at 150 MiB: an 8 MiB request finds one unreserved granule; the cheapest window
+    (lowest of those that map two granules) starts in a 2 MiB free block and ends inside a 4 MiB
+    one, whose second granule lies beyond it. Stitching skipped every free block the window
+    overlaps, found no granule to move and failed (min capacity 152 MiB); it now unmaps what lies
+    outside the window (interior_outside, allocator/src/blocks/arena.hpp), and the trace runs."""
+    flat = stress.load_workload("mlp_fixed", seed=0, quick=False).flat
+    assert replay(flat, "pyalloc", "sim", 150 * MiB).ooms == 0
+    assert find_min_capacity(flat, "pyalloc") == 150 * MiB
+
+
 # ---- host and sim agree -------------------------------------------------------------------
 
 

@@ -130,6 +130,18 @@ bool free_interior(const Block* b, size_t granule, uintptr_t* lo, uintptr_t* hi)
   return *lo < *hi;
 }
 
+bool interior_outside(const Block* b, size_t granule, uintptr_t skip_lo, uintptr_t skip_hi, uintptr_t* lo,
+                      uintptr_t* hi) {
+  if (!free_interior(b, granule, lo, hi)) return false;
+  if (*hi <= skip_lo || *lo >= skip_hi) return true;  // apart from the window
+  if (*lo < skip_lo) {
+    *hi = skip_lo;  // the part before it
+  } else {
+    *lo = skip_hi;  // the part after it, if any
+  }
+  return *lo < *hi;
+}
+
 // ---- shared granules (Note [Shared granules] in device/share.cpp) ----------------
 
 // The window for `rounded` bytes in a hole of `arena` whose first granule

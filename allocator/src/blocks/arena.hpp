@@ -73,6 +73,12 @@ inline Block* lent_block(const Segment* arena, size_t slot) { return arena->twin
 // false when it holds no whole granule.
 bool free_interior(const Block* block, size_t g, uintptr_t* lo, uintptr_t* hi);
 
+// The part of free_interior() outside [skip_lo, skip_hi) (granule-aligned: a
+// window being grown), the lower part when there are two; false when none
+// holds a whole granule.
+bool interior_outside(const Block* block, size_t g, uintptr_t skip_lo, uintptr_t skip_hi, uintptr_t* lo,
+                      uintptr_t* hi);
+
 // Where an arena grows for a request: the window of `rounded` bytes, in a
 // run of free blocks and holes, that needs the fewest granules mapped (then
 // the lowest address).

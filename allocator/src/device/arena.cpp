@@ -270,8 +270,9 @@ bool DeviceAllocator::synchronize_stream(const Segment* arena) {
 }
 
 // Unmaps at least `wanted` granules (when there are so many) wholly inside
-// free blocks of any arena, lowest first, in whole chunks, except blocks
-// overlapping [skip_lo, skip_hi): single granules go to `spares` (when not
+// free blocks of any arena, lowest first, in whole chunks, outside [skip_lo,
+// skip_hi) (a window being grown; a free block it overlaps gives what lies
+// beyond it: interior_outside): single granules go to `spares` (when not
 // null) to be mapped again, extents back to the backend (unmap_free_range).
 // Returns the granules unmapped. An arena's sliver index, when on, lists
 // those blocks (roomy); else its blocks are walked.
@@ -299,15 +300,13 @@ size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, ui
       for (Block* b = slivers.roomy_from(0); b != nullptr && done < wanted;) {
         // What is left of b after the unmap, if roomy, starts past its first whole granule.
         const size_t slot = SliverIndex::first_whole(b, granule_);
-        const bool skipped = b->addr < skip_hi && end_of(b) > skip_lo;
-        if (!skipped && free_interior(b, granule_, &lo, &hi) && !unmap_from(b, lo, hi)) return;
+        if (interior_outside(b, granule_, skip_lo, skip_hi, &lo, &hi) && !unmap_from(b, lo, hi)) return;
         b = slivers.roomy_from(slot + 1);
       }
       return;
     }
     for (Block* b = arena->head; b != nullptr && done < wanted; b = b->next) {
-      if (!b->is_free() || !free_interior(b, granule_, &lo, &hi)) continue;
-      if (b->addr < skip_hi && end_of(b) > skip_lo) continue;
+      if (!b->is_free() || !interior_outside(b, granule_, skip_lo, skip_hi, &lo, &hi)) continue;
       Block* before = b->prev;
       const size_t was = done;
       if (!unmap_from(b, lo, hi)) return;
@@ -446,8 +445,8 @@ bool DeviceAllocator::reuses_first(size_t fresh) {
 
 // Unmaps about `n` granules (whole chunks: Note [Extents]) from cold free
 // blocks (Note [Cold donors]) of `pool` in `arena` (its own stream's cached
-// memory), smallest blocks first, except blocks overlapping [skip_lo,
-// skip_hi) (the window being grown): single granules go to `spares`, for the
+// memory), smallest blocks first, outside [skip_lo, skip_hi) (the window
+// being grown: interior_outside): single granules go to `spares`, for the
 // growth to map again, extents back to the backend, for the growth to create
 // anew. Returns the granules unmapped. The stream is synchronized first,
 // once, as for stitching; nothing moves when it cannot be.
@@ -461,7 +460,7 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
   pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {
     uintptr_t lo, hi, a, z;
     const bool cold = any || b->freed_at == 0 || frees_ - b->freed_at >= cold_after;
-    if (b->segment != arena || !cold || (b->addr < skip_hi && end_of(b) > skip_lo) || !free_interior(b, g, &lo, &hi) ||
+    if (b->segment != arena || !cold || !interior_outside(b, g, skip_lo, skip_hi, &lo, &hi) ||
         !whole_chunks(arena, lo, hi, g, &a, &z)) {
       return true;
     }
