@@ -138,23 +138,26 @@ PYALLOC_INLINE size_t DeviceAllocator::granule_offset(const Block* block, size_t
 // ---- splitting and merging -----------------------------------------------------------
 
 // `block` (no longer allocated or pending) becomes free: it coalesces with
-// its free neighbours and joins the cache. Needs spare_room(2).
+// its free neighbours and joins the cache. Needs spare_room(2). kCount: as
+// for count_cached (the block and its neighbours share a segment).
+template <bool kCount>
 PYALLOC_INLINE void DeviceAllocator::give_back(Block* block) {
-  block = coalesce(block);
+  block = coalesce<kCount>(block);
   block->bin_class = FreeSet::size_class(block->size);
-  cache_block(block);
+  cache_block<false, kCount>(block);
 }
 
 // `block`, out of any free set, absorbs its free neighbours (which leave
 // their free sets); returns the merged block. Needs spare_room(2).
+template <bool kCount>
 PYALLOC_INLINE Block* DeviceAllocator::coalesce(Block* block) {
   if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
-    erase_free(prev);
+    erase_free<kCount>(prev);
     absorb_next(prev);
     block = prev;
   }
   if (Block* next = block->next; next != nullptr && next->is_free()) {
-    erase_free(next);
+    erase_free<kCount>(next);
     absorb_next(block);
   }
   return block;
@@ -253,9 +256,10 @@ PYALLOC_INLINE void DeviceAllocator::reinsert_free(Block* block) {
   if constexpr (!kFast) index_in(block);
 }
 
+template <bool kCount>
 PYALLOC_INLINE void DeviceAllocator::erase_free(Block* block) {
   index_out(block);
-  uncount_cached(block->pool->stat, block);
+  uncount_cached<kCount>(block->pool->stat, block);
   block->pool->free_blocks.erase(block);
 }
 

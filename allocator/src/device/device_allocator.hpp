@@ -235,13 +235,16 @@ class DeviceAllocator {
   bool should_split(const Pool& pool, size_t remaining) const;
   bool shares_first(const Pool& pool, size_t rounded) const;
   size_t granule_offset(const Block* block, size_t rounded) const;
+  template <bool kCount = true>
   void give_back(Block* block);
+  template <bool kCount = true>
   Block* coalesce(Block* block);                            // merges free neighbours; spare_room(2)
   void split_into(Block* block, Block* rest, size_t offset);  // `rest` becomes the part after `offset`
   void absorb_next(Block* block);                           // spare_room(1)
   void insert_free(Block* block);
   template <bool kFast = false, bool kCount = true>
   void reinsert_free(Block* block);
+  template <bool kCount = true>
   void erase_free(Block* block);
   template <bool kCount = true>
   void count_cached(StatType t, const Block* block);

@@ -165,13 +165,19 @@ PYALLOC_INLINE void DeviceAllocator::cache_block(Block* block) {
 // a plain hit keeps its few registers. They release the lock.
 __attribute__((noinline)) inline void* DeviceAllocator::split_and_unlock(Pool& pool, Block* block, size_t size,
                                                                          size_t rounded) {
-  void* p = hand_out<true>(pool, block, new_block(), size, rounded);
+  // The block and its rest share a segment: one look at its count flag for both.
+  void* p = PYALLOC_UNLIKELY(block->segment->counted) ? hand_out<true>(pool, block, new_block(), size, rounded)
+                                                      : hand_out<true, false>(pool, block, new_block(), size, rounded);
   mutex_.unlock();
   return p;
 }
 
 __attribute__((noinline)) inline void DeviceAllocator::merge_and_unlock(Block* block) {
-  give_back(block);
+  if (PYALLOC_UNLIKELY(block->segment->counted)) {
+    give_back(block);
+  } else {
+    give_back<false>(block);
+  }
   mutex_.unlock();
 }
 
