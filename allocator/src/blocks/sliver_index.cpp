@@ -14,7 +14,6 @@ void SliverIndex::start(size_t granule, size_t granules) {
   shift_ = static_cast<unsigned>(__builtin_ctzll(granule));
   for (const Kind kind : {kEnd, kStart}) heads_[kind].reset(granule / kBlockAlign);
   roomy_.reset(granules);  // an index stopped and started again clears what it listed
-  whole_granules_ = 0;
   twins_to_check_.clear();
 }
 

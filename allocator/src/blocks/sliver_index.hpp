@@ -84,8 +84,6 @@ class SliverIndex {
   // Whether `block` is listed as roomy.
   inline bool is_roomy(const Block* block) const;
   size_t roomy_count() const { return roomy_.size(); }
-  // How many whole granules the roomy blocks hold, together.
-  size_t whole_granules() const { return whole_granules_; }
   // The granule of the arena where roomy `block`'s first whole granule lies.
   static inline size_t first_whole(const Block* block, size_t granule);
 
@@ -123,7 +121,6 @@ class SliverIndex {
   unsigned shift_ = 0;  // log2(granule_)
   BlockTable heads_[2];  // per offset unit: the first sliver of the list
   BlockTable roomy_;     // per granule: the roomy block whose first whole granule it is
-  size_t whole_granules_ = 0;
   std::vector<size_t> twins_to_check_;
 };
 

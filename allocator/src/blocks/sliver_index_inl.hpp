@@ -95,10 +95,7 @@ inline void SliverIndex::insert(Block* block) {
     kinds |= 1u << kStart;
   }
   block->sliver_kinds = kinds;
-  if (p.whole != 0) {
-    roomy_.insert(p.first_whole, block);
-    whole_granules_ += p.whole;
-  }
+  if (p.whole != 0) roomy_.insert(p.first_whole, block);
   if (twins) {
     for (const Block* beside : {block->prev, block->next}) {
       if (beside != nullptr && beside->state == BlockState::kLent) check_twin((beside->addr - arena->base) >> shift_);
@@ -116,7 +113,6 @@ inline void SliverIndex::erase(Block* block) {
   if (p.whole != 0) {
     assert(roomy_.at(p.first_whole) == block);
     roomy_.erase(p.first_whole);
-    whole_granules_ -= p.whole;
   }
 }
 

@@ -337,13 +337,15 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   std::vector<PhysHandle>& spares = spares_;
   spares.clear();
   if (!stitch && reuses_first(need * g)) {
-    size_t n = reuse_granules(pool, arena, need, lo, hi, &spares);
+    bool synchronized = false;  // one wait on the arena's stream for both walks
+    size_t n = reuse_granules(pool, arena, need, lo, hi, &spares, &synchronized);
     // Past a standing high-water mark, warm donors too (Note [Cold donors]).
     const size_t reserved_now = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
     const size_t fresh = (need - std::min(need, n)) * g;
     const uint64_t settled = static_cast<uint64_t>(stats_.allocation.current(kStatAll)) / 4;
     if (reserved_now + fresh > reserved_high_ && frees_ - high_set_at_ >= settled) {
-      n += reuse_granules(pool, arena, (reserved_now + fresh - reserved_high_ + g - 1) / g, lo, hi, &spares, true);
+      n += reuse_granules(pool, arena, (reserved_now + fresh - reserved_high_ + g - 1) / g, lo, hi, &spares,
+                          &synchronized, true);
     }
     if (n > 0) {
       stats_.num_reuses += 1;
@@ -449,9 +451,10 @@ bool DeviceAllocator::reuses_first(size_t fresh) {
 // being grown: interior_outside): single granules go to `spares`, for the
 // growth to map again, extents back to the backend, for the growth to create
 // anew. Returns the granules unmapped. The stream is synchronized first,
-// once, as for stitching; nothing moves when it cannot be.
+// unless *synchronized says an earlier walk of the same growth did (it is set
+// here when this one does); nothing moves when it cannot be.
 size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
-                                       std::vector<PhysHandle>* spares, bool any) {
+                                       std::vector<PhysHandle>* spares, bool* synchronized, bool any) {
   const size_t g = granule_;
   std::vector<Donor>& donors = donors_;  // capacity kept between growths
   donors.clear();
@@ -468,7 +471,7 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
     found += (z - a) / g;
     return found < n;
   });
-  if (donors.empty() || !synchronize_stream(arena)) return 0;
+  if (donors.empty() || !(*synchronized || (*synchronized = synchronize_stream(arena)))) return 0;
   size_t done = 0;
   // Unmapping one donor carves it and merges holes: the other donors, free
   // blocks apart from it (free neighbours coalesce), stay as they are.

@@ -331,7 +331,7 @@ class DeviceAllocator {
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
   bool reuses_first(size_t fresh);
   size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
-                        std::vector<PhysHandle>* spares, bool any = false);
+                        std::vector<PhysHandle>* spares, bool* synchronized, bool any = false);
   Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
   size_t release_arena_memory(size_t bytes);
   void release_arena(Segment* arena);
@@ -347,8 +347,13 @@ class DeviceAllocator {
   // Stops the count once reserved memory is under 90% of where sharing starts
   // (after a change of either).
   void settle_whole_count(size_t reserved) {
-    if (whole_counted_ && reserved < share_from_ / 19 * 18) stop_counting_whole_granules();
+    if (whole_counted_ && reserved < relax_below()) stop_counting_whole_granules();
   }
+  // Reserved bytes under which the near-full structures (sliver indexes, the
+  // whole-granule count) go: 90% of what the allocator may reserve, a margin
+  // below share_from_ so that a device hovering there does not build them
+  // again and again.
+  size_t relax_below() const { return share_from_ / 19 * 18; }
   bool covered_without_sharing(size_t rounded, const Block* fit) const;
   void relist_granule(Segment* arena, size_t slot, Block* inside);
   void index_arena(Segment* arena);

@@ -124,8 +124,8 @@ Block* DeviceAllocator::share_first(Pool& pool, size_t rounded, StreamId stream,
 // uncount_cached in device/blocks_inl.hpp, on the fast path too: a flag of
 // the block's segment, Segment::counted, read beside the fields a cache hit
 // reads anyway, and a few instructions while it is set) until reserved
-// memory falls under 90% of the limit, or the limit moves above it
-// (settle_whole_count), as the sliver indexes are dropped. A request they
+// memory falls under 90% of the limit (relax_below), or the limit moves above
+// it (settle_whole_count), as the sliver indexes are dropped. A request they
 // cover takes its fit as it would with no sharing, so the fast path serves
 // one whose count passes it by a granule (the general path's test,
 // covered_without_sharing, also counts what may still be reserved), and
@@ -284,16 +284,14 @@ void DeviceAllocator::index_arena(Segment* arena) {
 }
 
 // Turns every sliver index off, and the fast path back on, once reserved
-// memory is back under 90% of what the allocator may reserve (a margin below
-// share_from_, so that a device that hovers at the threshold does not build
-// its indexes again and again), or once their upkeep since they were last
+// memory is back under relax_below(), or once their upkeep since they were last
 // asked passed twice what building them again walks (a device that stays
 // near full while no request needs them: built again when one does, the
 // upkeep between two uses costs at most about three builds), or at once when
 // `always`.
 void DeviceAllocator::drop_sliver_indexes(bool always) {
   if (!always && sliver_upkeep_ <= 2 * sliver_build_blocks_ + kSliverUpkeepFloor && share_from_ != SIZE_MAX &&
-      static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) >= share_from_ / 19 * 18) {
+      static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) >= relax_below()) {
     return;
   }
   for (Pool* pool : pools()) {
