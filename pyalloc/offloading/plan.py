@@ -123,7 +123,7 @@ def storage_key(t: torch.Tensor) -> StorageKey:
 def is_activation(t: torch.Tensor) -> bool:
     """A tensor the step made with history: not a parameter, a leaf (input batch, a mask made
     without grad) or a view of one. Only these count against the budget: the rest exists anyway."""
-    if isinstance(t, torch.nn.Parameter) or t.is_leaf:
+    if t.is_leaf:  # parameters are leaves: tested first, isinstance(t, Parameter) costs more
         return False
     base = t._base
     return not (base is not None and base.is_leaf)
@@ -158,6 +158,8 @@ class CallInfo:
     end_pack: int = -1
     first_op: int = 0  # aten operators run while the call was open: [first_op, end_op)
     end_op: int = 0
+    first_trace: int = 0  # entries of the profile's call trace made meanwhile: [first_trace, end_trace)
+    end_trace: int = 0  # (Note [Call traces] in guard.py)
     last_desc: int = -1  # calls index..last_desc are this call and the calls it made
     seconds: float = 0.0
     start: float = 0.0  # the profile's clock when the call began and returned (PackInfo.at: when a
@@ -248,6 +250,9 @@ class Profile:
         # the aten operators of the forward, inside module calls (Note [Selective re-runs])
         self.recorder = OpRecorder(self._key, self._recording)
         self.ops = self.recorder.ops
+        # the top-level torch calls of the forward, inside module calls (Note [Call traces]):
+        # written by the session's CallTrace while this profile records
+        self.trace: list[tuple[Any, ...]] = []
         self._suspended: torch.nn.Module | None = None  # a compiled module running without the recorder
         self._checks_s = 0.0  # time spent checking refills (not the model's)
         # measured re-run times of selective regions: (call index, dropped storages) -> seconds
@@ -256,6 +261,11 @@ class Profile:
     def _recording(self) -> bool:
         return bool(self._open) and not self.paused and not self.busy and torch.is_grad_enabled() \
             and not torch.compiler.is_compiling() and threading.get_ident() == self._thread
+
+    def tracing(self) -> bool:
+        """Whether the session's CallTrace writes to :attr:`trace` now (Note [Call traces] in
+        guard.py): as the operator recorder records."""
+        return self._recording()
 
     def _clock(self) -> float:
         """Thread CPU time less the session's and the operator recording's own."""
@@ -330,7 +340,7 @@ class Profile:
         self._ordinals[id(module)] = ordinal + 1
         parent = self._open[-1][0].index if self._open else -1
         call = CallInfo(len(self.calls), weakref.ref(module), ordinal, parent, type(module).__name__,
-                        first_pack=len(self.packs), first_op=len(self.ops))
+                        first_pack=len(self.packs), first_op=len(self.ops), first_trace=len(self.trace))
         inputs = tensor_leaves(args)
         for t in inputs:
             key = self._key(t)
@@ -358,6 +368,7 @@ class Profile:
         call.seconds = max(0.0, call.end - t0)
         call.end_pack = len(self.packs)
         call.end_op = len(self.ops)
+        call.end_trace = len(self.trace)
         call.last_desc = len(self.calls) - 1
         call.mutates_input = any(t._version != v for t, v in zip(inputs, versions))
         outs = tensor_leaves(output) if output is not None else []
@@ -443,6 +454,9 @@ class Plan:
     floor_bytes: int  # the estimate with every candidate taken
     recompute_seconds: float  # forward time the plan re-runs per step (measured in the profile)
     products: dict[int, ProductInfo] = field(default_factory=dict)  # PRODUCT saves: pack seq -> what was found
+    # selective regions: key -> the profiled call's trace, what a planned step's call must match
+    # for its replay to be the profile's (Note [Call traces] in guard.py)
+    traces: dict[tuple[int, int], list[tuple[Any, ...]]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -671,8 +685,10 @@ class _Planner:
 
     def estimate(self) -> int:
         """The planned peak: the bytes held at the end of forward, or while a chosen call is re-run
-        in backward: what was saved before it (backward frees later saves first) plus what the
-        re-run saves, whichever is more."""
+        in backward: what was saved before it and is held (backward frees later saves first; a
+        selective region's own kept saves too, which its re-run reads) plus what the re-run saves
+        (a whole re-run saves all the call's saves again, kept ones included), whichever is
+        more."""
         peak = self.total
         if not self.chosen:
             return peak
@@ -681,8 +697,8 @@ class _Planner:
             prefix.append(prefix[-1] + (self.nbytes[k] if self._held(k) else 0))
         extra = self.total - prefix[-1]  # pins of storages no save holds
         for c in self.chosen:
-            before = prefix[bisect.bisect_left(self.first, c.call.first_pack)]
-            peak = max(peak, before + extra + c.transient)
+            held = prefix[bisect.bisect_left(self.first, c.call.end_pack if c.recipe is not None else c.call.first_pack)]
+            peak = max(peak, held + extra + c.transient)
         return peak
 
     def seconds(self) -> float:
@@ -880,11 +896,13 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
     modules: dict[int, weakref.ref[torch.nn.Module]] = {}
     recipes: dict[tuple[int, int], tuple[Recipe, frozenset[ProfileKey]]] = {}
     products: dict[int, ProductInfo] = {}
+    traces: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
     for c in planner.chosen:
         if c.kind == REGION:
             regions[c.call.key] = c.call
             if c.recipe is not None:
                 recipes[c.call.key] = (c.recipe, frozenset(c.drops))
+                traces[c.call.key] = profile.trace[c.call.first_trace:c.call.end_trace]
             for seq in range(c.call.first_pack, c.call.end_pack):
                 if profile.packs[seq].key in c.drops:
                     actions[seq], owners[seq] = REGION, c.call.key
@@ -903,7 +921,7 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
             modules[id(m())] = m
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
                 list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
-                planner.seconds(), products)
+                planner.seconds(), products, traces)
 
 
 def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int,

@@ -22,6 +22,7 @@ from . import dropout, refills, rng
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
 from .calls import autocast_state
+from .guard import same_trace
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, run_replay, view_of
 from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 from .saved import ABANDONED_MESSAGE
@@ -217,6 +218,8 @@ class Region(_Rerun):
         self.wanted: dict[int, weakref.ref[RegionSlot]] = {}
         self.done = False
         self.recipe = recipe  # a selective region's (Note [Selective re-runs] in ops.py)
+        self.trace_start = -1  # where its call's entries begin in the step's trace, while it runs
+        self.traced = False  # its call's trace was the profile's: the replay may run (Note [Call traces])
         self.sources: dict[int, Any] = {}  # save index in the call -> what the forward kept (KeptSave or tensor)
 
     def materialize(self) -> None:
@@ -225,7 +228,7 @@ class Region(_Rerun):
         if self.recipe is not None:
             sources = {i: h.tensor if isinstance(h, KeptSave) else h for i, h in self.sources.items()}
             if len(sources) == len(self.recipe.source_keys):
-                verify = self.step.verify and self.recipe.replay is not None
+                verify = (self.step.verify or not self.traced) and self.recipe.replay is not None
                 if not verify and self._replay(sources):
                     return
                 mode = SelectiveRerun(self.recipe, sources, verify)
@@ -600,8 +603,16 @@ class PlannedStep:
         self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
         self.product_seconds = 0.0  # dropout products refilled (Note [Dropout products] in dropout.py)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
+        # whether kept saves are counted (SavedBytes): every step while the plan search runs, one
+        # in COUNT_EVERY (session.py) once it settled; an uncounted step hands autograd the
+        # tensors it keeps as they are, which is most of what a pack costs
+        self.counted = True
         self.check: RecomputeCheck | None = session._check  # Note [Recompute check] in check.py
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
+        # the selective regions' calls, traced by the session's CallTrace (Note [Call traces] in guard.py)
+        self.trace: list[tuple[Any, ...]] | None = [] if plan.recipes else None
+        self._traced_open = 0  # selective region calls running now
+        self._in_hook = False  # the module hooks' own torch calls are not the module's
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []
@@ -641,6 +652,9 @@ class PlannedStep:
         self._outputs.clear()
         self._made.clear()
         self._handed.clear()
+        self._traced_open = 0
+        if self.trace is not None:
+            self.trace.clear()
 
     def abandon(self) -> None:
         """The step was cut short by an exception: every handle pack gave autograd lets go of
@@ -656,9 +670,17 @@ class PlannedStep:
             m = ref()
             if m is None:
                 continue
-            stack.callback(m.register_forward_pre_hook(self._pre, with_kwargs=True).remove)
-            stack.callback(m.register_forward_hook(self._post, always_call=True).remove)
+            # first among the module's own hooks, as the profile's global hooks are: a trace
+            # spans what the profiled call's did (Note [Call traces] in guard.py)
+            stack.callback(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True).remove)
+            stack.callback(m.register_forward_hook(self._post, always_call=True, prepend=True).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+
+    def tracing(self) -> bool:
+        """Whether the session's CallTrace writes to :attr:`trace` now: a selective region's
+        call runs, not the module hooks' own code or a re-run."""
+        return self._traced_open > 0 and not self._in_hook and not self.recomputing \
+            and threading.get_ident() == self._thread
 
     # -- module hooks ----------------------------------------------------------------------
 
@@ -666,6 +688,13 @@ class PlannedStep:
         if self.recomputing or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
                 or threading.get_ident() != self._thread:
             return
+        in_hook, self._in_hook = self._in_hook, True
+        try:
+            self._enter(module, args, kwargs)
+        finally:
+            self._in_hook = in_hook
+
+    def _enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
         key = (id(module), ordinal)
@@ -675,6 +704,9 @@ class PlannedStep:
                 recipe = self.plan.recipes.get(key)
                 record = Region(self, key, module, args, kwargs, recipe[0] if recipe is not None else None)
                 self._regions.append(record)
+                if recipe is not None and self.trace is not None:
+                    record.trace_start = len(self.trace)
+                    self._traced_open += 1
             elif key in self.plan.outputs:
                 links = self._links(tensor_leaves((args, kwargs)))
                 info = self.plan.outputs[key]
@@ -696,9 +728,24 @@ class PlannedStep:
         if self.recomputing or not self._open or torch.compiler.is_compiling() \
                 or threading.get_ident() != self._thread or self._open[-1][0] is not module:
             return
+        in_hook, self._in_hook = self._in_hook, True
+        try:
+            self._leave(output)
+        finally:
+            self._in_hook = in_hook
+
+    def _leave(self, output: Any) -> None:
         _, record = self._open.pop()
         if isinstance(record, Region):
             self._regions.pop()
+            if record.trace_start >= 0 and self.trace is not None:
+                self._traced_open -= 1
+                entries = self.trace
+                record.traced = same_trace(entries[record.trace_start:], self.plan.traces.get(record.key))
+                if not record.traced:
+                    self.stale = True  # refilled through the module's code this step, profiled next
+                if self._traced_open == 0:
+                    entries.clear()
         elif isinstance(record, Output):
             record.returned(output)
             if isinstance(output, torch.Tensor):
@@ -738,11 +785,17 @@ class PlannedStep:
                 self._count_drop(t)
                 return self._hand(ProductSlot(self, found[1], found[2], t, seq))
             self._diverge()
-        kept: Any = KeptSave(self.bytes, t) if is_activation(t) else t
+        kept: Any
+        if t.is_leaf:
+            kept = t
+        elif self.counted:
+            kept = self._hand(KeptSave(self.bytes, t)) if is_activation(t) else t
+        else:  # a detached alias, as KeptSave holds: a node that saves its own output would
+            kept = t.detach()  # otherwise keep itself alive through it (a cycle through C++)
         region = self._regions[-1] if self._regions else None
         if region is not None and region.recipe is not None and seq - region.first_seq in region.recipe.source_keys:
             region.sources[seq - region.first_seq] = kept  # the re-run takes it instead of computing it
-        return self._hand(kept)
+        return kept
 
     def _hand(self, h: Any) -> Any:
         if isinstance(h, _Counted):
@@ -750,7 +803,9 @@ class PlannedStep:
         return h
 
     def unpack(self, h: Any) -> torch.Tensor:
-        if isinstance(h, _Counted) and h.abandoned:
+        if not isinstance(h, _Counted):
+            return h  # kept uncounted, or not an activation
+        if h.abandoned:
             from .session import OffloadError  # session.py imports this module
 
             raise OffloadError(ABANDONED_MESSAGE)

@@ -37,6 +37,7 @@ from .args import TensorMap
 from .check import RecomputeCheck, enabled_by_environment as check_env
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
 from .plan import OUTPUT, Plan, PlanSearch, Profile
+from .guard import CallTrace
 from .regions import IdleStep, PlannedStep
 from .saved import ABANDONED, ABANDONED_MESSAGE, DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
@@ -57,6 +58,11 @@ ancestors are evicted later)."""
 REPLAY_CHECK_EVERY = 20
 """Planned steps between two whose selective regions re-run through the module's own code,
 checking the replays' operators and arguments (Note [Operator replay] in ops.py)."""
+
+COUNT_EVERY = 20
+"""Once the plan search settled, planned steps between two whose kept saves are counted (the
+first settled step is): the count gives ``step_saved_bytes_peak``; a step like the last counted
+one under the same plan holds the same bytes, and the count is most of what a save costs."""
 
 IDLE_CHECK_EVERY = 50
 """Idle steps (Note [Idle steps] in plan.py) between two steps whose saves are counted again."""
@@ -99,7 +105,7 @@ class ActivationOffload:
 
     def __init__(self, budget: int | str | None = None, swap: bool = True, recompute: bool = True,
                  *, min_evict_bytes: int = MIN_EVICT_BYTES, prefetch: int = 2,
-                 pressure_callback: bool = True, policy: str = "plan", selective: bool = False,
+                 pressure_callback: bool = True, policy: str = "plan", selective: bool = True,
                  check: bool | None = None) -> None:
         if isinstance(budget, str):
             from ..core import parse_size
@@ -136,6 +142,7 @@ class ActivationOffload:
         self._replaying = False
         self._callback_handle: int | None = None
         self._calls = CallRecorder(self._cuda)
+        self._trace = CallTrace(self._trace_entries)  # Note [Call traces] in guard.py
         self._passthrough = autograd_entry_points()
         self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offloading.process)
         self._inert = False  # left behind in a forked child: packs and calls pass through
@@ -152,6 +159,7 @@ class ActivationOffload:
         self._planned: PlannedStep | IdleStep | None = None  # the step running under the plan
         self._idle_run = 0  # idle steps since the last counted one
         self._replay_checks = 0  # planned steps since the search began (every REPLAY_CHECK_EVERY-th checks)
+        self._settled_run = 0  # planned steps since the search settled (every COUNT_EVERY-th is counted)
         self._floor_warned = False
         self._overhead_s = 0.0  # time in the session's own bookkeeping (DTR), not the model's
         self._new_step()
@@ -220,6 +228,8 @@ class ActivationOffload:
         if self._process_wide and self.recompute:
             self._mode_stack = contextlib.ExitStack()
             self._mode_stack.enter_context(CallTracker(self))
+            if self.selective:  # above the recording mode (Note [Call traces] in guard.py)
+                self._mode_stack.enter_context(self._trace)
         try:
             self._stack = self._install()
         except BaseException:
@@ -243,6 +253,9 @@ class ActivationOffload:
                     self._planned = PlannedStep(self, self._plan, self._cuda)
                     self._planned.verify = self._replay_checks % REPLAY_CHECK_EVERY == 0
                     self._replay_checks += 1
+                    settled = self._search is not None and self._search.settled
+                    self._planned.counted = not settled or self._settled_run % COUNT_EVERY == 0
+                    self._settled_run = self._settled_run + 1 if settled else 0
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
@@ -255,6 +268,9 @@ class ActivationOffload:
                 self._recording = self.recompute
                 if self.recompute and self._mode_stack is None:
                     stack.enter_context(CallTracker(self))
+            traced = self._profile is not None or isinstance(self._planned, PlannedStep) and self._planned.trace is not None
+            if traced and self.selective and self._mode_stack is None:  # last: above the recording mode
+                stack.enter_context(self._trace)
             if self.pressure_callback:
                 self._register_pressure_callback(stack)
         except BaseException:
@@ -291,13 +307,16 @@ class ActivationOffload:
         st["drops_total"] += run.dropped
         st["dropped_bytes_total"] += run.dropped_bytes
         peak = run.bytes.peak
-        st["step_saved_bytes_peak"] = peak
-        st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
-        st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
+        if run.counted:
+            st["step_saved_bytes_peak"] = peak
+            st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
+            st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
         if run.stale:
             st["replays_stale_total"] += 1
         if run.diverged or run.stale:
             self._search = None  # profile the next step again
+            return
+        if not run.counted:  # a settled plan's step between two counted ones (COUNT_EVERY)
             return
         if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds, run.region_seconds):
             st["replans_total"] += 1
@@ -310,6 +329,16 @@ class ActivationOffload:
                           f"{search.floor_bytes} bytes of saved activations (what no module re-run can "
                           f"free: inputs kept for recompute, saves outside recomputable modules, one "
                           f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
+
+    def _trace_entries(self) -> list[tuple[Any, ...]] | None:
+        """Where the session's CallTrace writes the call it sees (None: nowhere): the profile's
+        trace while it records, a planned step's while one of its selective regions runs."""
+        profile, planned = self._profile, self._planned
+        if profile is not None:
+            return profile.trace if self.selective and profile.tracing() else None
+        if isinstance(planned, PlannedStep) and planned.trace is not None and planned.tracing():
+            return planned.trace
+        return None
 
     def _idle(self) -> bool:
         """Whether the coming step may run with no saved-tensor hook (Note [Idle steps])."""
@@ -797,10 +826,11 @@ def offload(budget: int | str | None = None, swap: bool = True, recompute: bool 
     A context manager around a training step (forward and backward), or a decorator. With
     ``budget=None`` only the allocator's pressure callback triggers evictions. ``policy="plan"``
     (the default) profiles the first step and re-runs modules along a plan after it;
-    ``policy="dtr"`` runs per-operator DTR with swap every step. ``selective=True`` lets plans
-    replay recorded operators instead of re-running whole modules (faster; exact while the
-    operators' constant arguments stay those of the profiled step: README, Limits); the default
-    re-runs whole modules through their own code. Other options: ``min_evict_bytes``,
+    ``policy="dtr"`` runs per-operator DTR with swap every step. ``selective`` (the default) lets
+    plans replay the operators of part of a module call instead of re-running the whole module,
+    where a measured step says that re-runs less; each step compares the call's top-level torch
+    calls with the profiled step's first (Note [Call traces] in guard.py); ``selective=False``
+    re-runs whole modules through their own code only. Other options: ``min_evict_bytes``,
     ``prefetch``, ``pressure_callback`` (DTR).
     """
     return ActivationOffload(budget, swap, recompute, **options)
