@@ -236,6 +236,12 @@ class ReplayStep:
     leaves: list[Any]
     outputs: list["ProfileKey | None"]
     restore: list[int]
+    positional: bool = False  # the arguments are the leaves in order, no keywords: no unflatten
+
+    def __post_init__(self) -> None:
+        n = len(self.leaves)
+        with_places = tree_unflatten(list(range(n)), self.spec)
+        self.positional = with_places == (tuple(range(n)), {})
 
 
 class StopRerun(BaseException):
@@ -395,31 +401,52 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
                attr: Callable[[str], torch.Tensor]) -> dict[int, torch.Tensor]:
     """Runs a recipe's replay (Note [Operator replay]); returns the dropped saves by index."""
     assert recipe.replay is not None
-    storages: dict[ProfileKey, Any] = {}
-    for i, t in sources.items():  # the sources' storages, by the key of what made them
-        storages[recipe.source_keys[i]] = t.untyped_storage()
+    # a storage, by the key of what made it, and the tensor it came as (a source, an output)
+    tensors: dict[ProfileKey, torch.Tensor] = {}
+    for i, t in sources.items():
+        tensors[recipe.source_keys[i]] = t
+    attrs: dict[str, torch.Tensor] = {}
 
     def resolve(x: Any) -> Any:
         if not isinstance(x, _Ref):
             return x
         if x.kind == "s":
-            return _view(storages[x.where], x.geometry)
-        base = inputs[x.where] if x.kind == "i" else attr(x.where)
-        return _view(base.untyped_storage(), x.geometry)
+            t = tensors[x.where]
+        elif x.kind == "i":
+            t = inputs[x.where]
+        else:
+            t = attrs.get(x.where)
+            if t is None:
+                t = attrs[x.where] = attr(x.where)
+        return _as(t, x.geometry)
 
     with torch.no_grad():
         for step in recipe.replay:
             leaves = [resolve(x) for x in step.leaves]
             saved = [(leaves[p], leaves[p].clone()) for p in step.restore]
-            args, kwargs = tree_unflatten(leaves, step.spec)
-            out = step.func(*args, **kwargs)
+            if step.positional:
+                out = step.func(*leaves)
+            else:
+                args, kwargs = tree_unflatten(leaves, step.spec)
+                out = step.func(*args, **kwargs)
             for t, before in saved:
                 t.copy_(before)
-            outs, _ = tree_flatten(out)
+            outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
             for key, o in zip(step.outputs, outs):
                 if key is not None and isinstance(o, torch.Tensor):
-                    storages[key] = o.untyped_storage()
-        return {i: _view(storages[key], g) for i, (key, g) in recipe.drops.items()}
+                    tensors[key] = o
+        return {i: _as(tensors[key], g) for i, (key, g) in recipe.drops.items()}
+
+
+def _as(t: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    """``t``'s storage viewed with ``geometry``: ``t`` itself when it is already that view (the
+    usual case: an operator's output read by the next one), which saves making a tensor."""
+    shape, stride, offset, dtype, _ = geometry
+    if t.dtype is not dtype:
+        return _view(t.untyped_storage(), geometry)
+    if t.storage_offset() == offset and t.shape == shape and t.stride() == stride:
+        return t
+    return t.as_strided(shape, stride, offset)
 
 
 def _same_arguments(step: ReplayStep, args: tuple, kwargs: dict) -> bool:

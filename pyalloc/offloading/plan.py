@@ -604,8 +604,10 @@ class _Planner:
             if r is None:
                 continue
             seconds = profile.selective_seconds.get((call.index, frozenset(drops)), r.seconds)
-            out.append(_Candidate(call, REGION, drops, dict(full.pins), [call.index], seconds,
-                                  r.transient, r))
+            # what the refill adds to the saved bytes: the dropped saves again (its temporaries
+            # are working memory, which no saved-bytes count holds, the baseline's neither)
+            refilled = sum(self.nbytes[k] for k in drops)
+            out.append(_Candidate(call, REGION, drops, dict(full.pins), [call.index], seconds, refilled, r))
         return out
 
     def _products(self) -> list[_Candidate]:

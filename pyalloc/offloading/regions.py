@@ -760,12 +760,14 @@ class PlannedStep:
         self.seq = seq + 1
         plan = self.plan
         action = KEEP
-        if not self.diverged:
-            if seq >= len(plan.actions) or plan.signatures[seq] != (tuple(t.shape), t.dtype):
+        if not self.diverged:  # (a torch.Size equals the tuple it holds; dtypes are singletons)
+            if seq >= len(plan.actions) or (sig := plan.signatures[seq])[1] is not t.dtype or sig[0] != t.shape:
                 self._diverge()
             else:
                 action = plan.actions[seq]
-        if action == REGION:
+        if action == KEEP:
+            pass
+        elif action == REGION:
             region = self._regions[-1] if self._regions else None
             if region is not None and region.key == plan.owners[seq]:
                 self._count_drop(t)
