@@ -336,3 +336,67 @@ def test_memory_stats_have_no_offload_keys_without_a_session_and_import_no_torch
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_process_session_traces_selective_regions_and_catches_a_changed_constant(process_session, monkeypatch) -> None:
+    """Under `pyalloc run --offload` the recording mode traces selective regions itself (Note
+    [Call traces]): steps under a plan with selective regions are exact and stay planned, and a
+    Python float the model's code passes to torch, changed between steps, has the next step
+    profiled again, the step that saw it exact."""
+    from pyalloc.offloading import session as session_module
+    from pyalloc.offloading.plan import make_plan
+
+    scale = [1.0]
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc1, self.fc2 = nn.LayerNorm(64), nn.Linear(64, 256), nn.Linear(256, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x * scale[0]))))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[Block() for _ in range(3)], nn.Linear(64, 10))
+
+    def step(model: nn.Module) -> list[torch.Tensor]:
+        model(x).square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1000)
+    torch.manual_seed(1)
+    x = torch.randn(32, 16, 64)
+    reference, model = make(), make()
+    saved: dict[int, int] = {}
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_leaf:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        loss = make()(x).square().mean()
+    del loss
+    expected = step(reference)  # before the session: every backward under it ends one of its steps
+    scale[0] = 0.5
+    expected_scaled = step(reference)
+    scale[0] = 1.0
+    session = offload_process.start(sum(saved.values()) // 2, swap=False, pressure_callback=False)
+    step(model)  # profiled
+    search = session._search
+    assert search is not None
+    for call in search.profile.calls:  # times set, not measured: selective regions are the cheapest
+        call.seconds = 1.0
+    search.plan = make_plan(search.profile, search.budget, selective=True)
+    search.selective, search.settled = True, True
+    assert search.plan.recipes
+    for _ in range(3):  # the first planned step is checked; the others replay
+        _assert_bitwise_equal(expected, step(model))
+    st = session.stats()
+    assert st["replays_stale_total"] == 0 and st["profile_steps_total"] == 1 and st["recomputed_tensors_total"] > 0
+    scale[0] = 0.5
+    _assert_bitwise_equal(expected_scaled, step(model))
+    assert session.stats()["replays_stale_total"] == 1 and session._search is None

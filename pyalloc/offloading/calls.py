@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import rng
 from .args import TensorMap, flatten, unflatten
+from .guard import entry
 
 if TYPE_CHECKING:
     from .saved import SavedActivation
@@ -158,6 +159,10 @@ class CallTracker(TorchFunctionMode):
         if _is_compiling():  # first: dynamo must not trace the session's state
             return func(*args, **kwargs)
         s = self.session
+        if s._mode_stack is not None and (trace := s._trace_entries()) is not None:
+            # the process-wide session traces selective regions here, not in a second mode
+            # stacked on this one (Note [Call traces] in guard.py)
+            trace.append(entry(func, args, kwargs))
         if not s._recording or s._replaying or s._inert or not s.recompute or func in s._passthrough:
             return func(*args, **kwargs)
         calls = s._calls

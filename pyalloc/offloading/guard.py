@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CallTrace", "same_trace"]
+__all__ = ["CallTrace", "entry", "same_trace"]
 
 _Tensor = torch.Tensor
 
@@ -68,13 +68,16 @@ class CallTrace(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = None if torch.compiler.is_compiling() else self.entries()  # first: dynamo must not trace the trace
-        if out is None:
-            return func(*args, **(kwargs or {}))
-        if kwargs:
-            out.append((func, tuple(map(_meta, args)), _meta(kwargs)))
-            return func(*args, **kwargs)
-        out.append((func, tuple(map(_meta, args))))
-        return func(*args)
+        if out is not None:
+            out.append(entry(func, args, kwargs))
+        return func(*args, **(kwargs or {}))
+
+
+def entry(func: Any, args: tuple, kwargs: dict | None) -> tuple[Any, ...]:
+    """One call's entry in a trace (Note [Call traces])."""
+    if kwargs:
+        return (func, tuple(map(_meta, args)), _meta(kwargs))
+    return (func, tuple(map(_meta, args)))
 
 
 def same_trace(got: list[tuple[Any, ...]], expected: list[tuple[Any, ...]] | None) -> bool:

@@ -227,9 +227,7 @@ class ActivationOffload:
             self._new_step()
         if self._process_wide and self.recompute:
             self._mode_stack = contextlib.ExitStack()
-            self._mode_stack.enter_context(CallTracker(self))
-            if self.selective:  # above the recording mode (Note [Call traces] in guard.py)
-                self._mode_stack.enter_context(self._trace)
+            self._mode_stack.enter_context(CallTracker(self))  # it traces too (Note [Call traces])
         try:
             self._stack = self._install()
         except BaseException:
