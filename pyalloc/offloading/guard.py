@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CallTrace", "entry", "same_trace"]
+__all__ = ["CallTrace", "entry", "push", "remove", "same_trace"]
 
 _Tensor = torch.Tensor
 
@@ -78,6 +78,25 @@ def entry(func: Any, args: tuple, kwargs: dict | None) -> tuple[Any, ...]:
     if kwargs:
         return (func, tuple(map(_meta, args)), _meta(kwargs))
     return (func, tuple(map(_meta, args)))
+
+
+def push(mode: TorchFunctionMode) -> None:
+    """Puts ``mode`` on top of the torch-function mode stack (what entering it does)."""
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def remove(mode: TorchFunctionMode) -> None:
+    """Takes ``mode`` off the torch-function mode stack wherever it is; modes pushed above it and
+    not popped yet (a program's own, left entered) stay, in their order. Nothing if it is not
+    there."""
+    above: list[Any] = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
 
 
 def same_trace(got: list[tuple[Any, ...]], expected: list[tuple[Any, ...]] | None) -> bool:

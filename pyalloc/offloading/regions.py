@@ -22,6 +22,7 @@ from . import dropout, refills, rng
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
 from .calls import autocast_state
+from . import guard
 from .guard import same_trace
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, run_replay, view_of
 from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
@@ -611,6 +612,9 @@ class PlannedStep:
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
         # the selective regions' calls, traced by the session's CallTrace (Note [Call traces] in guard.py)
         self.trace: list[tuple[Any, ...]] | None = [] if plan.recipes else None
+        # the session's trace mode, on the mode stack only while a selective region's call runs
+        # (None under `pyalloc run --offload`, whose recording mode traces)
+        self._mode = session._trace if session._mode_stack is None else None
         self._traced_open = 0  # selective region calls running now
         self._in_hook = False  # the module hooks' own torch calls are not the module's
         self._ordinals: dict[int, int] = {}
@@ -652,6 +656,8 @@ class PlannedStep:
         self._outputs.clear()
         self._made.clear()
         self._handed.clear()
+        if self._traced_open and self._mode is not None:  # a region's call that never returned
+            guard.remove(self._mode)
         self._traced_open = 0
         if self.trace is not None:
             self.trace.clear()
@@ -707,6 +713,8 @@ class PlannedStep:
                 if recipe is not None and self.trace is not None:
                     record.trace_start = len(self.trace)
                     self._traced_open += 1
+                    if self._mode is not None:
+                        guard.push(self._mode)
             elif key in self.plan.outputs:
                 links = self._links(tensor_leaves((args, kwargs)))
                 info = self.plan.outputs[key]
@@ -740,6 +748,8 @@ class PlannedStep:
             self._regions.pop()
             if record.trace_start >= 0 and self.trace is not None:
                 self._traced_open -= 1
+                if self._mode is not None:
+                    guard.remove(self._mode)
                 entries = self.trace
                 record.traced = same_trace(entries[record.trace_start:], self.plan.traces.get(record.key))
                 if not record.traced:

@@ -266,9 +266,9 @@ class ActivationOffload:
                 self._recording = self.recompute
                 if self.recompute and self._mode_stack is None:
                     stack.enter_context(CallTracker(self))
-            traced = self._profile is not None or isinstance(self._planned, PlannedStep) and self._planned.trace is not None
-            if traced and self.selective and self._mode_stack is None:  # last: above the recording mode
-                stack.enter_context(self._trace)
+            if self._profile is not None and self.selective and self._mode_stack is None:
+                stack.enter_context(self._trace)  # last: above the recording mode (a planned step
+                # puts it on the stack around its selective regions' calls only)
             if self.pressure_callback:
                 self._register_pressure_callback(stack)
         except BaseException:
