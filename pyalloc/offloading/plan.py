@@ -941,6 +941,11 @@ BUDGET_SLACK = 0.05
 MAX_TRIALS = 6
 """Planned steps measured, one plan each, before the search settles on the best of them."""
 
+CLOSE_CALL = 0.25
+"""Re-run times of the two families' plans this close (a fraction of the larger) are measured
+once more each before the search chooses between them: one step's time moves by several
+percent on a shared machine, and the choice holds for every later step."""
+
 
 class PlanSearch:
     """The plans for one profile, tuned on measured steps.
@@ -968,7 +973,9 @@ class PlanSearch:
         self.selective: bool | None = None if selective else False
         self.family_targets: list[int] = [budget]  # the target of each trial while it is undecided
         self.trials: list[tuple[Plan, int]] = []
-        self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured
+        self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured (a mean)
+        self.samples: list[list[float]] = []  # per trial: each measurement of it
+        self.remeasure: list[int] = []  # trials to run once more before the families are compared
         self.last_peak = -1  # the last planned step's measured peak
         self.fitted: int | None = None  # the largest target whose plan kept the budget
         self.overshot: int | None = None  # the smallest target whose plan did not
@@ -988,11 +995,9 @@ class PlanSearch:
         self.last_peak = peak
         if self.settled:
             return False
-        plan = self.plan
-        self.trials.append((plan, peak))
         reruns, refills, regions = reruns or {}, refills or {}, regions or {}
-        self.rerun_seconds.append(sum(reruns.values()) + sum((selective or {}).values()) + sum(refills.values())
-                                  + sum(regions.values()))
+        seconds = sum(reruns.values()) + sum((selective or {}).values()) + sum(refills.values()) \
+            + sum(regions.values())
         for call in self.profile.calls:
             if (measured := reruns.get(call.key)) is not None:
                 call.seconds = measured
@@ -1000,10 +1005,23 @@ class PlanSearch:
                 call.refill_seconds = measured
             if (measured := regions.get(call.key)) is not None:
                 call.region_seconds = measured
-        for key, seconds in (selective or {}).items():
+        plan = self.plan
+        for key, secs in (selective or {}).items():
             recipe = plan.recipes.get(key)
             if recipe is not None:
-                self.profile.selective_seconds[(plan.regions[key].index, recipe[1])] = seconds
+                self.profile.selective_seconds[(plan.regions[key].index, recipe[1])] = secs
+        if self.remeasure:  # a close comparison of the families, measured once more
+            i = self.remeasure.pop(0)
+            self.samples[i].append(seconds)
+            self.rerun_seconds[i] = sum(self.samples[i]) / len(self.samples[i])
+            if self.remeasure:
+                self.plan = self.trials[self.remeasure[0]][0]
+                return True
+            plan, peak = self._choose_family()
+        else:
+            self.trials.append((plan, peak))
+            self.samples.append([seconds])
+            self.rerun_seconds.append(seconds)
         if self.selective is None:
             if len(self.trials) == 1 or (len(self.trials) == 2 and peak > self.limit):
                 # the plan with selective regions next: at the same target, or (it overshot:
@@ -1016,10 +1034,12 @@ class PlanSearch:
                     self.family_targets.append(target)
                     self.plan = alternative
                     return True
-            self.selective = self._compare_families()
-            best = self._best_of(selective=self.selective)
-            plan, peak = self.trials[best]
-            self.plan, self.target = plan, self.family_targets[best]
+            close = self._close_call()
+            if close:  # one more step of each before choosing: a step's re-run time is noisy
+                self.remeasure = close
+                self.plan = self.trials[close[0]][0]
+                return True
+            plan, peak = self._choose_family()
         if peak <= self.limit:
             self.fitted = max(self.fitted or 0, self.target)
             if plan.empty or peak >= self.budget * (1 - BUDGET_SLACK):
@@ -1037,6 +1057,28 @@ class PlanSearch:
             return self._settle()
         self.target, self.plan = target, candidate
         return True
+
+    def _choose_family(self) -> tuple[Plan, int]:
+        """Settles whether plans hold selective regions; the best trial of that family becomes
+        the plan. Returns it and its measured peak."""
+        self.selective = self._compare_families()
+        best = self._best_of(selective=self.selective)
+        plan, peak = self.trials[best]
+        self.plan, self.target = plan, self.family_targets[best]
+        return plan, peak
+
+    def _close_call(self) -> list[int]:
+        """The trials to measure once more before the families are compared (the first, and the
+        best with selective regions): when both kept the budget and their re-run times are
+        within ``CLOSE_CALL`` of each other, and neither was measured twice yet."""
+        if len(self.trials) < 2:
+            return []
+        first, best = 0, self._best_of(selective=True)
+        (_, peak0), (_, peak1) = self.trials[first], self.trials[best]
+        a, b = self.rerun_seconds[first], self.rerun_seconds[best]
+        if peak0 > self.limit or peak1 > self.limit or len(self.samples[first]) > 1 or len(self.samples[best]) > 1:
+            return []
+        return [first, best] if abs(a - b) <= CLOSE_CALL * max(a, b) else []
 
     def _compare_families(self) -> bool:
         """After the first plan (no selective regions) and one or two with them: whether the
