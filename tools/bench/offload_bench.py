@@ -39,11 +39,17 @@ import sys
 import time
 from typing import Any
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+# the checkout's pyalloc, not one installed in site-packages (run as a script, this folder is
+# on the path, the checkout's root is not)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from pyalloc.offloading.bench_models import Workload, probed, settle, train_step, workloads
-from pyalloc.offloading.session import ActivationOffload, offload
+from pyalloc.offloading.session import ActivationOffload, offload  # noqa: E402
 
 
 # ---- measurement ---------------------------------------------------------------------------
