@@ -237,11 +237,13 @@ class ReplayStep:
     outputs: list["ProfileKey | None"]
     restore: list[int]
     positional: bool = False  # the arguments are the leaves in order, no keywords: no unflatten
+    refs: list[tuple[int, "_Ref"]] = field(default_factory=list)  # the leaves that are tensors, by place
 
     def __post_init__(self) -> None:
         n = len(self.leaves)
         with_places = tree_unflatten(list(range(n)), self.spec)
         self.positional = with_places == (tuple(range(n)), {})
+        self.refs = [(i, x) for i, x in enumerate(self.leaves) if isinstance(x, _Ref)]
 
 
 class StopRerun(BaseException):
@@ -407,9 +409,7 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
         tensors[recipe.source_keys[i]] = t
     attrs: dict[str, torch.Tensor] = {}
 
-    def resolve(x: Any) -> Any:
-        if not isinstance(x, _Ref):
-            return x
+    def resolve(x: _Ref) -> torch.Tensor:
         if x.kind == "s":
             t = tensors[x.where]
         elif x.kind == "i":
@@ -422,8 +422,10 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
 
     with torch.no_grad():
         for step in recipe.replay:
-            leaves = [resolve(x) for x in step.leaves]
-            saved = [(leaves[p], leaves[p].clone()) for p in step.restore]
+            leaves = list(step.leaves)
+            for place, ref in step.refs:
+                leaves[place] = resolve(ref)
+            saved = [(leaves[p], leaves[p].clone()) for p in step.restore] if step.restore else ()
             if step.positional:
                 out = step.func(*leaves)
             else:
@@ -431,7 +433,12 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
                 out = step.func(*args, **kwargs)
             for t, before in saved:
                 t.copy_(before)
-            outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            if isinstance(out, torch.Tensor):
+                outs: Any = (out,)
+            elif type(out) is tuple and all(isinstance(o, torch.Tensor) for o in out):
+                outs = out
+            else:
+                outs = tree_flatten(out)[0]
             for key, o in zip(step.outputs, outs):
                 if key is not None and isinstance(o, torch.Tensor):
                     tensors[key] = o
