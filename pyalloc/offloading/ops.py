@@ -46,12 +46,14 @@ Note [Operator replay]
 
     What the replay cannot see is a constant that changes from step to step while the shapes
     stay (a scalar annealed in Python, an ``eps`` set between steps): the saves still match the
-    plan. So the first planned step of a search and every ``REPLAY_CHECK_EVERY`` (session.py)
-    re-run selective regions through :class:`SelectiveRerun` with ``verify``, which compares
-    each computed operator's live arguments with the replay's; a difference is exact in that
-    step (it computed from the live arguments) and has the next step profiled again
-    (``replays_stale_total``). Between two checks such a change goes unnoticed (the README says
-    so under Limits).
+    plan. Every step, the region's call is compared with the profiled one at the level of its
+    top-level torch calls (Note [Call traces] in guard.py); a difference has the region refilled
+    through :class:`SelectiveRerun` with ``verify`` and the next step profiled again. The first
+    planned step of a search and every ``REPLAY_CHECK_EVERY`` (session.py) re-run selective
+    regions that way regardless, comparing each computed operator's live arguments with the
+    replay's (what a trace cannot see: state a torch function reads itself); a difference is
+    exact in that step (it computed from the live arguments) and has the next step profiled
+    again (``replays_stale_total``).
 """
 
 from __future__ import annotations

@@ -37,11 +37,12 @@ offload (--offload[=BUDGET]):
   - a budget never reached: about 1% over the plain step here (the recording
     mode stays on the main thread; none with pyalloc.offload in the program:
     no hook runs once the plan has settled);
-    at half the saved bytes 1.19-1.27x the plain step on transformer-like
-    models and 1.27x on a ResNet-like one (whole-module re-runs, the
-    default; selective=True in pyalloc.offload: 1.14-1.18x and 1.30x); at
-    the bytes that torch.utils.checkpoint on every block reaches, less time
-    than the checkpointing (1.15-1.48x against 1.35-1.58x on four models).
+    at half the saved bytes 1.13-1.17x the plain step with pyalloc.offload on
+    transformer-like and ResNet-like models (selective re-runs of the cheap
+    operators, each step's region calls checked against the profiled ones;
+    measured in the program, not under this command); at the bytes that
+    torch.utils.checkpoint on every block reaches, less time than the
+    checkpointing (1.10-1.40x against 1.35-1.57x on four models).
   Limits:
   - main thread only: activations saved by other threads are not managed;
   - a step ends when the outermost backward() or torch.autograd.grad() returns;
