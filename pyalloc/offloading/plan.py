@@ -976,6 +976,7 @@ class PlanSearch:
         self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured (a mean)
         self.samples: list[list[float]] = []  # per trial: each measurement of it
         self.remeasure: list[int] = []  # trials to run once more before the families are compared
+        self.remeasured = 0  # steps spent so (they count towards MAX_TRIALS)
         self.last_peak = -1  # the last planned step's measured peak
         self.fitted: int | None = None  # the largest target whose plan kept the budget
         self.overshot: int | None = None  # the smallest target whose plan did not
@@ -1012,6 +1013,7 @@ class PlanSearch:
                 self.profile.selective_seconds[(plan.regions[key].index, recipe[1])] = secs
         if self.remeasure:  # a close comparison of the families, measured once more
             i = self.remeasure.pop(0)
+            self.remeasured += 1
             self.samples[i].append(seconds)
             self.rerun_seconds[i] = sum(self.samples[i]) / len(self.samples[i])
             if self.remeasure:
@@ -1046,7 +1048,7 @@ class PlanSearch:
                 return self._settle()  # close enough under the budget
         else:
             self.overshot = min(self.overshot or self.target, self.target)
-        if len(self.trials) >= MAX_TRIALS or peak <= 0:
+        if len(self.trials) + self.remeasured >= MAX_TRIALS or peak <= 0:
             return self._settle()
         if self.fitted is not None and self.overshot is not None:
             target = (self.fitted + self.overshot) // 2
