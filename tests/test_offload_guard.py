@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pyalloc.offloading.guard import CallTrace, entry, push, remove, same_trace
+from pyalloc.offloading.guard import CallTrace, entry, push_at, remove, same_trace
 
 
 def _stack() -> list[object]:
@@ -50,15 +50,46 @@ def test_traces_whose_arguments_cannot_be_compared_count_as_different() -> None:
     assert same_trace([], [])
 
 
-def test_remove_takes_the_mode_off_wherever_it_is_and_keeps_the_modes_above_in_order() -> None:
+def test_the_trace_goes_in_at_a_height_and_comes_off_wherever_it_is() -> None:
     ours, theirs, outer = CallTrace(lambda: None), TorchFunctionMode(), TorchFunctionMode()
     before = _stack()
     with outer:
-        push(ours)
-        push(theirs)  # a program's mode, entered inside the region and left entered
+        push_at(ours, len(before))
+        assert _stack() == before + [ours, outer]
+        torch._C._push_on_torch_function_stack(theirs)  # a program's mode, left entered in the region
         remove(ours)
         assert _stack() == before + [outer, theirs]
         remove(ours)  # not there any more: nothing happens
         assert _stack() == before + [outer, theirs]
         remove(theirs)
     assert _stack() == before
+
+
+def test_the_trace_sees_a_call_as_a_program_mode_passes_it_on() -> None:
+    """A torch.device context adds device= to factory calls: the trace, under it, sees that."""
+    out: list[tuple[object, ...]] = []
+    trace = CallTrace(lambda: out)
+    height = torch._C._len_torch_function_stack()
+    with torch.device("cpu"):
+        push_at(trace, height)
+        try:
+            torch.zeros(3)
+        finally:
+            remove(trace)
+    assert [e[0] for e in out] == [torch.zeros] and "device" in dict(out[0][2])
+
+
+def test_a_function_argument_is_its_code_and_what_its_closure_holds() -> None:
+    def hook_for(scale: float, keep: torch.Tensor):  # a gradient hook made anew each step
+        return lambda g: g * scale + keep.sum()
+
+    big = torch.zeros(64, 64)
+    first = entry(torch.Tensor.register_hook, (big, hook_for(2.0, big)), None)
+    assert first == entry(torch.Tensor.register_hook, (big, hook_for(2.0, torch.ones(64, 64))), None)
+    assert first != entry(torch.Tensor.register_hook, (big, hook_for(3.0, big)), None)  # a captured scalar changed
+    assert not any(x is big for x in first[1][1][2])  # the captured tensor is described, not kept
+
+    def recursive(n: int) -> int:
+        return n if n < 2 else recursive(n - 1)
+
+    assert entry(torch.add, (recursive,), None) == entry(torch.add, (recursive,), None)

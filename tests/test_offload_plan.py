@@ -3,6 +3,7 @@ plan; exact to the bit, within the budget, and free when the budget is never rea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Callable
@@ -698,3 +699,64 @@ def test_a_module_that_catches_exceptions_does_not_catch_a_re_run_s_stop() -> No
         with session:
             _assert_bitwise_equal(expected[seed], _step(model, x, seed))
     assert all(m.fast for m in model.modules() if isinstance(m, _Fallback))
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # runs with grad off
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+class _Unusual(_Block):
+    """A block whose forward also runs operators with grad off, makes a gradient hook anew each
+    call and makes a tensor under a program's torch.device context: none of it changes between
+    steps, so its trace and its checked re-runs must keep matching the profile's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.statistic = x.abs().mean()  # a logged statistic
+        x = _Twice.apply(x)
+        scale = 0.5
+        x.register_hook(lambda g: g * scale) if x.requires_grad else None
+        return super().forward(x) + torch.zeros(x.shape[-1]) * scale
+
+
+@pytest.mark.parametrize("in_device_context", [False, True])
+def test_regions_with_grad_off_operators_hooks_and_program_modes_stay_planned(in_device_context, monkeypatch) -> None:
+    """Found by a second reader: each of these made every planned step's trace or checked re-run
+    differ from the profile's, so the plan was thrown away and the next step profiled, for ever.
+    Exact all along; now they stay planned (one profile in 10 steps, checked re-runs every 2)."""
+    from pyalloc.offloading import session as session_module
+
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 2)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(_Unusual(), _Unusual(), nn.Flatten(), nn.Linear(64 * 32, 10))
+
+    torch.manual_seed(123)
+    x = torch.randn(16, 32, 64)
+    reference, model = make(), make()
+    session = offload(budget=_saved_bytes_peak(make(), x) // 2, pressure_callback=False)
+
+    def planned(seed: int) -> dict[str, torch.Tensor]:
+        with session, (torch.device("cpu") if in_device_context else contextlib.nullcontext()):
+            return _step(model, x, seed)
+
+    planned(0)  # profiled
+    search = session._search
+    assert search is not None
+    for op in search.profile.ops:  # times set, not measured: selective regions are the cheapest
+        op.seconds = 1e-6
+    search.plan = make_plan(search.profile, search.budget, selective=True)
+    search.selective, search.settled = True, True
+    assert search.plan.recipes
+    for seed in range(1, 10):
+        _assert_bitwise_equal(_step(reference, x, seed), planned(seed))
+    st = session.stats()
+    assert st["replays_stale_total"] == 0 and st["profile_steps_total"] == 1 and st["recomputed_tensors_total"] > 0

@@ -33,19 +33,23 @@ Note [Call traces]
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CallTrace", "entry", "push", "remove", "same_trace"]
+__all__ = ["CallTrace", "entry", "push_at", "remove", "same_trace"]
 
 _Tensor = torch.Tensor
 
 
 def _meta(a: Any) -> Any:
     """What a call's argument contributes to its entry: a tensor's dtype, shape and strides (its
-    values are data the replay reads live), containers element by element, anything else as is."""
+    values are data the replay reads live), containers element by element (a named tuple with
+    its type), a function by its code (a closure made anew each step, such as a gradient hook's
+    lambda, is the same code; its captured values are not kept), anything else as is."""
     if isinstance(a, _Tensor):
         return (a.dtype, a.shape, a.stride())
     kind = type(a)
@@ -53,14 +57,35 @@ def _meta(a: Any) -> Any:
         return tuple(map(_meta, a))
     if kind is dict:
         return tuple((k, _meta(v)) for k, v in a.items())
+    if isinstance(a, tuple):
+        return (kind, tuple(map(_meta, a)))
+    if kind is types.FunctionType:
+        return _function(a)
+    if kind is types.MethodType and type(a.__func__) is types.FunctionType:
+        return (kind, _function(a.__func__), _meta(a.__self__))
+    if kind is functools.partial:
+        return (kind, _meta(a.func), tuple(map(_meta, a.args)), _meta(a.keywords))
     return a
+
+
+def _function(f: types.FunctionType) -> tuple[Any, ...]:
+    """A function by its code and what its closure holds now (functions there by their code
+    alone: a function that refers to itself must not recurse)."""
+    cells = []
+    for cell in f.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            value = None
+        cells.append(value.__code__ if type(value) is types.FunctionType else _meta(value))
+    return (types.FunctionType, f.__code__, tuple(cells))
 
 
 class CallTrace(TorchFunctionMode):
     """Appends an entry ``(func, args[, kwargs])`` for each top-level torch call to the list
-    ``entries()`` gives (Note [Call traces]); None: the call is not traced. Must be entered after
-    any other ``TorchFunctionMode`` of the session, so that it sees the program's calls and not
-    another mode's own."""
+    ``entries()`` gives (Note [Call traces]); None: the call is not traced. Above the session's
+    other modes (their own calls are not the program's), under the modes the program enters
+    during a step (:func:`push_at`)."""
 
     def __init__(self, entries: Callable[[], list[tuple[Any, ...]] | None]) -> None:
         super().__init__()
@@ -80,9 +105,18 @@ def entry(func: Any, args: tuple, kwargs: dict | None) -> tuple[Any, ...]:
     return (func, tuple(map(_meta, args)))
 
 
-def push(mode: TorchFunctionMode) -> None:
-    """Puts ``mode`` on top of the torch-function mode stack (what entering it does)."""
+def push_at(mode: TorchFunctionMode, height: int) -> None:
+    """Puts ``mode`` into the torch-function mode stack with ``height`` modes under it (the
+    modes above stay, in order). A step's trace goes where the session's modes end and the
+    program's begin, as the profiled step's did (entered with the step's hooks): modes the
+    program enters during the step (a ``torch.device`` context adds ``device=`` to factory
+    calls) pass each call on to it in both."""
+    above: list[Any] = []
+    while torch._C._len_torch_function_stack() > height:
+        above.append(torch._C._pop_torch_function_stack())
     torch._C._push_on_torch_function_stack(mode)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
 
 
 def remove(mode: TorchFunctionMode) -> None:

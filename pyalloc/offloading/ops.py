@@ -157,16 +157,19 @@ class OpRecorder(TorchDispatchMode):
     """Records the aten operators run while ``active()`` says so (the profiled step's forward,
     inside a module call), keyed by ``key`` (Profile._key)."""
 
-    def __init__(self, key: Callable[[torch.Tensor], "ProfileKey"], active: Callable[[], bool]) -> None:
+    def __init__(self, key: Callable[[torch.Tensor], "ProfileKey"], active: Callable[[], bool],
+                 unrecorded: Callable[[], None] = lambda: None) -> None:
         super().__init__()
         self._key = key
         self._active = active
+        self._unrecorded = unrecorded  # told of each operator not recorded (it may be a module's, with grad off)
         self.ops: list[OpInfo] = []
         self.overhead_s = 0.0  # this mode's own time, not the model's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if not self._active():
+            self._unrecorded()
             return func(*args, **kwargs)
         t0 = time.thread_time()
         leaves, spec = tree_flatten((args, kwargs))

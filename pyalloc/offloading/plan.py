@@ -177,6 +177,7 @@ class CallInfo:
     out_nbytes: int = 0
     out_version: int = -1
     out_is_input: bool = False
+    grad_off_ops: bool = False  # ran operators with grad off (not recorded): no selective variant
     refill_seconds: float = -1.0  # refilled from what it saved (a batch norm's statistics, a
     # dropout's noise: refills.py): the refill's time; -1: re-run whole
 
@@ -248,13 +249,14 @@ class Profile:
         self.busy = False  # while the session's own hooks run (their operators are not the model's)
         self._thread = threading.get_ident()
         # the aten operators of the forward, inside module calls (Note [Selective re-runs])
-        self.recorder = OpRecorder(self._key, self._recording)
+        self.recorder = OpRecorder(self._key, self._recording, self._unrecorded)
         self.ops = self.recorder.ops
         # the top-level torch calls of the forward, inside module calls (Note [Call traces]):
         # written by the session's CallTrace while this profile records
         self.trace: list[tuple[Any, ...]] = []
         self._suspended: torch.nn.Module | None = None  # a compiled module running without the recorder
         self._checks_s = 0.0  # time spent checking refills (not the model's)
+        self._checking = 0  # inside such a check (its operators run with grad off, not the model's)
         # measured re-run times of selective regions: (call index, dropped storages) -> seconds
         self.selective_seconds: dict[tuple[int, frozenset[ProfileKey]], float] = {}
 
@@ -266,6 +268,15 @@ class Profile:
         """Whether the session's CallTrace writes to :attr:`trace` now (Note [Call traces] in
         guard.py): as the operator recorder records."""
         return self._recording()
+
+    def _unrecorded(self) -> None:
+        """An operator ran unrecorded: inside the model's code with grad off (a custom autograd
+        Function's forward, a statistic under no_grad), the open calls' operators are not all
+        recorded, and a selective re-run of them would not match (Note [Selective re-runs])."""
+        if self._open and not self.paused and not self.busy and not self._checking \
+                and not torch.is_grad_enabled() and threading.get_ident() == self._thread:
+            for call, *_ in self._open:
+                call.grad_off_ops = True
 
     def _clock(self) -> float:
         """Thread CPU time less the session's and the operator recording's own."""
@@ -382,8 +393,12 @@ class Profile:
             module = call.module()
             if module is not None and inputs and refill_kind(module) is not None and not autocast_state():
                 t0 = time.thread_time()
-                with self._peek(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
-                    seconds = exact_refill_seconds(module, inputs[0], out)
+                self._checking += 1
+                try:
+                    with self._peek(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
+                        seconds = exact_refill_seconds(module, inputs[0], out)
+                finally:
+                    self._checking -= 1
                 self._checks_s += time.thread_time() - t0
                 call.refill_seconds = -1.0 if seconds is None else seconds
             inner = self._outputs.get(key)
@@ -429,8 +444,12 @@ class Profile:
         if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
                 and not autocast_state():
             t0 = time.thread_time()
-            with self._probe(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
-                found = exact_product_seconds(t)
+            self._checking += 1  # the check's operators are not the model's
+            try:
+                with self._probe(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
+                    found = exact_product_seconds(t)
+            finally:
+                self._checking -= 1
             if found is not None:
                 path, source, seconds, a = found
                 self.packs[-1].product = ProductInfo(path, source, seconds, self._key(a),
@@ -570,7 +589,7 @@ class _Planner:
         that order, each with the recipe that remakes it."""
         call = full.call
         ops = profile.ops[call.first_op:call.end_op]
-        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS:
+        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS or call.grad_off_ops:
             return []
         first_op = call.first_op
 

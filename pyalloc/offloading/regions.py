@@ -616,6 +616,7 @@ class PlannedStep:
         # (None under `pyalloc run --offload`, whose recording mode traces)
         self._mode = session._trace if session._mode_stack is None else None
         self._traced_open = 0  # selective region calls running now
+        self._height = 0  # the torch-function mode stack's height when the step began
         self._in_hook = False  # the module hooks' own torch calls are not the module's
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
@@ -681,12 +682,16 @@ class PlannedStep:
             stack.callback(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True).remove)
             stack.callback(m.register_forward_hook(self._post, always_call=True, prepend=True).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        # where the trace goes around a selective region's call: above the session's modes,
+        # under the program's (guard.push_at)
+        self._height = torch._C._len_torch_function_stack()
 
     def tracing(self) -> bool:
         """Whether the session's CallTrace writes to :attr:`trace` now: a selective region's
-        call runs, not the module hooks' own code or a re-run."""
+        call runs with grad on, not the step's own hooks or a re-run; the profile writes its
+        trace under the same conditions (Profile.tracing)."""
         return self._traced_open > 0 and not self._in_hook and not self.recomputing \
-            and threading.get_ident() == self._thread
+            and torch.is_grad_enabled() and threading.get_ident() == self._thread
 
     # -- module hooks ----------------------------------------------------------------------
 
@@ -714,7 +719,7 @@ class PlannedStep:
                     record.trace_start = len(self.trace)
                     self._traced_open += 1
                     if self._mode is not None:
-                        guard.push(self._mode)
+                        guard.push_at(self._mode, self._height)
             elif key in self.plan.outputs:
                 links = self._links(tensor_leaves((args, kwargs)))
                 info = self.plan.outputs[key]
@@ -764,6 +769,15 @@ class PlannedStep:
     # -- saved-tensor hooks ----------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
+        if not self._traced_open:
+            return self._pack(t)
+        in_hook, self._in_hook = self._in_hook, True  # a custom Function's saves are packed
+        try:  # outside any torch call: this hook's own calls are not the region's
+            return self._pack(t)
+        finally:
+            self._in_hook = in_hook
+
+    def _pack(self, t: torch.Tensor) -> Any:
         if self.session._inert or self.recomputing:
             return t
         seq = self.seq

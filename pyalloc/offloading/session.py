@@ -267,8 +267,9 @@ class ActivationOffload:
                 if self.recompute and self._mode_stack is None:
                     stack.enter_context(CallTracker(self))
             if self._profile is not None and self.selective and self._mode_stack is None:
-                stack.enter_context(self._trace)  # last: above the recording mode (a planned step
-                # puts it on the stack around its selective regions' calls only)
+                # last: above the recording mode, under the modes the program enters in the step
+                # (where a planned step puts it around its selective regions' calls: guard.push_at)
+                stack.enter_context(self._trace)
             if self.pressure_callback:
                 self._register_pressure_callback(stack)
         except BaseException:
