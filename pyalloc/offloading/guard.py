@@ -11,9 +11,13 @@ Note [Call traces]
     its arguments (the mode is popped while it runs, so its inner calls are not seen).
 
     :class:`CallTrace` is a ``TorchFunctionMode`` that writes one entry per top-level call while
-    its owner says so: in the profiled step, whenever the profile records (module calls open, not
-    in the session's own hooks); in a planned step with selective regions, while such a region's
-    call runs. Each module call of the profile keeps the span of entries it made
+    its owner says so: in the profiled step, whenever the profile records (module calls open, grad
+    on, not in the session's own hooks); in a planned step with selective regions, while such a
+    region's call runs under the same conditions. It sits where the session's modes end and the
+    program's begin in both steps (:func:`push_at`), so a mode the program enters during a step
+    passes calls on to it alike. A function argument enters an entry as its code and what its
+    closure holds (a hook's lambda is made anew each step), never as itself: a plan keeps its
+    profile's trace, and with it no captured tensor. Each module call of the profile keeps the span of entries it made
     (``CallInfo.first_trace``/``end_trace``); the plan keeps that span for each selective region
     (``Plan.traces``). At the end of the region's call in a planned step, its entries are compared
     with the plan's: equal, and the region is *traced*: its replay is the profile's, computed from
