@@ -449,6 +449,14 @@ def _only_the_model_cheap(profile: Profile) -> None:
             call.seconds = 1.0
 
 
+def _layer_norm_cheapest(profile: Profile) -> None:
+    """Times set, not measured: the plan replays layer norms."""
+    for call in profile.calls:
+        call.seconds = 1.0
+    for op in profile.ops:
+        op.seconds = 1e-6 if "native_layer_norm" in str(op.func) else 1e-3
+
+
 @pytest.mark.parametrize("name", ["gpt", "cnn_blocks"])
 @pytest.mark.parametrize("checked", [False, True])
 def test_selective_regions_replay_their_operators_exactly(name, checked, baselines, monkeypatch) -> None:
@@ -478,14 +486,8 @@ def test_a_replay_whose_arguments_changed_is_caught_by_the_check(baselines, monk
     computes through the module's code (exact), and the next step is profiled again."""
     from pyalloc.offloading import session as session_module
 
-    def layer_norm_cheapest(profile: Profile) -> None:  # times set, not measured: the plan replays layer norms
-        for call in profile.calls:
-            call.seconds = 1.0
-        for op in profile.ops:
-            op.seconds = 1e-6 if "native_layer_norm" in str(op.func) else 1e-3
-
     monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1)
-    session, model, x = _selective_session("gpt", 0.5, baselines, layer_norm_cheapest)
+    session, model, x = _selective_session("gpt", 0.5, baselines, _layer_norm_cheapest)
     plan = session._search.plan  # type: ignore[union-attr]
     assert any("native_layer_norm" in str(s.func) for r, _ in plan.recipes.values() for s in r.replay or [])
     reference = MODELS["gpt"][0]()
@@ -508,12 +510,6 @@ def test_a_changed_constant_is_caught_by_the_trace_between_checks(change, baseli
     again."""
     from pyalloc.offloading import session as session_module
 
-    def layer_norm_cheapest(profile: Profile) -> None:  # times set, not measured: the plan replays layer norms
-        for call in profile.calls:
-            call.seconds = 1.0
-        for op in profile.ops:
-            op.seconds = 1e-6 if "native_layer_norm" in str(op.func) else 1e-3
-
     scale = [1.0]
     block_forward = _Block.forward
 
@@ -522,7 +518,7 @@ def test_a_changed_constant_is_caught_by_the_trace_between_checks(change, baseli
 
     monkeypatch.setattr(_Block, "forward", scaled_forward)
     monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1000)
-    session, model, x = _selective_session("gpt", 0.5, baselines, layer_norm_cheapest)
+    session, model, x = _selective_session("gpt", 0.5, baselines, _layer_norm_cheapest)
     plan = session._search.plan  # type: ignore[union-attr]
     assert plan.recipes and set(plan.traces) == set(plan.recipes)
     assert any(isinstance(plan.regions[k].module(), _Block) for k in plan.recipes)  # the scale is inside one

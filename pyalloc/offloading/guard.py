@@ -115,24 +115,33 @@ def push_at(mode: TorchFunctionMode, height: int) -> None:
     program's begin, as the profiled step's did (entered with the step's hooks): modes the
     program enters during the step (a ``torch.device`` context adds ``device=`` to factory
     calls) pass each call on to it in both."""
-    above: list[Any] = []
-    while torch._C._len_torch_function_stack() > height:
-        above.append(torch._C._pop_torch_function_stack())
+    above = _pop_above(height)
     torch._C._push_on_torch_function_stack(mode)
-    for m in reversed(above):
-        torch._C._push_on_torch_function_stack(m)
+    _push_back(above)
 
 
 def remove(mode: TorchFunctionMode) -> None:
     """Takes ``mode`` off the torch-function mode stack wherever it is; modes pushed above it and
     not popped yet (a program's own, left entered) stay, in their order. Nothing if it is not
     there."""
+    n = torch._C._len_torch_function_stack()
+    at = next((i for i in range(n) if torch._C._get_function_stack_at(i) is mode), None)
+    if at is None:
+        return
+    above = _pop_above(at + 1)
+    torch._C._pop_torch_function_stack()
+    _push_back(above)
+
+
+def _pop_above(height: int) -> list[Any]:
+    """Pops the modes above the first ``height``; returns them, top first."""
     above: list[Any] = []
-    while torch._C._len_torch_function_stack() > 0:
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
+    while torch._C._len_torch_function_stack() > height:
+        above.append(torch._C._pop_torch_function_stack())
+    return above
+
+
+def _push_back(above: list[Any]) -> None:
     for m in reversed(above):
         torch._C._push_on_torch_function_stack(m)
 

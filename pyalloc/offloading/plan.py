@@ -77,7 +77,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -278,6 +278,20 @@ class Profile:
             for call, *_ in self._open:
                 call.grad_off_ops = True
 
+    @contextlib.contextmanager
+    def _own_check(self, reading: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        """Around a check of the profile's own (a refill, a dropout product): its time is not the
+        model's (``_clock``), nor are its operators, run with grad off (``_unrecorded``); under
+        no_grad, which DTR and the operator recorder skip, and ``reading`` (peek or probe)."""
+        t0 = time.thread_time()
+        self._checking += 1
+        try:
+            with reading(), torch.no_grad():
+                yield
+        finally:
+            self._checking -= 1
+            self._checks_s += time.thread_time() - t0
+
     def _clock(self) -> float:
         """Thread CPU time less the session's and the operator recording's own."""
         return time.thread_time() - self._overhead() - self.recorder.overhead_s - self._checks_s
@@ -392,14 +406,8 @@ class Profile:
             call.out_is_input = key in call.input_keys
             module = call.module()
             if module is not None and inputs and refill_kind(module) is not None and not autocast_state():
-                t0 = time.thread_time()
-                self._checking += 1
-                try:
-                    with self._peek(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
-                        seconds = exact_refill_seconds(module, inputs[0], out)
-                finally:
-                    self._checking -= 1
-                self._checks_s += time.thread_time() - t0
+                with self._own_check(self._peek):
+                    seconds = exact_refill_seconds(module, inputs[0], out)
                 call.refill_seconds = -1.0 if seconds is None else seconds
             inner = self._outputs.get(key)
             made_inside = inner is not None and inner[0] > call.index and inner[1]() is out
@@ -443,18 +451,12 @@ class Profile:
                                    tuple(t.stride()), int(t.storage_offset()), self._clock()))
         if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
                 and not autocast_state():
-            t0 = time.thread_time()
-            self._checking += 1  # the check's operators are not the model's
-            try:
-                with self._probe(), torch.no_grad():  # no_grad: DTR and the operator recorder skip it
-                    found = exact_product_seconds(t)
-            finally:
-                self._checking -= 1
-            if found is not None:
-                path, source, seconds, a = found
-                self.packs[-1].product = ProductInfo(path, source, seconds, self._key(a),
-                                                     a.untyped_storage().nbytes())
-            self._checks_s += time.thread_time() - t0
+            with self._own_check(self._probe):
+                found = exact_product_seconds(t)
+                if found is not None:
+                    path, source, seconds, a = found
+                    self.packs[-1].product = ProductInfo(path, source, seconds, self._key(a),
+                                                         a.untyped_storage().nbytes())
 
 
 @dataclass
@@ -992,8 +994,7 @@ class PlanSearch:
         self.selective: bool | None = None if selective else False
         self.family_targets: list[int] = [budget]  # the target of each trial while it is undecided
         self.trials: list[tuple[Plan, int]] = []
-        self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured (a mean)
-        self.samples: list[list[float]] = []  # per trial: each measurement of it
+        self.rerun_seconds: list[float] = []  # per trial: the step's re-run time, measured (or two's mean)
         self.remeasure: list[int] = []  # trials to run once more before the families are compared
         self.remeasured = 0  # steps spent so (they count towards MAX_TRIALS)
         self.last_peak = -1  # the last planned step's measured peak
@@ -1033,15 +1034,13 @@ class PlanSearch:
         if self.remeasure:  # a close comparison of the families, measured once more
             i = self.remeasure.pop(0)
             self.remeasured += 1
-            self.samples[i].append(seconds)
-            self.rerun_seconds[i] = sum(self.samples[i]) / len(self.samples[i])
+            self.rerun_seconds[i] = (self.rerun_seconds[i] + seconds) / 2
             if self.remeasure:
                 self.plan = self.trials[self.remeasure[0]][0]
                 return True
             plan, peak = self._choose_family()
         else:
             self.trials.append((plan, peak))
-            self.samples.append([seconds])
             self.rerun_seconds.append(seconds)
         if self.selective is None:
             if len(self.trials) == 1 or (len(self.trials) == 2 and peak > self.limit):
@@ -1091,13 +1090,13 @@ class PlanSearch:
     def _close_call(self) -> list[int]:
         """The trials to measure once more before the families are compared (the first, and the
         best with selective regions): when both kept the budget and their re-run times are
-        within ``CLOSE_CALL`` of each other, and neither was measured twice yet."""
+        within ``CLOSE_CALL`` of each other (once: the comparison that follows decides)."""
         if len(self.trials) < 2:
             return []
         first, best = 0, self._best_of(selective=True)
         (_, peak0), (_, peak1) = self.trials[first], self.trials[best]
         a, b = self.rerun_seconds[first], self.rerun_seconds[best]
-        if peak0 > self.limit or peak1 > self.limit or len(self.samples[first]) > 1 or len(self.samples[best]) > 1:
+        if peak0 > self.limit or peak1 > self.limit:
             return []
         return [first, best] if abs(a - b) <= CLOSE_CALL * max(a, b) else []
 

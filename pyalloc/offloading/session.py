@@ -335,7 +335,7 @@ class ActivationOffload:
         profile, planned = self._profile, self._planned
         if profile is not None:
             return profile.trace if self.selective and profile.tracing() else None
-        if isinstance(planned, PlannedStep) and planned.trace is not None and planned.tracing():
+        if isinstance(planned, PlannedStep) and planned.tracing():  # (it has a trace while it traces)
             return planned.trace
         return None
 
