@@ -480,6 +480,40 @@ def test_selective_regions_replay_their_operators_exactly(name, checked, baselin
     assert st["profile_steps_total"] == 1
 
 
+def test_replay_steps_pass_tensors_by_position_keyword_and_in_lists() -> None:
+    """A replay step calls its operator with the arguments it was recorded with, tensors found
+    again: by position and by keyword without unflattening the recorded leaves, in a list (``cat``)
+    through the recorded structure; each result equals the operator called directly."""
+    from torch.utils._pytree import tree_flatten
+
+    from pyalloc.offloading.ops import Recipe, ReplayStep, _Ref, geometry, run_replay
+
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    aten = torch.ops.aten
+
+    def step(func: Any, args: tuple, kwargs: dict, out: Any, refs: dict[int, _Ref]) -> ReplayStep:
+        leaves, spec = tree_flatten((args, kwargs))
+        leaves = [refs[id(x)] if isinstance(x, torch.Tensor) else x for x in leaves]
+        return ReplayStep(func, spec, leaves, [out], [])
+
+    ins = {id(a): _Ref("i", 0, geometry(a)), id(b): _Ref("i", 1, geometry(b))}
+    cat = aten.cat.default([a, b], 0)
+    made = {id(cat): _Ref("s", ("cat",), geometry(cat))}
+    steps = [
+        step(aten.cat.default, ([a, b], 0), {}, ("cat",), ins),  # tensors in a list
+        step(aten.add.Tensor, (cat, cat), {"alpha": 2}, ("add",), made),  # by position, a constant keyword
+        step(aten.clamp.Tensor, (a,), {"min": b}, ("clamp",), ins),  # a tensor keyword
+    ]
+    assert steps[0].flat is None and steps[1].flat is not None and steps[2].flat is not None
+    wanted = {"add": aten.add.Tensor(cat, cat, alpha=2), "clamp": aten.clamp.Tensor(a, min=b)}
+    recipe = Recipe([], [], [], [], replay=steps,
+                    drops={0: (("add",), geometry(wanted["add"])), 1: (("clamp",), geometry(wanted["clamp"]))})
+    got = run_replay(recipe, {}, [a, b], lambda name: torch.empty(0))
+    assert torch.equal(got[0], wanted["add"]) and torch.equal(got[1], wanted["clamp"])
+    again = run_replay(recipe, {}, [a, b], lambda name: torch.empty(0))  # the recorded arguments untouched
+    assert torch.equal(again[0], wanted["add"]) and torch.equal(again[1], wanted["clamp"])
+
+
 def test_a_replay_whose_arguments_changed_is_caught_by_the_check(baselines, monkeypatch) -> None:
     """A constant that changes from step to step with the same shapes (layer norm's eps here), so
     the saves still match the plan: the checked re-run sees the replay's constant is stale,

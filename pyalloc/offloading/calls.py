@@ -144,6 +144,8 @@ class ProducerCall:
 
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     """The autocast in effect: (device type, dtype) for each device type it is on for."""
+    if not torch._C._is_any_autocast_enabled():  # the usual case, in one call (this runs per planned call)
+        return ()
     return tuple((dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev))
 
 

@@ -47,6 +47,8 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["CallTrace", "entry", "push_at", "remove", "same_trace"]
 
 _Tensor = torch.Tensor
+_AS_IS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+"""Argument types that enter an entry as they are (what :func:`_meta` ends with for them)."""
 
 
 def _meta(a: Any) -> Any:
@@ -54,9 +56,11 @@ def _meta(a: Any) -> Any:
     values are data the replay reads live), containers element by element (a named tuple with
     its type), a function by its code (a closure made anew each step, such as a gradient hook's
     lambda, is the same code; its captured values are not kept), anything else as is."""
+    kind = type(a)
+    if kind in _AS_IS:  # most arguments: a number, a flag, a dtype (the checks below, skipped)
+        return a
     if isinstance(a, _Tensor):
         return (a.dtype, a.shape, a.stride())
-    kind = type(a)
     if kind is tuple or kind is list:
         return tuple(map(_meta, a))
     if kind is dict:

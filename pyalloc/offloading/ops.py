@@ -241,14 +241,31 @@ class ReplayStep:
     leaves: list[Any]
     outputs: list["ProfileKey | None"]
     restore: list[int]
-    positional: bool = False  # the arguments are the leaves in order, no keywords: no unflatten
     refs: list[tuple[int, "_Ref"]] = field(default_factory=list)  # the leaves that are tensors, by place
+    # the call without unflattening the leaves, where every tensor is an argument of its own (not
+    # in a list): the arguments and keywords with the constants in place, and the tensors' places
+    # in each; None: unflatten the leaves
+    flat: "_FlatCall | None" = None
+    call: Any = None  # the operator's function itself (an OpOverload's _op: one Python frame less)
 
     def __post_init__(self) -> None:
-        n = len(self.leaves)
-        with_places = tree_unflatten(list(range(n)), self.spec)
-        self.positional = with_places == (tuple(range(n)), {})
         self.refs = [(i, x) for i, x in enumerate(self.leaves) if isinstance(x, _Ref)]
+        self.call = getattr(self.func, "_op", self.func)
+        args, kwargs = tree_unflatten(list(self.leaves), self.spec)
+        flat = _FlatCall(list(args), dict(kwargs), [(i, x) for i, x in enumerate(args) if isinstance(x, _Ref)],
+                         [(k, x) for k, x in kwargs.items() if isinstance(x, _Ref)])
+        if len(flat.positions) + len(flat.keywords) == len(self.refs):
+            self.flat = flat
+
+
+@dataclass
+class _FlatCall:
+    """A replay step's arguments as a call takes them, tensors to be put in (ReplayStep.flat)."""
+
+    args: list[Any]
+    kwargs: dict[str, Any]
+    positions: list[tuple[int, _Ref]]
+    keywords: list[tuple[str, _Ref]]
 
 
 class StopRerun(BaseException):
@@ -427,15 +444,25 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
 
     with torch.no_grad():
         for step in recipe.replay:
-            leaves = list(step.leaves)
-            for place, ref in step.refs:
-                leaves[place] = resolve(ref)
-            saved = [(leaves[p], leaves[p].clone()) for p in step.restore] if step.restore else ()
-            if step.positional:
-                out = step.func(*leaves)
+            saved: Any = ()
+            flat = step.flat
+            if flat is not None and not step.restore:
+                args = flat.args.copy()
+                for i, ref in flat.positions:
+                    args[i] = resolve(ref)
+                kwargs = flat.kwargs
+                if flat.keywords:
+                    kwargs = kwargs.copy()
+                    for k, ref in flat.keywords:
+                        kwargs[k] = resolve(ref)
+                out = step.call(*args, **kwargs)
             else:
+                leaves = list(step.leaves)
+                for place, ref in step.refs:
+                    leaves[place] = resolve(ref)
+                saved = [(leaves[p], leaves[p].clone()) for p in step.restore]
                 args, kwargs = tree_unflatten(leaves, step.spec)
-                out = step.func(*args, **kwargs)
+                out = step.call(*args, **kwargs)
             for t, before in saved:
                 t.copy_(before)
             if isinstance(out, torch.Tensor):

@@ -112,16 +112,18 @@ class _Rerun:
     key: tuple[int, int]  # the planned call: (id of the module, how many calls of it came before)
 
     def __init__(self, step: "PlannedStep", module: torch.nn.Module, args: tuple, kwargs: dict,
-                 received: list[torch.Tensor] | None = None) -> None:
+                 received: list[torch.Tensor] | None = None, leaves: list[torch.Tensor] | None = None) -> None:
         """``received``: the tensors the call was given, where ``args`` and ``kwargs`` hold
         placeholders for some (an output call's linked inputs); their devices say which CUDA
-        generators to replay (Note [Generator states] in rng.py)."""
+        generators to replay (Note [Generator states] in rng.py). ``leaves``: the tensors in
+        ``args`` and ``kwargs``, when the caller has them already."""
         self.step = step
         self.module = module
         self.args = args
         self.kwargs = kwargs
-        self.cpu_rng = torch.get_rng_state()
-        leaves = tensor_leaves((args, kwargs))  # once: this runs on every planned call of a step
+        self.cpu_rng = torch.default_generator.get_state()  # (torch.get_rng_state, one call less)
+        if leaves is None:  # once: this runs on every planned call of a step
+            leaves = tensor_leaves((args, kwargs))
         received = leaves if received is None else received
         self.cuda_rng = rng.cuda_states(received, step.cuda)
         # with the check on: the inputs' layouts as received and as the re-run gets them, for its
@@ -428,7 +430,9 @@ class Output(_Rerun):
     """A planned output call: its output's saves are dropped and regenerated on use."""
 
     def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
-                 kwargs: dict, links: dict[int, _Link], refill_geometry: Geometry | None = None) -> None:
+                 kwargs: dict, links: dict[int, _Link], refill_geometry: Geometry | None = None,
+                 received: list[torch.Tensor] | None = None) -> None:
+        """``received``: the tensors in ``args`` and ``kwargs`` (found when not given)."""
         def link(x: Any) -> Any:
             return links.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
@@ -439,8 +443,11 @@ class Output(_Rerun):
         self.out_key: StorageKey | None = None
         self.out_ref: weakref.ref[torch.Tensor] | None = None
         # the RNG devices from the tensors received, not from the placeholders (rng.py)
-        super().__init__(step, module, _substitute(args, link), _substitute(kwargs, link),
-                         tensor_leaves((args, kwargs)))
+        if received is None:
+            received = tensor_leaves((args, kwargs))
+        # (copies of the containers: a list the program changes after the call is not the re-run's)
+        super().__init__(step, module, _substitute(args, link), _substitute(kwargs, link), received,
+                         [t for t in received if id(t) not in links] if links else received)
         self.links = list(links.values())
         for lk in self.links:
             lk.record.linkers += 1
@@ -721,10 +728,11 @@ class PlannedStep:
                     if self._mode is not None:
                         guard.push_at(self._mode, self._height)
             elif key in self.plan.outputs:
-                links = self._links(tensor_leaves((args, kwargs)))
+                received = tensor_leaves((args, kwargs))
+                links = self._links(received)
                 info = self.plan.outputs[key]
                 geometry = info.input_geometry[0] if info.refill_seconds >= 0 and info.input_geometry else None
-                record = Output(self, key, module, args, kwargs, links, geometry)
+                record = Output(self, key, module, args, kwargs, links, geometry, received)
                 self._outputs[key] = record
         self._open.append((module, record))
 
@@ -764,7 +772,8 @@ class PlannedStep:
         elif isinstance(record, Output):
             record.returned(output)
             if isinstance(output, torch.Tensor):
-                self._made[storage_key(output)] = (weakref.ref(output), record)
+                assert record.out_key is not None and record.out_ref is not None  # (returned() found them)
+                self._made[record.out_key] = (record.out_ref, record)
 
     # -- saved-tensor hooks ----------------------------------------------------------------
 
