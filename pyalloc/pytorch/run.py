@@ -37,7 +37,7 @@ offload (--offload[=BUDGET]):
   - a budget never reached: about 1% over the plain step here (the recording
     mode stays on the main thread; none with pyalloc.offload in the program:
     no hook runs once the plan has settled);
-    at half the saved bytes 1.13-1.17x the plain step with pyalloc.offload on
+    at half the saved bytes 1.12-1.17x the plain step with pyalloc.offload on
     transformer-like and ResNet-like models (selective re-runs of the cheap
     operators, each step's region calls checked against the profiled ones;
     measured in the program, not under this command); at the bytes that
