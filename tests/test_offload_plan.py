@@ -578,6 +578,66 @@ def test_a_changed_constant_is_caught_by_the_trace_between_checks(change, baseli
     assert session.stats()["replays_stale_total"] == 1 and session._search is None
 
 
+class _Interrupted(BaseException):
+    """What a Ctrl-C is: not an Exception, so that ``always_call`` forward hooks do not run."""
+
+
+@pytest.mark.parametrize("error", [ValueError, _Interrupted])
+def test_a_region_call_cut_short_leaves_the_trace_mode_to_the_session(error, baselines, monkeypatch) -> None:
+    """While a selective region's call runs, the trace mode asks the planned step where to write;
+    a call that raises halfway (after traced calls; an Exception, which the region's forward hook
+    still sees, or a BaseException, which only the step's end does) leaves the mode off the stack
+    and asking the session again, so that the steps after it, the next profile included, trace as
+    before and stay exact."""
+    from pyalloc.offloading import session as session_module
+
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1000)
+    fail = [False]
+    block_forward = _Block.forward
+
+    def forward(self: _Block, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)  # traced
+        if fail[0]:
+            raise error("data error")
+        return block_forward(self, x) + 0 * h
+
+    monkeypatch.setattr(_Block, "forward", forward)
+    session, model, x = _selective_session("gpt", 0.5, baselines, _layer_norm_cheapest)
+    mode = session._trace
+    assert mode.entries == session._trace_entries
+    plan = session._search.plan  # type: ignore[union-attr]
+    block = next(m for m in (plan.regions[k].module() for k in plan.recipes) if isinstance(m, _Block))
+    reference = MODELS["gpt"][0]()
+    reference.load_state_dict(model.state_dict())
+    seen = []  # whom the mode asks while a selective region's call runs (in forward: on the stack)
+    hook = block.ln1.register_forward_hook(
+        lambda *a: seen.append(mode.entries) if torch._C._len_torch_function_stack() else None)
+    expected = _step(reference, x, 1)
+    try:
+        with session:
+            got = _step(model, x, 1)
+    finally:
+        hook.remove()
+    _assert_bitwise_equal(expected, got)
+    assert seen and all(e != session._trace_entries for e in seen)
+    assert mode.entries == session._trace_entries
+    fail[0] = True
+    with pytest.raises(error):
+        with session:
+            _step(model, x, 2)
+    assert mode.entries == session._trace_entries and torch._C._len_torch_function_stack() == 0
+    fail[0] = False
+    session._search = None  # profiled again: the profile's trace goes through the session
+    for seed in (3, 4, 5):
+        expected = _step(reference, x, seed)
+        with session:
+            got = _step(model, x, seed)
+        _assert_bitwise_equal(expected, got)
+    st = session.stats()
+    assert st["profile_steps_total"] == 2 and st["replays_stale_total"] == 0
+    assert session._search is not None and session._search.plan.traces
+
+
 def test_selective_false_plans_whole_module_re_runs_only(baselines) -> None:
     grads, _, peak = baselines["gpt"]
     make_model, make_input = MODELS["gpt"]

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["IdleStep", "KeptSave", "PlannedStep", "SavedBytes"]
 
+_grad_enabled = torch.is_grad_enabled  # (asked for every torch call a selective region makes)
+_thread_id = threading.get_ident
+
 
 class SavedBytes:
     """Saved-activation bytes held now and at the peak, each storage counted once however many
@@ -622,6 +625,9 @@ class PlannedStep:
         # the session's trace mode, on the mode stack only while a selective region's call runs
         # (None under `pyalloc run --offload`, whose recording mode traces)
         self._mode = session._trace if session._mode_stack is None else None
+        # whom the mode asks where to write when it is not on the stack for this step (the
+        # session: its profiles trace through the same mode)
+        self._asked = self._mode.entries if self._mode is not None else None
         self._traced_open = 0  # selective region calls running now
         self._height = 0  # the torch-function mode stack's height when the step began
         self._in_hook = False  # the module hooks' own torch calls are not the module's
@@ -666,6 +672,7 @@ class PlannedStep:
         self._handed.clear()
         if self._traced_open and self._mode is not None:  # a region's call that never returned
             guard.remove(self._mode)
+            self._mode.entries = self._asked
         self._traced_open = 0
         if self.trace is not None:
             self.trace.clear()
@@ -697,8 +704,16 @@ class PlannedStep:
         """Whether the session's CallTrace writes to :attr:`trace` now: a selective region's
         call runs with grad on, not the step's own hooks or a re-run; the profile writes its
         trace under the same conditions (Profile.tracing)."""
-        return self._traced_open > 0 and not self._in_hook and not self.recomputing \
-            and torch.is_grad_enabled() and threading.get_ident() == self._thread
+        return self._traced_open > 0 and self._entries() is not None
+
+    def _entries(self) -> list[tuple[Any, ...]] | None:
+        """Where the trace mode writes a call while a selective region's call is open:
+        :meth:`tracing`'s conditions but the open call. The mode asks this directly for each of
+        the region's torch calls, not through the session (two Python calls less each: ~0.7 ms
+        of a GPT-like step's forward, measured)."""
+        if self._in_hook or self.recomputing or not _grad_enabled() or _thread_id() != self._thread:
+            return None
+        return self.trace
 
     # -- module hooks ----------------------------------------------------------------------
 
@@ -727,6 +742,8 @@ class PlannedStep:
                     self._traced_open += 1
                     if self._mode is not None:
                         guard.push_at(self._mode, self._height)
+                        if self._traced_open == 1:  # the mode asks this step while it is on the stack
+                            self._mode.entries = self._entries
             elif key in self.plan.outputs:
                 received = tensor_leaves((args, kwargs))
                 links = self._links(received)
@@ -763,6 +780,8 @@ class PlannedStep:
                 self._traced_open -= 1
                 if self._mode is not None:
                     guard.remove(self._mode)
+                    if self._traced_open == 0:
+                        self._mode.entries = self._asked
                 entries = self.trace
                 record.traced = same_trace(entries[record.trace_start:], self.plan.traces.get(record.key))
                 if not record.traced:
