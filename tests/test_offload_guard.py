@@ -23,6 +23,29 @@ def test_an_entry_holds_a_tensors_geometry_not_its_values_and_python_values_as_t
     assert entry(torch.cat, ([a, a],), {"dim": 0}) != entry(torch.cat, ([a, a],), {"dim": 1})
 
 
+def test_a_property_read_is_the_property_alone_and_what_it_returns_shows_where_it_is_used() -> None:
+    """``x.dtype`` read in a region is traced as the read of that property (its tensor's geometry
+    is not kept: it reaches torch through later calls, traced with it); a setter keeps what it
+    sets; a dtype read then used shows in the call that uses it."""
+    out: list[tuple[object, ...]] = []
+    a, b = torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.float64)
+
+    def traced(x: torch.Tensor, y: torch.Tensor) -> list[tuple[object, ...]]:
+        out.clear()
+        with CallTrace(lambda: out):
+            x.to(y.dtype)
+        return list(out)
+
+    ta, tb = traced(a, a), traced(a, b)
+    assert len(ta[0]) == 1 and ta[0] == tb[0]  # the read itself: the same property
+    assert ta != tb  # where the value went: .to(float32) against .to(float64)
+    with CallTrace(lambda: out):
+        out.clear()
+        c = torch.zeros(2, requires_grad=False)
+        c.requires_grad = True  # a property set: what it sets is in the entry
+    assert any(len(e) > 1 and e[0].__name__ == "__set__" and True in e[1] for e in out)
+
+
 def test_a_trace_writes_only_while_its_owner_says_so_and_each_composite_call_once() -> None:
     out: list[tuple[object, ...]] = []
     on = [True]

@@ -8,7 +8,9 @@ Note [Call traces]
     ``Tensor.__mul__``, ...), their Python arguments (an ``eps``, a ``dropout_p``, the
     ``training`` flag, a scalar a module computed in Python) and the dtype, shape and strides of
     their tensor arguments. A composite call is one entry: what it runs inside is a function of
-    its arguments (the mode is popped while it runs, so its inner calls are not seen).
+    its arguments (the mode is popped while it runs, so its inner calls are not seen). A tensor
+    property read (``x.dtype``) is the property alone: what it returns reaches torch only through
+    later calls (an argument of one, or which calls are made), whose entries hold it.
 
     :class:`CallTrace` is a ``TorchFunctionMode`` that writes one entry per top-level call while
     its owner says so: in the profiled step, whenever the profile records (module calls open, grad
@@ -52,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["CallTrace", "entry", "push_at", "remove", "same_trace"]
 
 _Tensor = torch.Tensor
+_MethodWrapper = type(torch.Tensor.is_nested.__get__)  # (a property's bound __get__)
 _AS_IS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 """Argument types that enter an entry as they are (what :func:`_meta` ends with for them)."""
 
@@ -112,7 +115,12 @@ class CallTrace(TorchFunctionMode):
 
 
 def entry(func: Any, args: tuple, kwargs: dict | None) -> tuple[Any, ...]:
-    """One call's entry in a trace (Note [Call traces])."""
+    """One call's entry in a trace (Note [Call traces]). A tensor property read (``x.dtype``,
+    ``x.is_nested``: ``func`` is the property's ``__get__``) is the property alone: what it
+    returns reaches torch only through later calls, whose entries hold it (an argument, or
+    which calls follow); nearly half a transformer block's calls are such reads."""
+    if type(func) is _MethodWrapper and func.__name__ == "__get__":
+        return (func,)
     if kwargs:
         return (func, tuple(map(_meta, args)), _meta(kwargs))
     return (func, tuple(map(_meta, args)))
