@@ -4,6 +4,7 @@ plan; exact to the bit, within the budget, and free when the budget is never rea
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import warnings
 from typing import Any, Callable
@@ -512,6 +513,50 @@ def test_replay_steps_pass_tensors_by_position_keyword_and_in_lists() -> None:
     assert torch.equal(got[0], wanted["add"]) and torch.equal(got[1], wanted["clamp"])
     again = run_replay(recipe, {}, [a, b], lambda name: torch.empty(0))  # the recorded arguments untouched
     assert torch.equal(again[0], wanted["add"]) and torch.equal(again[1], wanted["clamp"])
+
+
+class _Noisy(nn.Module):
+    """A linear layer, a tanh, noise added (which no operator saves) and a sine: a selective
+    re-run that refills the sine's input from the tanh's output (saved) must draw the noise again
+    from the forward's generator state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).tanh()
+        return (h + torch.rand_like(h)).sin()
+
+
+def test_a_replay_of_a_random_operator_draws_what_the_forward_drew() -> None:
+    """A replay that computes a random operator (``rand_like`` here) runs with the generator
+    state of the forward call, and only such a replay sets it (Recipe.random); gradients bit
+    for bit."""
+    from pyalloc.offloading.plan import make_plan
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Noisy(), _Noisy(), _Noisy()), torch.randn(64, 32)
+    reference = copy.deepcopy(model)
+    expected = [_step(reference, x, seed) for seed in range(STEPS)]
+    session = offload(budget=_saved_bytes_peak(model, x) * 2 // 3, pressure_callback=False, selective=True)
+    with session:
+        _assert_bitwise_equal(expected[0], _step(model, x, 0))
+    search = session._search
+    assert search is not None
+    for call in search.profile.calls:  # whole re-runs dear, the noise cheap to draw again
+        call.seconds, call.region_seconds = 1.0, -1.0
+    for op in search.profile.ops:
+        op.seconds = 1e-6 if op.random else 1e-3
+    search.plan = make_plan(search.profile, search.budget, selective=True)
+    search.selective, search.settled = True, True
+    assert any(r.random for r, _ in search.plan.recipes.values())
+    for seed in range(1, STEPS):
+        with session:
+            got = _step(model, x, seed)
+        _assert_bitwise_equal(expected[seed], got)
+    st = session.stats()
+    assert st["replays_total"] > 0 and st["replays_stale_total"] == 0 and st["selective_fallbacks_total"] == 0
 
 
 def test_a_replay_whose_arguments_changed_is_caught_by_the_check(baselines, monkeypatch) -> None:

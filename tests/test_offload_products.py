@@ -90,7 +90,10 @@ def test_the_plan_drops_dropout_products_and_gradients_stay_bit_identical() -> N
     expected = [_step(copy.deepcopy(model), x, s) for s in range(STEPS)]
     # the products (a fifth of the saves here) and a few cheap outputs reach this budget
     budget = saved_bytes_peak(model, x) * 85 // 100
-    session = offload(budget=budget, pressure_callback=False, check=True)
+    # whole-module plans only: with selective regions allowed, the search may take the attention
+    # as a selective region (its product then a save the region refills, not a product), by
+    # measured times: the test would depend on them
+    session = offload(budget=budget, pressure_callback=False, check=True, selective=False)
     got = session_steps(session, model, x, STEPS)
     for e, g in zip(expected, got):
         assert_bitwise_equal(e, g)

@@ -218,6 +218,7 @@ class Recipe:
     input_geometry: list[Geometry] = field(default_factory=list)  # the call's tensor inputs, as profiled
     replay_index: dict[int, int] = field(default_factory=dict)  # operator -> its replay step
     transient: int = 0  # bytes the re-run makes: dropped saves and temporaries
+    random: bool = True  # the replay computes a random operator (it runs with the forward's RNG state)
 
 
 class _Ref:
@@ -375,7 +376,8 @@ class CallOps:
                       [op.mutated for op in ops], sources, seconds=seconds,
                       op_seconds=op_seconds, transient=transient, replay=replay, drops=drop_saves,
                       source_keys=source_keys, input_geometry=self.input_geometry,
-                      replay_index={j: i for i, j in enumerate(sorted(needed))} if replay is not None else {})
+                      replay_index={j: i for i, j in enumerate(sorted(needed))} if replay is not None else {},
+                      random=any(ops[j].random for j in needed))
 
     def _replay(self, needed: list[int], available: set["ProfileKey"]) -> "list[ReplayStep] | None":
         """The needed operators as replay steps, or None when one reads a tensor the replay

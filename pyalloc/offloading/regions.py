@@ -313,7 +313,9 @@ class Region(_Rerun):
         self.note_inputs(inputs)
         t0 = time.thread_time()
         try:
-            with rng.replayed(self.cpu_rng, self.cuda_rng):
+            # (no random operator to replay: the generators' states do not matter, and setting
+            # them costs two copies of each state)
+            with rng.replayed(self.cpu_rng, self.cuda_rng) if recipe.random else contextlib.nullcontext():
                 filled = run_replay(recipe, sources, inputs, attr)
         finally:
             seconds = time.thread_time() - t0
