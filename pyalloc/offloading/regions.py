@@ -46,6 +46,9 @@ class SavedBytes:
         self._live: dict[StorageKey, list[int]] = {}
         self.current = 0
         self.peak = 0
+        # False in a planned step that is not counted (PlannedStep.counted): nothing reads its
+        # figures, and the handles skip finding the storage they would count
+        self.on = True
 
     def add(self, key: StorageKey, nbytes: int) -> None:
         entry = self._live.get(key)
@@ -90,6 +93,8 @@ class _Counted:
         self.abandoned = True
 
     def count(self, t: torch.Tensor) -> None:
+        if not self._bytes.on:
+            return
         self._key = storage_key(t)
         self._bytes.add(self._key, t.untyped_storage().nbytes())
 
@@ -134,11 +139,12 @@ class _Rerun:
         self.input_layouts = [recompute_check.geometry(t) for t in received] if step.check is not None else None
         self.rerun_layouts: list[dict[str, Any]] | None = None
         self.pins: list[StorageKey] = []
-        for t in leaves:
-            if is_activation(t):
-                key = storage_key(t)
-                step.bytes.add(key, t.untyped_storage().nbytes())
-                self.pins.append(key)
+        if step.bytes.on:
+            for t in leaves:
+                if is_activation(t):
+                    key = storage_key(t)
+                    step.bytes.add(key, t.untyped_storage().nbytes())
+                    self.pins.append(key)
         self.versions = [(t, t._version) for t in leaves]
         # autocast as the call ran (backward, where the re-run happens, usually runs without it)
         self.autocast = autocast_state()
@@ -616,9 +622,10 @@ class PlannedStep:
         self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
         self.product_seconds = 0.0  # dropout products refilled (Note [Dropout products] in dropout.py)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
-        # whether kept saves are counted (SavedBytes): every step while the plan search runs, one
+        # whether saved bytes are counted (SavedBytes): every step while the plan search runs, one
         # in COUNT_EVERY (session.py) once it settled; an uncounted step hands autograd the
-        # tensors it keeps as they are, which is most of what a pack costs
+        # tensors it keeps as they are, which is most of what a pack costs, and counts neither
+        # the inputs its re-runs hold nor what they refill (install())
         self.counted = True
         self.check: RecomputeCheck | None = session._check  # Note [Recompute check] in check.py
         self.stale = False  # a replay's operators or arguments were not the module's: profile again
@@ -689,6 +696,7 @@ class PlannedStep:
 
     def install(self, stack: contextlib.ExitStack) -> None:
         """Puts the hooks in place for the step; ``stack`` takes them off."""
+        self.bytes.on = self.counted
         for ref in self.plan.modules:
             m = ref()
             if m is None:
