@@ -33,13 +33,14 @@ Note [Call traces]
     changes what is saved is seen by the plan's signature check instead) and data-dependent
     control flow inside aten operators. The periodic checked re-run (``REPLAY_CHECK_EVERY`` in
     session.py) stays for those. A trace costs one trip through Python per top-level call, only
-    inside selective regions. Measured on the development machine (2026-11-27): a GPT-like block's
-    32 calls, 14 of them tensor property reads inside ``nn.MultiheadAttention``, cost ~0.33 ms
-    traced against ~7.5-7.9 ms for its forward alone in a loop (0.26 ms of it PyTorch handing each
-    call to a mode, 0.14 ms the entries), and ~2.3 ms per step of four blocks inside a training
-    step, where the caches are cold (1.1 ms of handing calls over, 1.2 ms of entries): most of
-    what a planned step's forward costs over the plain one on that model. (An earlier version
-    of this note said 20 us a block: not a measurement that holds.)
+    inside selective regions. Measured on the development machine (2026-11-27), a GPT-like
+    block's 32 calls, 14 of them tensor property reads inside ``nn.MultiheadAttention``: ~0.33 ms
+    traced against ~7.5-7.9 ms for its forward alone in a loop; inside a training step of four
+    blocks, where the caches are cold, ~2.3 ms (1.1 ms of PyTorch handing calls to a mode, 1.2 ms
+    of entries) before property reads became bare entries and the mode asked the planned step
+    directly (regions.py, PlannedStep._entries); after both, the planned forward read 39.4 ms
+    against the plain one's 38.1 ms. (An earlier version of this note said 20 us a block: not a
+    measurement that holds.)
 """
 
 from __future__ import annotations
