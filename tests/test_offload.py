@@ -365,7 +365,9 @@ def test_backward_of_a_graph_whose_step_was_cut_short_says_why(steps_before: int
     model = _mlp()
     x = torch.randn(32, 64)
     session = offload(budget=1, swap=False)
-    for _ in range(steps_before):
+    for i in range(8):  # (how many steps the plan search takes depends on measured times)
+        if i >= steps_before and (steps_before == 0 or session.stats()["plan_settled"]):
+            break
         with session:
             model(x).sum().backward()
     assert session.stats()["plan_settled"] == (steps_before > 0)
