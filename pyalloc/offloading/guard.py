@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["CallTrace", "entry", "push_at", "remove", "same_trace"]
 
 _Tensor = torch.Tensor
-_MethodWrapper = type(torch.Tensor.is_nested.__get__)  # (a property's bound __get__)
+_MethodWrapper = types.MethodWrapperType  # (a property's bound __get__ is one)
 _AS_IS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 """Argument types that enter an entry as they are (what :func:`_meta` ends with for them)."""
 
