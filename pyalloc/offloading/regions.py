@@ -50,6 +50,15 @@ class SavedBytes:
         # figures, and the handles skip finding the storage they would count
         self.on = True
 
+    def hold(self, t: torch.Tensor) -> StorageKey | None:
+        """Counts ``t``'s storage once more; returns its key, to release, or None when this
+        counter is off (nothing is counted)."""
+        if not self.on:
+            return None
+        key = storage_key(t)
+        self.add(key, t.untyped_storage().nbytes())
+        return key
+
     def add(self, key: StorageKey, nbytes: int) -> None:
         entry = self._live.get(key)
         if entry is None:
@@ -93,10 +102,7 @@ class _Counted:
         self.abandoned = True
 
     def count(self, t: torch.Tensor) -> None:
-        if not self._bytes.on:
-            return
-        self._key = storage_key(t)
-        self._bytes.add(self._key, t.untyped_storage().nbytes())
+        self._key = self._bytes.hold(t)
 
     def __del__(self) -> None:
         if self._key is not None:
@@ -139,12 +145,9 @@ class _Rerun:
         self.input_layouts = [recompute_check.geometry(t) for t in received] if step.check is not None else None
         self.rerun_layouts: list[dict[str, Any]] | None = None
         self.pins: list[StorageKey] = []
-        if step.bytes.on:
-            for t in leaves:
-                if is_activation(t):
-                    key = storage_key(t)
-                    step.bytes.add(key, t.untyped_storage().nbytes())
-                    self.pins.append(key)
+        for t in leaves:
+            if is_activation(t) and (key := step.bytes.hold(t)) is not None:
+                self.pins.append(key)
         self.versions = [(t, t._version) for t in leaves]
         # autocast as the call ran (backward, where the re-run happens, usually runs without it)
         self.autocast = autocast_state()
@@ -679,10 +682,9 @@ class PlannedStep:
         self._outputs.clear()
         self._made.clear()
         self._handed.clear()
-        if self._traced_open and self._mode is not None:  # a region's call that never returned
-            guard.remove(self._mode)
-            self._mode.entries = self._asked
-        self._traced_open = 0
+        still_open, self._traced_open = self._traced_open, 0
+        if still_open and self._mode is not None:  # a region's call that never returned
+            self._trace_off()
         if self.trace is not None:
             self.trace.clear()
 
@@ -725,6 +727,24 @@ class PlannedStep:
             return None
         return self.trace
 
+    def _trace_on(self) -> None:
+        """A selective region's call begins (``_traced_open`` counts it): the trace mode goes in
+        where the session's modes end (guard.push_at) and, from the first such call open, asks
+        this step where to write."""
+        assert self._mode is not None
+        guard.push_at(self._mode, self._height)
+        if self._traced_open == 1:
+            self._mode.entries = self._entries
+
+    def _trace_off(self) -> None:
+        """A selective region's call ended (returned, raised, or the step closed with it open;
+        ``_traced_open`` no longer counts it): the mode comes off the stack and, once no such
+        call is open, asks the session again (its profiles trace through the same mode)."""
+        assert self._mode is not None
+        guard.remove(self._mode)
+        if self._traced_open == 0:
+            self._mode.entries = self._asked
+
     # -- module hooks ----------------------------------------------------------------------
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -751,9 +771,7 @@ class PlannedStep:
                     record.trace_start = len(self.trace)
                     self._traced_open += 1
                     if self._mode is not None:
-                        guard.push_at(self._mode, self._height)
-                        if self._traced_open == 1:  # the mode asks this step while it is on the stack
-                            self._mode.entries = self._entries
+                        self._trace_on()
             elif key in self.plan.outputs:
                 received = tensor_leaves((args, kwargs))
                 links = self._links(received)
@@ -789,9 +807,7 @@ class PlannedStep:
             if record.trace_start >= 0 and self.trace is not None:
                 self._traced_open -= 1
                 if self._mode is not None:
-                    guard.remove(self._mode)
-                    if self._traced_open == 0:
-                        self._mode.entries = self._asked
+                    self._trace_off()
                 entries = self.trace
                 record.traced = same_trace(entries[record.trace_start:], self.plan.traces.get(record.key))
                 if not record.traced:
