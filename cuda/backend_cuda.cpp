@@ -399,6 +399,14 @@ class CudaBackend final : public Backend {
     });
   }
 
+  Status copy_device_async(int device, uintptr_t dst, uintptr_t src, size_t size, StreamId stream) override {
+    return in_context(device, [&](DeviceState&) -> Status {
+      const CUresult rc = api_.cuMemcpyDtoDAsync(dst, src, size, to_stream(stream));
+      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyDtoDAsync_v2", rc);
+      return Status::success();
+    });
+  }
+
  private:
   DeviceState* device_state(int device) const {
     if (device < 0 || device >= driver_.device_count) return nullptr;

@@ -161,7 +161,8 @@ struct CUipcMemHandle {
   X(cuEventSynchronize, cuEventSynchronize, CUresult(CUevent))                                  \
   X(cuStreamWaitEvent, cuStreamWaitEvent, CUresult(CUstream, CUevent, unsigned int))            \
   X(cuMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2, CUresult(void*, CUdeviceptr, size_t, CUstream))    \
-  X(cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2, CUresult(CUdeviceptr, const void*, size_t, CUstream))
+  X(cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2, CUresult(CUdeviceptr, const void*, size_t, CUstream)) \
+  X(cuMemcpyDtoDAsync, cuMemcpyDtoDAsync_v2, CUresult(CUdeviceptr, CUdeviceptr, size_t, CUstream))
 
 // Resolved like the above, but a driver without them still loads: the one
 // feature that needs them fails, naming the missing function. Sharing memory

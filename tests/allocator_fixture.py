@@ -88,7 +88,7 @@ def holds(ptr: int, size: int, byte: int) -> bool:
 def fresh_conf(backend: str, extra: str = "") -> str:
     base = (
         f"backend={backend},devices=1,capacity=256MiB,memory_fraction=1,max_cached=unlimited,"
-        "small_segment=2MiB,large_segment=20MiB,round_power2=0,trace=0,event_delay=0,oom_report=0,vmm=auto,plan=0,lifetime=0,share=1,reuse=1,extent=32MiB"
+        "small_segment=2MiB,large_segment=20MiB,round_power2=0,trace=0,event_delay=0,oom_report=0,vmm=auto,plan=0,lifetime=0,share=1,move=1,reuse=1,extent=32MiB"
     )
     return base + ("," + extra if extra else "")
 

@@ -1462,6 +1462,16 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t si
   return copy_to_device(dst, src, size);
 }
 
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t size, CUstream) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NEED_CONTEXT
+  std::vector<char> staged(size);
+  const CUresult rc = copy_to_host(staged.data(), src, size);
+  if (rc != CUDA_SUCCESS) return rc;
+  count("copy_device");
+  return copy_to_device(dst, staged.data(), size);
+}
+
 // ---- used by tests/gpu/test_cuda_backend_direct.py's checks, not by pyalloc ----------
 
 EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {

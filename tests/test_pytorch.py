@@ -25,7 +25,7 @@ MiB = 1 << 20
 # top of whatever an earlier test left in force.
 HOST_CONF = (
     "backend=host,devices=2,capacity=64MiB,trace=0,event_delay=0,memory_fraction=1,"
-    "max_cached=unlimited,round_power2=0,vmm=auto,plan=0,lifetime=0,share=1,reuse=1,extent=32MiB"
+    "max_cached=unlimited,round_power2=0,vmm=auto,plan=0,lifetime=0,share=1,move=1,reuse=1,extent=32MiB"
 )
 
 PATCHED_NAMES = list(memory_api._REPLACEMENTS)

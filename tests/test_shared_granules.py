@@ -108,7 +108,7 @@ def test_twins_part_when_a_lender_block_is_freed_and_the_new_block_keeps_its_byt
 
 def test_without_share_the_same_request_fails(full: tuple[Allocator, dict[str, int]]) -> None:
     a, _ = full
-    pyalloc.configure("share=0")
+    pyalloc.configure("share=0,move=0")  # moving a live end would serve it too (test_moving_slivers.py)
     assert pyalloc.config()["share"] is False
     with pytest.raises(pyalloc.PyallocError, match="out of memory"):
         pyalloc.malloc(2 * MiB)
@@ -127,7 +127,7 @@ def test_shared_granules_lower_the_memory_the_mlp_trace_needs() -> None:
     """The recorded MLP trace: one granule less, as little as PyTorch's placement needs (the model's 132)."""
     flat = stress.load_workload("mlp", 0, False).flat
     with_share = replay.find_min_capacity(flat, "pyalloc", "sim")
-    without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0")
+    without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0,move=0")
     native = replay.find_min_capacity(flat, "native", "sim")
     assert with_share == without - 2 * MiB
     assert with_share <= native
@@ -272,7 +272,7 @@ def test_shared_granules_lower_what_workloads_need_below_both_pytorch_models() -
     for name in ("interleaved_lifetimes", "two_stream", "lstm_varlen"):
         flat = stress.load_workload(name, 0, False).flat
         with_share = replay.find_min_capacity(flat, "pyalloc", "sim")
-        without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0")
+        without = replay.find_min_capacity(flat, "pyalloc", "sim", "share=0,move=0")
         assert with_share <= without, name
         lower += with_share < without
         assert with_share < replay.find_min_capacity(flat, "native-expandable", "sim"), name

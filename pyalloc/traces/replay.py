@@ -160,7 +160,7 @@ def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
     # memory_fraction, say) leaks into the next.
     settings = (f"backend={backend},devices=1,capacity={capacity},oom_report=0,event_delay=0,trace=0,"
                 "memory_fraction=1,max_cached=unlimited,small_segment=2MiB,large_segment=20MiB,round_power2=0,"
-                "vmm=auto,plan=0,lifetime=0,share=1,reuse=1,extent=32MiB")
+                "vmm=auto,plan=0,lifetime=0,share=1,move=1,reuse=1,extent=32MiB")
     core.configure(settings + ("," + conf if conf else ""))
 
 

@@ -105,6 +105,10 @@ class Backend {
                                     StreamId stream) = 0;
   virtual Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size,
                                       StreamId stream) = 0;
+  // Copies [src, src+size) to [dst, dst+size), both mapped on `device` and
+  // not overlapping, after the work queued on `stream` so far (Note [Moving
+  // slivers] in device/move.cpp).
+  virtual Status copy_device_async(int device, uintptr_t dst, uintptr_t src, size_t size, StreamId stream) = 0;
 
   // ---- sharing memory with other processes (Note [Sharing blocks] in device/ipc.cpp) ----
   // Exporting: bytes that let another process of this machine map the same

@@ -112,6 +112,9 @@ class MeteredBackend final : public Backend {
   Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size, StreamId stream) override {
     return inner_->copy_to_device_async(device, dst, src, size, stream);
   }
+  Status copy_device_async(int device, uintptr_t dst, uintptr_t src, size_t size, StreamId stream) override {
+    return inner_->copy_device_async(device, dst, src, size, stream);
+  }
 
   Status segment_export(int device, uintptr_t addr, size_t size, std::string* out) override {
     return inner_->segment_export(device, addr, size, out);

@@ -37,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -360,6 +361,10 @@ class DeviceAllocator {
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
   bool spare_covers(size_t rounded, const Block* fit = nullptr);
+  // Moving slivers (Note [Moving slivers] in move.cpp): ladder step 2b.
+  size_t move_slivers();
+  size_t move_in(Segment* arena);
+  bool movable(Block* from, uintptr_t lo, uintptr_t hi) const;
 
   // Placement policies (placement.cpp): lifetime-aware placement (Note
   // [Lifetime-aware placement] in policy/lifetime.cpp) and iteration plans
@@ -442,6 +447,8 @@ class DeviceAllocator {
   int round_power2_;
   bool oom_report_;
   bool sharing_ = true;  // Note [Shared granules]
+  bool moving_ = true;   // Note [Moving slivers]
+  std::set<uintptr_t> exported_;  // blocks exported to other processes (never moved), by address
   // Reserved bytes from which a request of more than a granule may be served
   // from a shared window first (SIZE_MAX: never).
   size_t share_from_ = SIZE_MAX;

@@ -153,6 +153,8 @@ const std::vector<KeySpec>& key_specs() {
        [](const std::string& v, Config* c) { return parse_bool(v, &c->lifetime); }},
       {"share", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->share); }},
+      {"move", "0 or 1",
+       [](const std::string& v, Config* c) { return parse_bool(v, &c->move); }},
       {"reuse", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->reuse); }},
       {"extent", "a power of two from 2MiB to 1GiB (2MiB: every granule its own chunk)",
@@ -295,6 +297,7 @@ std::string Config::to_json() const {
   w.key("plan").value(plan);
   w.key("lifetime").value(lifetime);
   w.key("share").value(share);
+  w.key("move").value(move);
   w.key("extent").value(static_cast<uint64_t>(extent));
   w.key("reuse").value(reuse);
   w.end_object();

@@ -51,6 +51,7 @@ struct Config {
   bool plan = false;                // iteration plans (Note [Iteration plans]); off: see README
   bool lifetime = false;            // lifetime-aware placement (Note [Lifetime-aware placement]); off: see README
   bool share = true;                // near a full device, map used granules' free ends twice (Note [Shared granules])
+  bool move = true;                 // before an OOM, copy granules' live ends together and give granules back (Note [Moving slivers])
   bool reuse = true;                // an arena takes cached free granules before new ones (Note [Reuse before growing])
   size_t extent = size_t{32} << 20; // the largest physical chunk an arena's growth creates (Note [Extents])
 

@@ -1,0 +1,155 @@
+"""Moving slivers (Note [Moving slivers] in allocator/src/device/move.cpp).
+
+Ladder step 2b: when no whole granule is left and sharing cannot serve a request, the live
+end of one granule is copied into another granule whose live part lies at other offsets,
+that granule is mapped in its place, and the first goes back to the backend. On the host
+backend granules are real memfd chunks, so the tests read the bytes back through the moved
+block's own address and through its new partner's; on the sim backend the bookkeeping is
+the same. Every call is followed by ``pyalloc_check`` (I13: twins in pairs over one granule,
+lending complementary pieces, reserved counting the granule once).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+import pyalloc
+from allocator_fixture import Allocator, fill, fresh_conf, holds, rebuilt
+from pyalloc.traces import replay, stress
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+@pytest.fixture(params=["host", "sim"])
+def apart(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, dict[str, int]]]:
+    """A 6 MiB device (three granules), full, sharing off: a keeps the first 512 KiB of granule
+    0, c all of granule 1, b the last 512 KiB of granule 2; the 1.5 MiB after a and before b are
+    free, slivers no whole-granule move can use, and their live parts lie at different offsets."""
+    a = rebuilt(request.param, "vmm=shared", "capacity=6MiB,share=0")
+    sizes = {"a": 512 * KiB, "x": 1536 * KiB, "c": 2 * MiB, "y": 1536 * KiB, "b": 512 * KiB}
+    blocks = {name: a.malloc(size) for name, size in sizes.items()}
+    base = blocks["a"]
+    assert [blocks[n] - base for n in ("x", "c", "y", "b")] == [512 * KiB, 2 * MiB, 4 * MiB, 5 * MiB + 512 * KiB]
+    if a.backend == "host":
+        for name, byte in (("a", 0xA1), ("c", 0xC1), ("b", 0xB1)):
+            fill(blocks[name], sizes[name], byte)
+    a.free(blocks.pop("x"))
+    a.free(blocks.pop("y"))
+    assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
+    yield a, blocks
+    a.free_all()
+    pyalloc.check(0)
+    pyalloc.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+
+
+def intact(a: Allocator, blocks: dict[str, int]) -> bool:
+    return a.backend != "host" or all(
+        holds(blocks[name], a.live[blocks[name]][0], byte)
+        for name, byte in (("a", 0xA1), ("c", 0xC1), ("b", 0xB1)) if name in blocks
+    )
+
+
+def test_a_request_that_no_granule_serves_moves_a_live_end_and_keeps_its_bytes(
+    apart: tuple[Allocator, dict[str, int]]
+) -> None:
+    a, blocks = apart
+    n = a.malloc(2 * MiB)
+    s = a.stats()
+    assert n != 0 and s["num_ooms"] == 0
+    assert s["num_moved_granules"] == 1 and s["moved_bytes"] == 512 * KiB
+    assert s["reserved_bytes.all.current"] == 6 * MiB  # granules 0 and 2 are one physical granule now
+    assert s["allocated_bytes.all.current"] == 5 * MiB
+    assert intact(a, blocks)  # b read through its own address, now backed by granule 0's memory
+    if a.backend == "host":
+        fill(n, 2 * MiB, 0x5E)
+        assert intact(a, blocks)
+        # One physical granule under both addresses: what b holds is at the same offset of a's granule.
+        fill(blocks["b"], 512 * KiB, 0xB2)
+        assert holds(blocks["a"] + 3 * 512 * KiB, 512 * KiB, 0xB2)
+        a.free(blocks.pop("b"))
+        assert holds(blocks["a"], 512 * KiB, 0xA1) and holds(n, 2 * MiB, 0x5E)
+
+
+def test_the_twins_part_and_the_memory_comes_back(apart: tuple[Allocator, dict[str, int]]) -> None:
+    a, blocks = apart
+    n = a.malloc(2 * MiB)
+    a.free(blocks.pop("b"))  # granule 2's own part is free: it parts from granule 0 when asked
+    pyalloc.release_cached(0, 0)
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 6 * MiB  # a's granule, c's and n's
+    assert s["allocated_bytes.all.current"] == 512 * KiB + 4 * MiB
+    # Granule 2's address is unmapped; what it lent in granule 0 is free there again.
+    assert a.malloc(1536 * KiB) == blocks["a"] + 512 * KiB
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 6 * MiB and s["num_ooms"] == 0
+    assert intact(a, blocks)
+    a.free(n)
+
+
+def test_a_block_used_on_another_stream_is_not_moved(apart: tuple[Allocator, dict[str, int]]) -> None:
+    a, blocks = apart
+    pyalloc.record_stream(blocks["b"], 7)
+    with pytest.raises(pyalloc.PyallocError, match="out of memory"):
+        pyalloc.malloc(2 * MiB)
+    s = a.stats()
+    assert s["num_ooms"] == 1 and s["num_moved_granules"] == 0
+    assert intact(a, blocks)
+
+
+def test_a_block_shared_with_another_process_is_not_moved(apart: tuple[Allocator, dict[str, int]]) -> None:
+    a, blocks = apart
+    if a.backend == "sim":
+        pytest.skip("the sim backend exports nothing")
+    pyalloc.ipc_export(blocks["b"])  # an importer would map b's own granule
+    with pytest.raises(pyalloc.PyallocError, match="out of memory"):
+        pyalloc.malloc(2 * MiB)
+    assert a.stats()["num_moved_granules"] == 0
+    assert intact(a, blocks)
+
+
+def test_live_parts_that_overlap_do_not_move() -> None:
+    """a's live part ends past where b's starts: the two cannot share one granule."""
+    a = rebuilt("sim", "vmm=shared", "capacity=6MiB,share=0")
+    try:
+        sizes = {"a": 1536 * KiB, "x": 512 * KiB, "c": 2 * MiB, "y": 512 * KiB, "b": 1536 * KiB}
+        blocks = {name: a.malloc(size) for name, size in sizes.items()}
+        a.free(blocks.pop("x"))
+        a.free(blocks.pop("y"))
+        with pytest.raises(pyalloc.PyallocError, match="out of memory"):
+            pyalloc.malloc(2 * MiB)
+        assert a.stats()["num_moved_granules"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)
+
+
+def test_without_move_the_same_request_fails(apart: tuple[Allocator, dict[str, int]]) -> None:
+    a, blocks = apart
+    pyalloc.configure("move=0")
+    assert pyalloc.config()["move"] is False
+    with pytest.raises(pyalloc.PyallocError, match="out of memory"):
+        pyalloc.malloc(2 * MiB)
+    s = a.stats()
+    assert s["num_ooms"] == 1 and s["num_moved_granules"] == 0
+    pyalloc.configure("move=1")
+
+
+def test_move_takes_0_or_1() -> None:
+    with pytest.raises(pyalloc.PyallocError, match="move"):
+        pyalloc.configure(fresh_conf("sim", "move=sometimes"))
+    pyalloc.configure(fresh_conf("sim"))
+    assert pyalloc.config()["move"] is True
+
+
+@pytest.mark.parametrize("workload", ["two_stream", "interleaved_lifetimes", "mlp_fixed"])
+def test_moving_lowers_the_memory_a_workload_needs(workload: str) -> None:
+    """On the stress suite's workloads whose slivers pair up, moving them needs less memory than
+    not moving (the figures: docs/benchmarks/2026-11-28-moving-slivers-cpu.md)."""
+    flat = stress.load_workload(workload, 0, False).flat
+    moving = replay.find_min_capacity(flat, "pyalloc", "sim", "move=1")
+    without = replay.find_min_capacity(flat, "pyalloc", "sim", "move=0")
+    assert moving is not None and without is not None and moving < without
