@@ -381,33 +381,26 @@ class CudaBackend final : public Backend {
 
   // ---- copies ------------------------------------------------------------------------
 
-  Status copy_to_host_async(int device, void* dst, uintptr_t src, size_t size,
-                            StreamId stream) override {
-    return in_context(device, [&](DeviceState&) -> Status {
-      const CUresult rc = api_.cuMemcpyDtoHAsync(dst, src, size, to_stream(stream));
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyDtoHAsync_v2", rc);
-      return Status::success();
-    });
+  Status copy_to_host_async(int device, void* dst, uintptr_t src, size_t size, StreamId stream) override {
+    return copied(device, "cuMemcpyDtoHAsync_v2", [&] { return api_.cuMemcpyDtoHAsync(dst, src, size, to_stream(stream)); });
   }
-
-  Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size,
-                              StreamId stream) override {
-    return in_context(device, [&](DeviceState&) -> Status {
-      const CUresult rc = api_.cuMemcpyHtoDAsync(dst, src, size, to_stream(stream));
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyHtoDAsync_v2", rc);
-      return Status::success();
-    });
+  Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size, StreamId stream) override {
+    return copied(device, "cuMemcpyHtoDAsync_v2", [&] { return api_.cuMemcpyHtoDAsync(dst, src, size, to_stream(stream)); });
   }
-
   Status copy_device_async(int device, uintptr_t dst, uintptr_t src, size_t size, StreamId stream) override {
-    return in_context(device, [&](DeviceState&) -> Status {
-      const CUresult rc = api_.cuMemcpyDtoDAsync(dst, src, size, to_stream(stream));
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuMemcpyDtoDAsync_v2", rc);
-      return Status::success();
-    });
+    return copied(device, "cuMemcpyDtoDAsync_v2", [&] { return api_.cuMemcpyDtoDAsync(dst, src, size, to_stream(stream)); });
   }
 
  private:
+  // One copy call in the device's context; a failure names the function.
+  template <typename Call>
+  Status copied(int device, const char* name, Call call) {
+    return in_context(device, [&](DeviceState&) -> Status {
+      const CUresult rc = call();
+      return rc == CUDA_SUCCESS ? Status::success() : call_failure(device, name, rc);
+    });
+  }
+
   DeviceState* device_state(int device) const {
     if (device < 0 || device >= driver_.device_count) return nullptr;
     return &driver_.devices[device];

@@ -565,8 +565,17 @@ uint64_t sum_invalid_counters(const std::string& json, int* nkeys) {
   return sum;
 }
 
+uint64_t g_near_full_moved = 0;  // granules moved in the near-full phases' passes of one thread
+
+void configure_or_fail(const char* conf) {
+  if (pyalloc_configure(conf) != PYALLOC_OK) fail("pyalloc_configure(\"%s\"): %s", conf, last_error());
+}
+
 // Runs the near-full phase on device 0 with `opt.near_full_threads` threads and one
-// more that checks the invariants until they are done. Returns the shared
+// more that checks the invariants until they are done; then one thread alone runs the
+// same churn with move=1 (moving slivers copies live bytes and remaps their granule: no
+// other thread may touch live memory meanwhile, Note [Moving slivers]), every block's
+// cookies verified when it is freed, while the checker goes on. Returns the shared
 // granules it made.
 uint64_t near_full_phase(const Options& opt, int round) {
   const uint64_t before = stat_or_fail(stats_json(0), "num_shared_granules");
@@ -581,6 +590,12 @@ uint64_t near_full_phase(const Options& opt, int round) {
   threads.reserve(size_t(opt.near_full_threads));
   for (int t = 0; t < opt.near_full_threads; ++t) threads.emplace_back(near_full_thread, std::cref(opt), round, t);
   for (auto& th : threads) th.join();
+  for (auto& slot : g_near_full_transfer) release(slot.exchange(nullptr), -1);
+  const uint64_t moved_before = stat_or_fail(stats_json(0), "num_moved_granules");
+  configure_or_fail("move=1");
+  near_full_thread(opt, round, opt.near_full_threads);
+  configure_or_fail("move=0");
+  g_near_full_moved += stat_or_fail(stats_json(0), "num_moved_granules") - moved_before;
   done.store(true);
   checker.join();
   for (auto& slot : g_near_full_transfer) release(slot.exchange(nullptr), -1);
@@ -661,9 +676,11 @@ int main(int argc, char** argv) {
   const Options opt = parse_args(argc, argv);
 
   // Every key the run depends on is set, so PYALLOC_CONF in the environment
-  // cannot change what is tested.
+  // cannot change what is tested. move=0: the threads touch their blocks while
+  // others allocate, which moving slivers rules out (Note [Moving slivers]);
+  // the near-full phase runs a pass of one thread with move=1 (near_full_phase).
   const std::string conf = "backend=host,devices=" + std::to_string(kDevices) + ",capacity=" + opt.capacity +
-                           ",event_delay=2,oom_report=0,memory_fraction=1,max_cached=unlimited,round_power2=0,vmm=" + opt.vmm +
+                           ",event_delay=2,oom_report=0,memory_fraction=1,max_cached=unlimited,round_power2=0,move=0,vmm=" + opt.vmm +
                            (opt.conf.empty() ? "" : "," + opt.conf);
   if (pyalloc_configure(conf.c_str()) != PYALLOC_OK) {
     std::fprintf(stderr, "stress: FAIL: pyalloc_configure(\"%s\"): %s\n", conf.c_str(), last_error());
@@ -764,7 +781,7 @@ int main(int argc, char** argv) {
               " bad_calls=%" PRIu64 " checks=%" PRIu64 " empty_caches=%" PRIu64
               " pool_allocs=%" PRIu64 " cupy_allocs=%" PRIu64 " reconfigures=%" PRIu64
               " refused_reconfigures=%" PRIu64 " introspections=%" PRIu64 " stitches=%" PRIu64 " shared=%" PRIu64 " near_full_ops=%" PRIu64 " near_full_shared=%" PRIu64
-              " captures=%" PRIu64 " held_pool_empties=%" PRIu64
+              " near_full_moved=%" PRIu64 " captures=%" PRIu64 " held_pool_empties=%" PRIu64
               " loop_iterations=%" PRIu64 " plans=%" PRIu64 " plan_served=%" PRIu64 " lifetime_long=%" PRIu64
               " threads=%d rounds=%d seed=%" PRIu64 "\n",
               uint64_t(g_count.ops.load()), uint64_t(g_count.allocs.load()),
@@ -774,7 +791,7 @@ int main(int argc, char** argv) {
               uint64_t(g_count.empty_caches.load()), uint64_t(g_count.pool_allocs.load()),
               uint64_t(g_count.cupy_allocs.load()), uint64_t(g_count.reconfigures.load()),
               uint64_t(g_count.refused_reconfigures.load()), uint64_t(g_count.introspections.load()),
-              stitches, shared, uint64_t(g_count.near_full_ops.load()), g_near_full_shared,
+              stitches, shared, uint64_t(g_count.near_full_ops.load()), g_near_full_shared, g_near_full_moved,
               uint64_t(g_count.captures.load()), uint64_t(g_count.held_pool_empties.load()),
               uint64_t(g_count.loop_iterations.load()), plans, plan_served, lifetime_long, opt.threads,
               opt.rounds, opt.seed);
