@@ -575,7 +575,8 @@ for ptr, (size, _) in list(live.items()):
     pyalloc.free(ptr, size)
 pyalloc.empty_cache()
 emit({"corrupt": corrupt, "failed": failed, "stitches": stats["num_stitches"], "reuses": stats["num_reuses"],
-      "shared": stats["num_shared_granules"], "maps": int(fake.fake_cuda_get(b"map")),
+      "shared": stats["num_shared_granules"], "moved": stats["num_moved_granules"],
+      "device_copies": int(fake.fake_cuda_get(b"copy_device")), "maps": int(fake.fake_cuda_get(b"map")),
       "unmaps": int(fake.fake_cuda_get(b"unmap")),
       "reserved_after": pyalloc.memory_stats(0)["reserved_bytes.all.current"],
       "misuse": fake.fake_cuda_misuse_report().decode()})
@@ -592,6 +593,8 @@ def test_virtual_memory_on_the_fake_driver_keeps_every_byte_near_a_full_device(f
     # or reuse before growing: with cold donors, vmm=shared on this churn reuses and never
     # stitches; vmm=all stitches), and shared.
     assert result["stitches"] + result["reuses"] > 0 and result["shared"] > 0
+    # Slivers moved (Note [Moving slivers]): one device-to-device copy per pair, every byte kept.
+    assert result["moved"] > 0 and result["device_copies"] == result["moved"], result
     assert result["maps"] > 0 and result["unmaps"] > 0
     assert result["reserved_after"] == 0
 
@@ -1466,10 +1469,14 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t si
   std::lock_guard<std::mutex> lock(g_mutex);
   NEED_CONTEXT
   std::vector<char> staged(size);
-  const CUresult rc = copy_to_host(staged.data(), src, size);
-  if (rc != CUDA_SUCCESS) return rc;
+  char* bytes = staged.data();
+  if (!for_each_piece(src, size, [&](char* host, size_t n, size_t at) { std::memcpy(bytes + at, host, n); }) ||
+      !for_each_piece(dst, size, [&](char* host, size_t n, size_t at) { std::memcpy(host, bytes + at, n); })) {
+    count("misuse_bad_copy");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   count("copy_device");
-  return copy_to_device(dst, staged.data(), size);
+  return CUDA_SUCCESS;
 }
 
 // ---- used by tests/gpu/test_cuda_backend_direct.py's checks, not by pyalloc ----------

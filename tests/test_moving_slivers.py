@@ -148,7 +148,7 @@ def test_move_takes_0_or_1() -> None:
 @pytest.mark.parametrize("workload", ["two_stream", "interleaved_lifetimes", "mlp_fixed"])
 def test_moving_lowers_the_memory_a_workload_needs(workload: str) -> None:
     """On the stress suite's workloads whose slivers pair up, moving them needs less memory than
-    not moving (the figures: docs/benchmarks/2026-11-28-moving-slivers-cpu.md)."""
+    not moving (the figures: docs/benchmarks/2026-11-27-moving-slivers-cpu.md)."""
     flat = stress.load_workload(workload, 0, False).flat
     moving = replay.find_min_capacity(flat, "pyalloc", "sim", "move=1")
     without = replay.find_min_capacity(flat, "pyalloc", "sim", "move=0")
