@@ -120,3 +120,53 @@ def test_shared_granules_serve_a_request_from_two_slivers_on_a_gpu(gpu_python: C
     assert result["ooms"] == 0 and result["shared"] == 2
     assert result["reserved"] == result["reserved_before"]
     assert result["n_ok"] and result["live_ok"]
+
+
+_MOVING_SCRIPT = """
+import torch
+import pyalloc
+
+pyalloc.configure("vmm=shared,share=0,move=1")
+KiB, MiB = 1 << 10, 1 << 20
+def tensor(kib, value):
+    return torch.full((kib * KiB // 4,), float(value), device="cuda")
+a, x, c, y, b = tensor(512, 1), tensor(1536, 0), tensor(2048, 3), tensor(1536, 0), tensor(512, 5)
+offsets = [t.data_ptr() - a.data_ptr() for t in (x, c, y, b)]
+x = y = None  # granule 0 live up to 512 KiB, granule 2 live from 1.5 MiB: one granule holds both
+torch.cuda.synchronize()
+stats = pyalloc.memory_stats(0)
+reserved = stats["reserved_bytes.all.current"]
+total = torch.cuda.get_device_properties(0).total_memory
+pyalloc.set_memory_fraction(reserved / total, 0)  # no granule to spare, sharing off: only a move helps
+n = torch.arange(MiB // 2, device="cuda", dtype=torch.float32)  # 2 MiB
+n.mul_(3)
+b.add_(1)  # a kernel on the moved block, through its own address
+torch.cuda.synchronize()
+stats = pyalloc.memory_stats(0)
+emit({
+    "offsets": offsets,
+    "moved": stats["num_moved_granules"],
+    "moved_bytes": stats["moved_bytes"],
+    "ooms": stats["num_ooms"],
+    "reserved_before": reserved,
+    "reserved": stats["reserved_bytes.all.current"],
+    "n_ok": bool(torch.equal(n.cpu(), torch.arange(MiB // 2, dtype=torch.float32) * 3)),
+    # Compared on the CPU: the device has no room left for the comparisons.
+    "live_ok": bool((a.cpu() == 1.0).all()) and bool((c.cpu() == 3.0).all()) and bool((b.cpu() == 6.0).all()),
+})
+pyalloc.check(0)
+n = b = None
+pyalloc.set_memory_fraction(1.0, 0)
+torch.cuda.empty_cache()
+pyalloc.check(0)
+"""
+
+
+def test_moving_slivers_serves_a_request_by_moving_a_live_end_on_a_gpu(gpu_python: Callable[..., Any]) -> None:
+    """Note [Moving slivers]: cuMemcpyDtoDAsync into a partner granule, then cuMemUnmap and cuMemMap of
+    the partner's granule under the moved block's address, on a real device."""
+    result = gpu_python(_MOVING_SCRIPT, "pyalloc")
+    assert result["offsets"] == [512 << 10, 2 << 20, 4 << 20, (5 << 20) + (512 << 10)]
+    assert result["ooms"] == 0 and result["moved"] == 1 and result["moved_bytes"] == 512 << 10
+    assert result["reserved"] == result["reserved_before"]
+    assert result["n_ok"] and result["live_ok"]
