@@ -153,3 +153,17 @@ def test_moving_lowers_the_memory_a_workload_needs(workload: str) -> None:
     moving = replay.find_min_capacity(flat, "pyalloc", "sim", "move=1")
     without = replay.find_min_capacity(flat, "pyalloc", "sim", "move=0")
     assert moving is not None and without is not None and moving < without
+
+
+def test_the_first_move_is_told_on_stderr(apart: tuple[Allocator, dict[str, int]],
+                                         capfd: pytest.CaptureFixture[str]) -> None:
+    """Live memory that moves is worth knowing of: with oom_report=1 (the default) the first move
+    of a device's allocator says so, and how to turn it off (later ones are counted only)."""
+    a, _ = apart
+    pyalloc.configure("oom_report=1")
+    try:
+        a.malloc(2 * MiB)
+        told = capfd.readouterr().err
+        assert "moved the live bytes of 1 granule(s)" in told and "PYALLOC_CONF=move=0" in told
+    finally:
+        pyalloc.configure("oom_report=0")

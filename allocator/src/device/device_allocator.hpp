@@ -448,6 +448,7 @@ class DeviceAllocator {
   bool oom_report_;
   bool sharing_ = true;  // Note [Shared granules]
   bool moving_ = true;   // Note [Moving slivers]
+  bool move_told_ = false;  // the first move was reported on stderr (with oom_report)
   std::set<uintptr_t> exported_;  // blocks exported to other processes (never moved), by address
   // Reserved bytes from which a request of more than a granule may be served
   // from a shared window first (SIZE_MAX: never).

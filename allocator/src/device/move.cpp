@@ -110,7 +110,16 @@ size_t DeviceAllocator::move_slivers() {
   }
   size_t moved = 0;
   for_each_arena([&](Segment* arena) { moved += move_in(arena); });
-  if (moved > 0) reserved_changed();
+  if (moved == 0) return 0;
+  reserved_changed();
+  if (oom_report_ && !move_told_) {  // once: a program should know its live memory moves
+    move_told_ = true;
+    std::fprintf(stderr,
+                 "pyalloc: device %d: moved the live bytes of %zu granule(s) to serve a request that would have "
+                 "failed (move=1; PYALLOC_CONF=move=0 turns this off, as a program that launches work on one "
+                 "device from several threads at once should: Note [Moving slivers])\n",
+                 device_, moved);
+  }
   return moved;
 }
 
