@@ -165,10 +165,9 @@ class CudaBackend final : public Backend {
   }
 
   void segment_free(int device, uintptr_t addr, size_t /*size*/) override {
-    // Block frees are stream ordered: a kernel queued before the free may
-    // still use the segment. cuMemFree waits for the device in practice but
-    // does not promise it, so wait explicitly (then its own wait is free).
-    call_void(device, "cuCtxSynchronize", [&] { return api_.cuCtxSynchronize(); });
+    // Block frees are stream ordered: a kernel queued before the free may still use the
+    // segment. cuMemFree waits in practice but does not promise it: wait explicitly.
+    synchronize_device(device);
     call_void(device, "cuMemFree_v2", [&] { return api_.cuMemFree(addr); });
   }
 
@@ -312,13 +311,15 @@ class CudaBackend final : public Backend {
   }
 
   void unmap_range(int device, uintptr_t va, const PhysHandle* handles, size_t n) override {
-    // cuMemUnmap does not wait for queued work, and a kernel still using
-    // the range would fault; block frees are stream ordered, so such work
-    // may exist. Wait for the device first, as segment_free does (PyTorch's
-    // expandable segments likewise synchronize before unmapping): once for
-    // the whole range, which may hold many granules.
-    call_void(device, "cuCtxSynchronize", [&] { return api_.cuCtxSynchronize(); });
+    // cuMemUnmap does not wait for queued work, and a kernel still using the range would
+    // fault (block frees are stream ordered). Wait for the device first, as segment_free and
+    // PyTorch's expandable segments do: once for the whole range, however many granules.
+    synchronize_device(device);
     call_void(device, "cuMemUnmap", [&] { return unmap_chunks(api_, va, handles, n).result; });
+  }
+
+  void synchronize_device(int device) override {
+    call_void(device, "cuCtxSynchronize", [&] { return api_.cuCtxSynchronize(); });
   }
 
   // ---- events and streams --------------------------------------------------------
@@ -380,7 +381,6 @@ class CudaBackend final : public Backend {
   }
 
   // ---- copies ------------------------------------------------------------------------
-
   Status copy_to_host_async(int device, void* dst, uintptr_t src, size_t size, StreamId stream) override {
     return copied(device, "cuMemcpyDtoHAsync_v2", [&] { return api_.cuMemcpyDtoHAsync(dst, src, size, to_stream(stream)); });
   }

@@ -1,6 +1,6 @@
 """Moving slivers (Note [Moving slivers] in allocator/src/device/move.cpp).
 
-Ladder step 2b: when no whole granule is left and sharing cannot serve a request, the live
+Ladder step 4b: when no whole granule is left and nothing else serves a request, the live
 end of one granule is copied into another granule whose live part lies at other offsets,
 that granule is mapped in its place, and the first goes back to the backend. On the host
 backend granules are real memfd chunks, so the tests read the bytes back through the moved
@@ -167,3 +167,25 @@ def test_the_first_move_is_told_on_stderr(apart: tuple[Allocator, dict[str, int]
         assert "moved the live bytes of 1 granule(s)" in told and "PYALLOC_CONF=move=0" in told
     finally:
         pyalloc.configure("oom_report=0")
+
+
+def test_a_granule_free_at_both_ends_is_paired_either_way() -> None:
+    """Granule 1 is free at its start (live from q = 2 units) and at its end (live up to p = 3):
+    taken as the partner of granule 0 (p = 1), it would leave granules 2 (q = 3) and 3 (q = 6)
+    with no partner; as the partner of granule 3 it lets granule 0 pair with granule 2, and two
+    granules come back (units of 256 KiB, 8 to a granule; a review found the first answer)."""
+    unit = 256 * KiB
+    a = rebuilt("sim", "vmm=shared", "capacity=8MiB,share=0")
+    try:
+        plan = [("l0", 1), ("f1a", 5), ("f1b", 4), ("l1", 1), ("f2a", 4), ("f2b", 4), ("l2", 5),
+                ("f3a", 3), ("f3b", 3), ("l3", 2)]
+        ptrs = {name: a.malloc(units * unit) for name, units in plan}
+        for name in ("f1a", "f1b", "f2a", "f2b", "f3a", "f3b"):
+            a.free(ptrs.pop(name))
+        assert a.stats()["reserved_bytes.all.current"] == 8 * MiB
+        assert a.malloc(4 * MiB) != 0
+        s = a.stats()
+        assert s["num_moved_granules"] == 2 and s["num_ooms"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)

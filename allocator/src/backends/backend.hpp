@@ -97,6 +97,9 @@ class Backend {
   virtual void event_synchronize(int device, EventHandle event) = 0;
   // Returns the event to the backend's pool.
   virtual void event_release(int device, EventHandle event) = 0;
+  // Waits for the work queued on every stream of `device` (cuda:
+  // cuCtxSynchronize): before live bytes are copied (Note [Moving slivers]).
+  virtual void synchronize_device(int device) = 0;
   // Makes future work on `stream` wait for `event`.
   virtual Status stream_wait(int device, StreamId stream, EventHandle event) = 0;
 

@@ -88,6 +88,7 @@ class SimBackend final : public Backend {
   Status copy_to_device_async(int, uintptr_t, const void*, size_t, StreamId) override {
     return Status::failure("sim backend: no bytes to copy (addresses are fake)");
   }
+  void synchronize_device(int) override {}
   // Nothing is behind the addresses: a move's copy is its bookkeeping alone
   // (Note [Moving slivers]), as a map is.
   Status copy_device_async(int, uintptr_t, uintptr_t, size_t, StreamId) override { return Status::success(); }

@@ -112,6 +112,10 @@ class MeteredBackend final : public Backend {
   Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size, StreamId stream) override {
     return inner_->copy_to_device_async(device, dst, src, size, stream);
   }
+  void synchronize_device(int device) override {
+    BackendMeter& m = meter(device);
+    counted(m.waits, m.wait_ns, [&] { inner_->synchronize_device(device); });
+  }
   Status copy_device_async(int device, uintptr_t dst, uintptr_t src, size_t size, StreamId stream) override {
     return inner_->copy_device_async(device, dst, src, size, stream);
   }

@@ -361,10 +361,12 @@ class DeviceAllocator {
   void untwin(Segment* arena, size_t slot);
   bool untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t skip_hi);
   bool spare_covers(size_t rounded, const Block* fit = nullptr);
-  // Moving slivers (Note [Moving slivers] in move.cpp): ladder step 2b.
-  size_t move_slivers();
-  size_t move_in(Segment* arena);
+  // Moving slivers (Note [Moving slivers] in move.cpp): ladder step 4b.
+  Block* move_and_retry(Pool& pool, size_t rounded, StreamId stream);
+  size_t move_slivers(size_t wanted);
+  size_t move_in(Segment* arena, size_t wanted, bool* synchronized);
   bool movable(Block* from, uintptr_t lo, uintptr_t hi) const;
+  void prune_exported();
 
   // Placement policies (placement.cpp): lifetime-aware placement (Note
   // [Lifetime-aware placement] in policy/lifetime.cpp) and iteration plans

@@ -107,7 +107,10 @@ bool DeviceAllocator::ipc_export(uintptr_t addr, std::string* handle, size_t* of
     h.granule = g;
     *offset = addr - (seg->base + first * g);
   }
-  if (seg->arena) exported_.insert(addr);  // its granules are the importers' too: never moved
+  if (seg->arena) {  // its granules are the importers' too: never moved (Note [Moving slivers])
+    if (exported_.size() >= 256) prune_exported();
+    exported_.insert(addr);
+  }
   h.parts = static_cast<uint32_t>(parts.size());
   handle->assign(reinterpret_cast<const char*>(&h), sizeof h);
   for (size_t i = 0; i < parts.size(); ++i) {

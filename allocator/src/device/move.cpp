@@ -23,30 +23,40 @@
 // changes: what the program holds stays valid, and a CUDA graph's kernels
 // find the same bytes at the same addresses.
 //
-// Which granules move (move_slivers): per arena, the granules with a free
-// end (a: free from p to the end, p > 0) and those with a free start (b:
-// free up to q < g, every block after it allocated or free, none used on
-// another stream, pending, or shared with another process: Note [Sharing
-// blocks], whose importers map b's physical granule itself); single
-// granules only, no twins, no granule of an extent (I16). Each b takes the
-// a with the smallest p <= q not yet taken, b by b in increasing q: that
-// pairs as many as any matching can. All copies are queued on the arena's
-// stream (ordered after the work queued there on the blocks they copy), the
-// stream is synchronized once, and then each pair is remapped.
+// Which granules move (move_in): per arena, the granules with a free end
+// (a: free from p to the end, p > 0) and those with a free start (b: free up
+// to q < g, every block after it allocated or free, none used on another
+// stream by record_stream, pending, or shared with another process: Note
+// [Sharing blocks], whose importers map b's physical granule itself); single
+// granules only, no twins, no granule of an extent (I16). b by b in
+// increasing q, each takes a granule a with p <= q that no pair has taken
+// (match): without granules free at both ends, that pairs as many as any
+// matching can. A granule free at both ends may be either; it plays a in one
+// pass and b in another, and the pass with more pairs is taken. Of the pairs,
+// those that copy the fewest bytes go first, as many as the caller wants.
 //
-// When: ladder step 2b, after stitching and sharing found too few granules
-// and before the pressure callbacks: a request that would otherwise fail,
-// never one the cache or a growth can serve. It costs a copy of at most a
-// granule per pair (on an H100, 2 MiB in about a microsecond), one stream
-// synchronization, and an unmap, a map and a release per pair.
+// Ordering: every stream of the device is synchronized first (a block may be
+// used on a stream other than its own, ordered by the program's events and
+// not recorded with record_stream: its bytes must be final before they are
+// copied); the copies are queued on the arena's stream, which is
+// synchronized once; then each pair is remapped (on cuda each unmap waits for
+// the device again, idle by then).
+//
+// When: ladder step 4b, the last before a request fails: after stitching,
+// sharing, the pressure callbacks and gpumemd, never for a request that any
+// of them serves; first as many pairs as the request spans granules and two
+// more, then, if that was not enough, all. A copy of at most a granule per
+// pair (on an H100, 2 MiB in a few microseconds with the launch), and an
+// unmap, a map and a release per pair.
 //
 // The cost of the rule: PyTorch's allocator never moves live memory, and
-// neither does pyalloc until a request would fail. Between the copy and the
-// remap (microseconds, under the allocator's lock, after the stream's queued
-// work), a kernel that ANOTHER thread launches on a moved block would read
-// or write the old granule, and its writes would be lost. A program that
-// launches work on one device from several threads at once (not a training
-// loop's single thread and its allocator calls) should set move=0.
+// neither does pyalloc until a request would otherwise fail. Between the copy
+// and the remap (microseconds, under the allocator's lock), a kernel that
+// ANOTHER thread launches on a moved block would read or write the old
+// granule, and its writes would be lost. A program that launches work on one
+// device from several threads at once (an inference server's workers, not a
+// training loop's thread and autograd's) should set move=0; the first move is
+// told on stderr, to make that choice visible.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -70,28 +80,61 @@ namespace {
   std::abort();
 }
 
-// A granule with a free end (kind a) or a free start (kind b): its slot, the
-// offset where its live part ends (a) or starts (b), and a free block that
-// held the free part when it was found (it may be split since; near()).
+// A granule with a free end (an a) or a free start (a b): its slot, its
+// edge (an a's live part ends there, at p; a b's starts there, at q), and a
+// free block that held its free part when it was found.
 struct Sliver {
   size_t slot;
-  size_t offset;
+  size_t edge;
   Block* free;
 };
 
+struct Pair {
+  Sliver a, b;
+};
+
 // The block holding `addr`, walked to from `from`, a block of the same
-// segment (moves split free blocks; none is deleted meanwhile).
+// segment. Moves only split free blocks (lend, carve_free): none is merged
+// or deleted meanwhile, so `from` is still a block.
 Block* near(Block* from, uintptr_t addr) {
   while (end_of(from) <= addr) from = from->next;
   while (from->addr > addr) from = from->prev;
   return from;
 }
 
+// Note [Moving slivers]: b by b in increasing q (`starts`), each takes the
+// first a in increasing p (`ends`) with p <= q whose granule no pair took.
+// Granules in `skip` play no part. `used` is scratch, one flag per slot.
+std::vector<Pair> match(const std::vector<Sliver>& ends, const std::vector<Sliver>& starts,
+                        const std::vector<bool>& skip_as_a, const std::vector<bool>& skip_as_b,
+                        std::vector<bool>* used) {
+  std::fill(used->begin(), used->end(), false);
+  std::vector<Pair> pairs;
+  std::vector<const Sliver*> open;  // ends with p <= the current q, in increasing p
+  size_t next_end = 0;
+  for (const Sliver& b : starts) {
+    while (next_end < ends.size() && ends[next_end].edge <= b.edge) {
+      if (!skip_as_a[ends[next_end].slot]) open.push_back(&ends[next_end]);
+      ++next_end;
+    }
+    if (skip_as_b[b.slot] || (*used)[b.slot]) continue;
+    for (auto it = open.begin(); it != open.end(); ++it) {
+      const Sliver& a = **it;
+      if ((*used)[a.slot] || a.slot == b.slot) continue;
+      (*used)[a.slot] = (*used)[b.slot] = true;
+      pairs.push_back({a, b});
+      open.erase(it);
+      break;
+    }
+  }
+  return pairs;
+}
+
 }  // namespace
 
 // Whether the blocks of [lo, hi) (inside one mapped granule of `arena`) may
 // be moved to another physical granule: each allocated or free, used on its
-// own stream only, never exported.
+// own stream only as far as record_stream says, never exported.
 bool DeviceAllocator::movable(Block* from, uintptr_t lo, uintptr_t hi) const {
   for (Block* b = near(from, lo); b != nullptr && b->addr < hi; b = b->next) {
     if (b->is_free()) continue;
@@ -100,16 +143,37 @@ bool DeviceAllocator::movable(Block* from, uintptr_t lo, uintptr_t hi) const {
   return true;
 }
 
-// Ladder step 2b (Note [Moving slivers]): moves what pairs of slivers it can
-// find in the arenas of this device; returns the granules given back.
-size_t DeviceAllocator::move_slivers() {
-  if (!moving_ || vmm_ == VmmMode::kOff || capturing_ > 0) return 0;  // Note [Capture]
-  // Exports of blocks freed since: their address no longer names one.
+// Forgets exports of blocks freed since: their address no longer names one
+// (a block allocated at the same address since stays unmoved, to be safe).
+void DeviceAllocator::prune_exported() {
   for (auto it = exported_.begin(); it != exported_.end();) {
     it = live_.find(*it) == nullptr ? exported_.erase(it) : std::next(it);
   }
+}
+
+// Ladder step 4b (Note [Moving slivers] and [Pressure ladder]): moves pairs,
+// as many as the request spans granules and two more, then all, stitching
+// after each; the block, or nullptr.
+Block* DeviceAllocator::move_and_retry(Pool& pool, size_t rounded, StreamId stream) {
+  if (!moving_ || !pool.in_arenas || vmm_ == VmmMode::kOff || capturing_ > 0) return nullptr;  // Note [Capture]
+  for (const size_t wanted : {rounded / granule() + 2, SIZE_MAX}) {
+    const size_t moved = move_slivers(wanted);
+    if (moved == 0) return nullptr;
+    if (Block* b = stitch(pool, rounded, stream)) return b;
+    if (moved < wanted) return nullptr;  // every pair moved already
+  }
+  return nullptr;
+}
+
+// Moves up to `wanted` pairs of slivers in the arenas of this device; returns
+// the granules given back.
+size_t DeviceAllocator::move_slivers(size_t wanted) {
+  prune_exported();
+  bool synchronized = false;
   size_t moved = 0;
-  for_each_arena([&](Segment* arena) { moved += move_in(arena); });
+  for_each_arena([&](Segment* arena) {
+    if (moved < wanted) moved += move_in(arena, wanted - moved, &synchronized);
+  });
   if (moved == 0) return 0;
   reserved_changed();
   if (oom_report_ && !move_told_) {  // once: a program should know its live memory moves
@@ -123,11 +187,15 @@ size_t DeviceAllocator::move_slivers() {
   return moved;
 }
 
-size_t DeviceAllocator::move_in(Segment* arena) {
+// Moves up to `wanted` pairs of `arena`; the device is synchronized before
+// the first copy (*synchronized says whether it was).
+size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronized) {
   const size_t g = granule_;
   const uintptr_t base = arena->base;
-  auto single = [&](size_t slot) { return arena->phys[slot].size == g && !arena->twinned[slot]; };
-  std::vector<Sliver> ends, starts;  // kind a, kind b
+  auto single = [&](size_t slot) {  // no extent (I16) and no twin (I13): a granule of its own
+    return arena->phys[slot].size == g && !arena->twinned[slot];
+  };
+  std::vector<Sliver> ends, starts;  // a's, b's
   for (Block* b = arena->head; b != nullptr; b = b->next) {
     if (!b->is_free()) continue;  // holes too: they start and end on boundaries
     const size_t first = (b->addr - base) / g;
@@ -140,42 +208,33 @@ size_t DeviceAllocator::move_in(Segment* arena) {
     }
   }
   if (ends.empty() || starts.empty()) return 0;
-  auto by_offset = [](const Sliver& x, const Sliver& y) { return x.offset < y.offset; };
-  std::sort(ends.begin(), ends.end(), by_offset);
-  std::sort(starts.begin(), starts.end(), by_offset);
+  auto by_edge = [](const Sliver& x, const Sliver& y) { return x.edge < y.edge; };
+  std::sort(ends.begin(), ends.end(), by_edge);
+  std::sort(starts.begin(), starts.end(), by_edge);
 
-  // Each b takes the a with the smallest p <= q not taken yet (and not b itself).
-  std::vector<std::pair<Sliver, Sliver>> pairs;
-  size_t next_end = 0;
-  std::vector<size_t> open;  // ends with p <= the current q, not taken, in order of p
-  for (const Sliver& b : starts) {
-    while (next_end < ends.size() && ends[next_end].offset <= b.offset) open.push_back(next_end++);
-    for (auto it = open.begin(); it != open.end(); ++it) {
-      const Sliver& a = ends[*it];
-      if (a.slot == b.slot) continue;
-      pairs.emplace_back(a, b);
-      open.erase(it);
-      break;
-    }
-  }
-  // A granule is an a or a b, never both: one with a free start and a free
-  // end may have been taken twice; the later pair goes.
-  std::vector<bool> taken(arena->phys.size());
-  std::vector<std::pair<Sliver, Sliver>> kept;
-  for (const auto& pr : pairs) {
-    if (taken[pr.first.slot] || taken[pr.second.slot]) continue;
-    taken[pr.first.slot] = taken[pr.second.slot] = true;
-    kept.push_back(pr);
-  }
-  if (kept.empty()) return 0;
+  // A granule free at both ends is an a in one pass and a b in the other.
+  const size_t slots = arena->phys.size();
+  std::vector<bool> is_end(slots), dual(slots), none(slots), used(slots);
+  for (const Sliver& a : ends) is_end[a.slot] = true;
+  for (const Sliver& b : starts) dual[b.slot] = is_end[b.slot];
+  std::vector<Pair> pairs = match(ends, starts, none, dual, &used);
+  std::vector<Pair> other = match(ends, starts, dual, none, &used);
+  if (other.size() > pairs.size()) pairs.swap(other);
+  std::sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) { return x.b.edge > y.b.edge; });
+  if (pairs.size() > wanted) pairs.resize(wanted);  // the smallest copies
+  if (pairs.empty()) return 0;
 
-  // The copies, queued on the arena's stream; then one synchronization.
-  std::vector<std::pair<Sliver, Sliver>> copied;
-  for (const auto& [a, b] : kept) {
-    const uintptr_t from = base + b.slot * g + b.offset;
-    const uintptr_t to = base + a.slot * g + b.offset;
+  // Every stream's work first, then the copies on the arena's stream, then one wait for them.
+  if (!*synchronized) {
     breaks_capture();
-    if (succeeded(backend_->copy_device_async(device_, to, from, g - b.offset, arena->stream))) copied.push_back({a, b});
+    backend_->synchronize_device(device_);
+    *synchronized = true;
+  }
+  std::vector<Pair> copied;
+  for (const Pair& pr : pairs) {
+    const uintptr_t from = base + pr.b.slot * g + pr.b.edge;
+    const uintptr_t to = base + pr.a.slot * g + pr.b.edge;
+    if (succeeded(backend_->copy_device_async(device_, to, from, g - pr.b.edge, arena->stream))) copied.push_back(pr);
   }
   if (copied.empty() || !synchronize_stream(arena)) return 0;
 
@@ -192,13 +251,13 @@ size_t DeviceAllocator::move_in(Segment* arena) {
     }
     release_chunks(&own, 1);
     arena->phys[b.slot] = arena->phys[a.slot];
-    Block* a_lent = lend(near(a.free, a_lo + b.offset), a_lo + b.offset, a_lo + g);
-    Block* b_lent = lend(near(b.free, b_lo), b_lo, b_lo + b.offset);
+    Block* a_lent = lend(near(a.free, a_lo + b.edge), a_lo + b.edge, a_lo + g);
+    Block* b_lent = lend(near(b.free, b_lo), b_lo, b_lo + b.edge);
     pair_twins(arena, a.slot, a_lent, b.slot, b_lent);
     arena->doubled += g;
     stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(g));
     ++stats_.num_moved_granules;
-    stats_.moved_bytes += static_cast<int64_t>(g - b.offset);
+    stats_.moved_bytes += static_cast<int64_t>(g - b.edge);
     ++moved;
   }
   return moved;

@@ -12,14 +12,14 @@
 //   2. stitch (arenas only): unmap granules lying wholly inside free blocks
 //      anywhere on the device, after their streams are synchronized, and map
 //      them where the request needs them (counted in num_stitches);
-//   2b. move (arenas only): copy the live end of a granule into another
+//   3. call the registered pressure callbacks (the offload manager swaps or
+//      drops tensors), WITHOUT the device lock, then retry steps 0-2;
+//   4. ask gpumemd to have other processes trim (DeviceHooks::ask_daemon,
+//      also without the lock), then retry steps 0-2;
+//   4b. move (arenas only): copy the live end of a granule into another
 //      granule whose live part lies elsewhere in it, map that one in its
 //      place and give the first back, pair by pair (Note [Moving slivers]
 //      in move.cpp; counted in num_moved_granules), and stitch again;
-//   3. call the registered pressure callbacks (the offload manager swaps or
-//      drops tensors), WITHOUT the device lock, then retry steps 0-2b;
-//   4. ask gpumemd to have other processes trim (DeviceHooks::ask_daemon,
-//      also without the lock), then retry steps 0-2b;
 //   5. fail: count the OOM, record it in the trace and stats, and return
 //      nullptr with a report naming reserved, allocated, the largest free
 //      block, fragmentation and the biggest live blocks.
@@ -65,7 +65,6 @@ __attribute__((noinline, cold)) Block* DeviceAllocator::malloc_slow(Pool& pool, 
     block = release_and_retry(pool, rounded, stream);
   }
   if (block == nullptr) block = stitch(pool, rounded, stream);  // step 2
-  if (block == nullptr && move_slivers() > 0) block = stitch(pool, rounded, stream);  // step 2b
   size_t callback_freed = 0;
   size_t daemon_freed = 0;
   if (block == nullptr) {  // step 3
@@ -95,6 +94,7 @@ __attribute__((noinline, cold)) Block* DeviceAllocator::malloc_slow(Pool& pool, 
     drop_plan();
     block = retry_after_outside_help(pool, rounded, stream);
   }
+  if (block == nullptr) block = move_and_retry(pool, rounded, stream);  // step 4b
   if (block == nullptr) {  // step 5
     ++stats_.num_ooms;
     trace_.record_oom(size, stream, trace_.capacity() ? backend_->mem_info(device_).free_bytes : 0);
@@ -124,8 +124,7 @@ Block* DeviceAllocator::release_and_retry(Pool& pool, size_t rounded, StreamId s
 Block* DeviceAllocator::retry_after_outside_help(Pool& pool, size_t rounded, StreamId stream) {
   if (Block* b = find_or_grow(pool, rounded, stream)) return b;
   if (Block* b = release_and_retry(pool, rounded, stream)) return b;
-  if (Block* b = stitch(pool, rounded, stream)) return b;
-  return move_slivers() > 0 ? stitch(pool, rounded, stream) : nullptr;
+  return stitch(pool, rounded, stream);
 }
 
 // ---- growing -------------------------------------------------------------------------

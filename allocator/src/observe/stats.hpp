@@ -129,8 +129,8 @@ struct DeviceStats {
   int64_t num_stitches = 0;     // ladder step 2: requests served by remapping free granules
   int64_t stitched_bytes = 0;   // bytes of granules step 2 moved
   int64_t num_shared_granules = 0;  // granules step 2 mapped a second time (Note [Shared granules])
-  int64_t num_moved_granules = 0;   // granules step 2b gave back by moving live bytes (Note [Moving slivers])
-  int64_t moved_bytes = 0;          // bytes step 2b copied
+  int64_t num_moved_granules = 0;   // granules step 4b gave back by moving live bytes (Note [Moving slivers])
+  int64_t moved_bytes = 0;          // bytes step 4b copied
   int64_t num_reuses = 0;        // growths that took cached free granules before new ones (Note [Reuse before growing])
   int64_t reused_bytes = 0;      // bytes of granules those growths moved
   int64_t num_sliver_indexes = 0;   // arenas' sliver indexes built, near a full device (Note [Sliver index])
