@@ -31,7 +31,7 @@
 // granules only, no twins, no granule of an extent (I16). b by b in
 // increasing q, each takes a granule a with p <= q that no pair has taken
 // (match): without granules free at both ends, that pairs as many as any
-// matching can. A granule free at both ends may be either; it plays a in one
+// matching can (every a one b can take, a later b can take too). A granule free at both ends may be either; it plays a in one
 // pass and b in another, and the pass with more pairs is taken. Of the pairs,
 // those that copy the fewest bytes go first, as many as the caller wants.
 //
@@ -102,30 +102,33 @@ Block* near(Block* from, uintptr_t addr) {
   return from;
 }
 
-// Note [Moving slivers]: b by b in increasing q (`starts`), each takes the
-// first a in increasing p (`ends`) with p <= q whose granule no pair took.
-// Granules in `skip` play no part. `used` is scratch, one flag per slot.
+// Note [Moving slivers]: b by b in increasing q (`starts`), each takes an a
+// (`ends`, in increasing p) with p <= q whose granule no pair took: any such
+// a, since every later b has a larger q; the last one found, so that taking
+// it costs nothing. Granules skipped as an a or as a b play no part in that
+// role. `used` is scratch, one flag per slot.
 std::vector<Pair> match(const std::vector<Sliver>& ends, const std::vector<Sliver>& starts,
                         const std::vector<bool>& skip_as_a, const std::vector<bool>& skip_as_b,
                         std::vector<bool>* used) {
-  std::fill(used->begin(), used->end(), false);
+  std::vector<bool>& taken = *used;
+  std::fill(taken.begin(), taken.end(), false);
   std::vector<Pair> pairs;
-  std::vector<const Sliver*> open;  // ends with p <= the current q, in increasing p
+  std::vector<const Sliver*> open;  // ends with p <= the current q
   size_t next_end = 0;
   for (const Sliver& b : starts) {
     while (next_end < ends.size() && ends[next_end].edge <= b.edge) {
       if (!skip_as_a[ends[next_end].slot]) open.push_back(&ends[next_end]);
       ++next_end;
     }
-    if (skip_as_b[b.slot] || (*used)[b.slot]) continue;
-    for (auto it = open.begin(); it != open.end(); ++it) {
-      const Sliver& a = **it;
-      if ((*used)[a.slot] || a.slot == b.slot) continue;
-      (*used)[a.slot] = (*used)[b.slot] = true;
-      pairs.push_back({a, b});
-      open.erase(it);
-      break;
-    }
+    if (skip_as_b[b.slot] || taken[b.slot]) continue;
+    while (!open.empty() && taken[open.back()->slot]) open.pop_back();
+    size_t k = open.size();  // the last open a that is not b's own granule
+    while (k > 0 && (taken[open[k - 1]->slot] || open[k - 1]->slot == b.slot)) --k;
+    if (k == 0) continue;
+    const Sliver& a = *open[k - 1];
+    taken[a.slot] = taken[b.slot] = true;
+    pairs.push_back({a, b});
+    open.erase(open.begin() + static_cast<std::ptrdiff_t>(k - 1));
   }
   return pairs;
 }
