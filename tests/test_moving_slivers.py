@@ -189,3 +189,26 @@ def test_a_granule_free_at_both_ends_is_paired_either_way() -> None:
     finally:
         a.free_all()
         pyalloc.check(0)
+
+
+def test_a_request_moves_the_pairs_it_needs_first() -> None:
+    """Four pairs could move; a 2 MiB request moves as many as it spans granules and two more
+    (three), and stitches from what they gave back, leaving the fourth pair where it is."""
+    a = rebuilt("sim", "vmm=shared", "capacity=32MiB,share=0")
+    try:
+        frees = []
+        for _ in range(4):  # [live 512 KiB | free] [live] [free | live 512 KiB] [live]
+            for size, free in ((512 * KiB, False), (1536 * KiB, True), (2 * MiB, False),
+                               (1536 * KiB, True), (512 * KiB, False), (2 * MiB, False)):
+                ptr = a.malloc(size)
+                if free:
+                    frees.append(ptr)
+        for ptr in frees:
+            a.free(ptr)
+        assert a.stats()["reserved_bytes.all.current"] == 32 * MiB
+        assert a.malloc(2 * MiB) != 0
+        s = a.stats()
+        assert s["num_moved_granules"] == 3 and s["num_ooms"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)
