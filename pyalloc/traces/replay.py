@@ -49,7 +49,7 @@ CAPACITY_STEP = 2 * MiB
 DEFAULT_CAPACITY = 80 << 30
 
 POLICIES = {
-    "pyalloc": "the pyalloc allocator, its defaults (one arena for every size, stitching, shared granules; vmm=auto)",
+    "pyalloc": "the pyalloc allocator, its defaults (one arena for every size, stitching, shared granules, moving slivers; vmm=auto)",
     "pyalloc-small-pool": "the pyalloc allocator with a small pool of plain segments beside the arenas (vmm=on)",
     "pyalloc-plain": "the pyalloc allocator with plain segments only (vmm=off)",
     "pyalloc-plan": "the pyalloc allocator with iteration plans (plan=1)",

@@ -10,7 +10,7 @@ its ratio to peak live), and the allocator's ns per operation.
 Policies:
   pyalloc        this allocator with its defaults, through the same C ABI
                  PyTorch calls (one virtual-memory arena for requests of
-                 every size, stitching, and shared granules)
+                 every size, stitching, shared granules and moving slivers)
   pyalloc-small-pool
                  the previous defaults: arenas for the large pool, a small
                  pool of 2 MiB plain segments for requests up to 1 MiB (vmm=on)
