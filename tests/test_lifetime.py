@@ -189,11 +189,12 @@ def test_a_bad_lifetime_value_names_the_key() -> None:
 
 def test_the_lifetime_policy_lowers_interleaved_lifetimes_min_capacity() -> None:
     """Where long-lived blocks pin memory among short-lived ones, placement needs less than the
-    same allocator without it (deterministic, sim). Shared granules are off on both sides: they
-    use the slivers placement would avoid, and with them both need about the same."""
+    same allocator without it (deterministic, sim). Shared granules and moved slivers are off on
+    both sides: they use the slivers placement would avoid, and with them both need about the
+    same (612 and 610 MiB with moving, 2026-11-27)."""
     w = stress.load_workload("interleaved_lifetimes", seed=0, quick=False)
-    placed = find_min_capacity(w.flat, "pyalloc-lifetime", conf="share=0")
-    assert placed < find_min_capacity(w.flat, "pyalloc", conf="share=0")
+    placed = find_min_capacity(w.flat, "pyalloc-lifetime", conf="share=0,move=0")
+    assert placed < find_min_capacity(w.flat, "pyalloc", conf="share=0,move=0")
     assert find_min_capacity(w.flat, "pyalloc-lifetime") <= find_min_capacity(w.flat, "native")
     result = replay(w.flat, "pyalloc-lifetime", "sim")
     assert result.ooms == 0 and pyalloc.memory_stats()["lifetime_long"] > 0
