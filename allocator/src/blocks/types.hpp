@@ -27,7 +27,8 @@
 //                granules mapped where blocks need them (Note [Arenas]).
 //   hole         a block of an arena with no physical memory behind it.
 //   twin         one of the two granules of an arena that map the same
-//                physical granule (Note [Shared granules], device/share.cpp).
+//                physical granule (Note [Shared granules], device/share.cpp;
+//                a move makes them too: Note [Moving slivers], device/move.cpp).
 //   lent         the part of a twin that the other twin uses: mapped here,
 //                but never handed out or cached here.
 //
