@@ -373,28 +373,24 @@ class CudaBackend final : public Backend {
   }
 
   Status stream_wait(int device, StreamId stream, EventHandle event) override {
-    return in_context(device, [&](DeviceState&) -> Status {
-      const CUresult rc = api_.cuStreamWaitEvent(to_stream(stream), to_event(event), 0);
-      if (rc != CUDA_SUCCESS) return call_failure(device, "cuStreamWaitEvent", rc);
-      return Status::success();
-    });
+    return called(device, "cuStreamWaitEvent", [&] { return api_.cuStreamWaitEvent(to_stream(stream), to_event(event), 0); });
   }
 
   // ---- copies ------------------------------------------------------------------------
   Status copy_to_host_async(int device, void* dst, uintptr_t src, size_t size, StreamId stream) override {
-    return copied(device, "cuMemcpyDtoHAsync_v2", [&] { return api_.cuMemcpyDtoHAsync(dst, src, size, to_stream(stream)); });
+    return called(device, "cuMemcpyDtoHAsync_v2", [&] { return api_.cuMemcpyDtoHAsync(dst, src, size, to_stream(stream)); });
   }
   Status copy_to_device_async(int device, uintptr_t dst, const void* src, size_t size, StreamId stream) override {
-    return copied(device, "cuMemcpyHtoDAsync_v2", [&] { return api_.cuMemcpyHtoDAsync(dst, src, size, to_stream(stream)); });
+    return called(device, "cuMemcpyHtoDAsync_v2", [&] { return api_.cuMemcpyHtoDAsync(dst, src, size, to_stream(stream)); });
   }
   Status copy_device_async(int device, uintptr_t dst, uintptr_t src, size_t size, StreamId stream) override {
-    return copied(device, "cuMemcpyDtoDAsync_v2", [&] { return api_.cuMemcpyDtoDAsync(dst, src, size, to_stream(stream)); });
+    return called(device, "cuMemcpyDtoDAsync_v2", [&] { return api_.cuMemcpyDtoDAsync(dst, src, size, to_stream(stream)); });
   }
 
  private:
-  // One copy call in the device's context; a failure names the function.
+  // One driver call in the device's context; a failure names the function.
   template <typename Call>
-  Status copied(int device, const char* name, Call call) {
+  Status called(int device, const char* name, Call call) {
     return in_context(device, [&](DeviceState&) -> Status {
       const CUresult rc = call();
       return rc == CUDA_SUCCESS ? Status::success() : call_failure(device, name, rc);

@@ -28,12 +28,16 @@
 // to q < g, every block after it allocated or free, none used on another
 // stream by record_stream, pending, or shared with another process: Note
 // [Sharing blocks], whose importers map b's physical granule itself); single
-// granules only, no twins, no granule of an extent (I16). b by b in
+// granules only, no twins, no granule of an extent (I16). Both kinds are
+// what the arena's sliver index lists, in offset order (Note [Sliver
+// index]); a move builds the indexes when sharing has not. b by b in
 // increasing q, each takes a granule a with p <= q that no pair has taken
 // (match): without granules free at both ends, that pairs as many as any
-// matching can (every a one b can take, a later b can take too). A granule free at both ends may be either; it plays a in one
-// pass and b in another, and the pass with more pairs is taken. Of the pairs,
-// those that copy the fewest bytes go first, as many as the caller wants.
+// matching can (every a one b can take, a later b can take too). A granule
+// free at both ends may be either; it plays a in one pass and b in another,
+// and the pass with more pairs is taken (one pass when there is none). Of the
+// pairs, those that copy the fewest bytes go first, as many as the caller
+// wants.
 //
 // Ordering: every stream of the device is synchronized first (a block may be
 // used on a stream other than its own, ordered by the program's events and
@@ -64,6 +68,7 @@
 #include <vector>
 
 #include "blocks/arena.hpp"
+#include "blocks/sliver_index_inl.hpp"
 #include "device/device_allocator.hpp"
 #include "device/fast_path.hpp"
 
@@ -172,6 +177,7 @@ Block* DeviceAllocator::move_and_retry(Pool& pool, size_t rounded, StreamId stre
 // the granules given back.
 size_t DeviceAllocator::move_slivers(size_t wanted) {
   prune_exported();
+  index_slivers();  // move_in reads the slivers from it
   bool synchronized = false;
   size_t moved = 0;
   for_each_arena([&](Segment* arena) {
@@ -198,22 +204,18 @@ size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronize
   auto single = [&](size_t slot) {  // no extent (I16) and no twin (I13): a granule of its own
     return arena->phys[slot].size == g && !arena->twinned[slot];
   };
-  std::vector<Sliver> ends, starts;  // a's, b's
-  for (Block* b = arena->head; b != nullptr; b = b->next) {
-    if (!b->is_free()) continue;  // holes too: they start and end on boundaries
-    const size_t first = (b->addr - base) / g;
-    const size_t p = (b->addr - base) % g;  // a live block before it in its first granule, unless 0
-    const size_t last = (end_of(b) - base) / g;
-    const size_t q = (end_of(b) - base) % g;  // a live block after it in its last granule, unless 0
-    if (p != 0 && last > first && single(first)) ends.push_back({first, p, b});
-    if (q != 0 && b->addr <= base + last * g && single(last) && movable(b, end_of(b), base + (last + 1) * g)) {
-      starts.push_back({last, q, b});
-    }
+  // The sliver index lists both kinds, each in increasing offset (Note [Sliver index]).
+  const SliverIndex& slivers = arena->slivers;
+  std::vector<Sliver> ends, starts;  // a's (in increasing p), b's (in increasing q)
+  for (Block* b = slivers.first(SliverIndex::kEnd, 1); b != nullptr; b = slivers.next(SliverIndex::kEnd, b)) {
+    const size_t slot = (b->addr - base) / g;
+    if (single(slot)) ends.push_back({slot, (b->addr - base) % g, b});
+  }
+  for (Block* b = slivers.first(SliverIndex::kStart, 1); b != nullptr; b = slivers.next(SliverIndex::kStart, b)) {
+    const size_t slot = (end_of(b) - base) / g;
+    if (single(slot) && movable(b, end_of(b), base + (slot + 1) * g)) starts.push_back({slot, (end_of(b) - base) % g, b});
   }
   if (ends.empty() || starts.empty()) return 0;
-  auto by_edge = [](const Sliver& x, const Sliver& y) { return x.edge < y.edge; };
-  std::sort(ends.begin(), ends.end(), by_edge);
-  std::sort(starts.begin(), starts.end(), by_edge);
 
   // A granule free at both ends is an a in one pass and a b in the other.
   const size_t slots = arena->phys.size();
@@ -221,8 +223,10 @@ size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronize
   for (const Sliver& a : ends) is_end[a.slot] = true;
   for (const Sliver& b : starts) dual[b.slot] = is_end[b.slot];
   std::vector<Pair> pairs = match(ends, starts, none, dual, &used);
-  std::vector<Pair> other = match(ends, starts, dual, none, &used);
-  if (other.size() > pairs.size()) pairs.swap(other);
+  if (std::find(dual.begin(), dual.end(), true) != dual.end()) {
+    std::vector<Pair> other = match(ends, starts, dual, none, &used);
+    if (other.size() > pairs.size()) pairs.swap(other);
+  }
   std::sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) { return x.b.edge > y.b.edge; });
   if (pairs.size() > wanted) pairs.resize(wanted);  // the smallest copies
   if (pairs.empty()) return 0;
