@@ -198,6 +198,23 @@ def test_a_granule_free_at_both_ends_is_paired_either_way() -> None:
         pyalloc.check(0)
 
 
+def test_granules_free_at_both_ends_pair_with_each_other() -> None:
+    """Granules 0 and 2 are free at both ends, live in the middle only (at unit 1 and unit 5;
+    granule 1 is live throughout): one is the other's a. Trying each such granule as an a in one
+    pass and as a b in another paired neither (found on lstm_varlen's last failing request)."""
+    unit = 256 * KiB
+    a = rebuilt("sim", "vmm=shared", "capacity=6MiB,share=0")
+    try:
+        plan = [("f0a", 1), ("l0", 1), ("f0b", 6), ("l1", 8), ("f2a", 5), ("l2", 1), ("f2b", 2)]
+        ptrs = {name: a.malloc(units * unit) for name, units in plan}
+        for name in ("f0a", "f0b", "f2a", "f2b"):
+            a.free(ptrs.pop(name))
+        assert moved_to_serve(a, 2 * MiB, full=6 * MiB) == 1
+    finally:
+        a.free_all()
+        pyalloc.check(0)
+
+
 def test_a_request_moves_the_pairs_it_needs_first() -> None:
     """Four pairs could move; a 2 MiB request moves as many as it spans granules and two more
     (three), and stitches from what they gave back, leaving the fourth pair where it is."""

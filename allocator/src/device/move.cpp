@@ -30,14 +30,11 @@
 // [Sharing blocks], whose importers map b's physical granule itself); single
 // granules only, no twins, no granule of an extent (I16). Both kinds are
 // what the arena's sliver index lists, in offset order (Note [Sliver
-// index]); a move builds the indexes when sharing has not. b by b in
-// increasing q, each takes a granule a with p <= q that no pair has taken
-// (match): without granules free at both ends, that pairs as many as any
-// matching can (every a one b can take, a later b can take too). A granule
-// free at both ends may be either; it plays a in one pass and b in another,
-// and the pass with more pairs is taken (one pass when there is none). Of the
-// pairs, those that copy the fewest bytes go first, as many as the caller
-// wants.
+// index]); a move builds the indexes when sharing has not. A granule free
+// at both ends may be either. The pairs (match) are as many as any matching
+// finds in all but a few odd cases (pair_slivers, Note [Pairing
+// slivers]). Of the pairs, those that copy the fewest bytes go first, as many
+// as the caller wants.
 //
 // Ordering: every stream of the device is synchronized first (a block may be
 // used on a stream other than its own, ordered by the program's events and
@@ -69,6 +66,7 @@
 
 #include "blocks/arena.hpp"
 #include "blocks/sliver_index_inl.hpp"
+#include "blocks/sliver_pairs.hpp"
 #include "device/device_allocator.hpp"
 #include "device/fast_path.hpp"
 
@@ -85,8 +83,8 @@ namespace {
   std::abort();
 }
 
-// A granule with a free end (an a) or a free start (a b): its slot, its
-// edge (an a's live part ends there, at p; a b's starts there, at q), and a
+// A granule with a free end (an a) or a free start (a b), as pair_slivers
+// takes them: its slot, its edge (an a's live part ends there, at p; a b's starts there, at q), and a
 // free block that held its free part when it was found.
 struct Sliver {
   size_t slot;
@@ -105,37 +103,6 @@ Block* near(Block* from, uintptr_t addr) {
   while (end_of(from) <= addr) from = from->next;
   while (from->addr > addr) from = from->prev;
   return from;
-}
-
-// Note [Moving slivers]: b by b in increasing q (`starts`), each takes an a
-// (`ends`, in increasing p) with p <= q whose granule no pair took: any such
-// a, since every later b has a larger q; the last one found, so that taking
-// it costs nothing. Granules skipped as an a or as a b play no part in that
-// role. `used` is scratch, one flag per slot.
-std::vector<Pair> match(const std::vector<Sliver>& ends, const std::vector<Sliver>& starts,
-                        const std::vector<bool>& skip_as_a, const std::vector<bool>& skip_as_b,
-                        std::vector<bool>* used) {
-  std::vector<bool>& taken = *used;
-  std::fill(taken.begin(), taken.end(), false);
-  std::vector<Pair> pairs;
-  std::vector<const Sliver*> open;  // ends with p <= the current q
-  size_t next_end = 0;
-  for (const Sliver& b : starts) {
-    while (next_end < ends.size() && ends[next_end].edge <= b.edge) {
-      if (!skip_as_a[ends[next_end].slot]) open.push_back(&ends[next_end]);
-      ++next_end;
-    }
-    if (skip_as_b[b.slot] || taken[b.slot]) continue;
-    while (!open.empty() && taken[open.back()->slot]) open.pop_back();
-    size_t k = open.size();  // the last open a that is not b's own granule
-    while (k > 0 && (taken[open[k - 1]->slot] || open[k - 1]->slot == b.slot)) --k;
-    if (k == 0) continue;
-    const Sliver& a = *open[k - 1];
-    taken[a.slot] = taken[b.slot] = true;
-    pairs.push_back({a, b});
-    open.erase(open.begin() + static_cast<std::ptrdiff_t>(k - 1));
-  }
-  return pairs;
 }
 
 }  // namespace
@@ -217,16 +184,8 @@ size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronize
   }
   if (ends.empty() || starts.empty()) return 0;
 
-  // A granule free at both ends is an a in one pass and a b in the other.
-  const size_t slots = arena->phys.size();
-  std::vector<bool> is_end(slots), dual(slots), none(slots), used(slots);
-  for (const Sliver& a : ends) is_end[a.slot] = true;
-  for (const Sliver& b : starts) dual[b.slot] = is_end[b.slot];
-  std::vector<Pair> pairs = match(ends, starts, none, dual, &used);
-  if (std::find(dual.begin(), dual.end(), true) != dual.end()) {
-    std::vector<Pair> other = match(ends, starts, dual, none, &used);
-    if (other.size() > pairs.size()) pairs.swap(other);
-  }
+  std::vector<Pair> pairs;
+  for (const auto& [a, b] : pair_slivers(ends, starts, arena->phys.size())) pairs.push_back({*a, *b});
   std::sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) { return x.b.edge > y.b.edge; });
   if (pairs.size() > wanted) pairs.resize(wanted);  // the smallest copies
   if (pairs.empty()) return 0;
