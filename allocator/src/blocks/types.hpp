@@ -136,7 +136,13 @@ struct Segment;
 // A Block is three cache lines, aligned. The first holds what a walk reads
 // in the blocks it passes: a free-set class walk (size, addr, bin_next),
 // coalescing's look at a neighbour (state, size, the free-set links), best
-// fit. The rest is what only the block's own malloc or free reads. With 10^5
+// fit. The second holds the rest of what the fast path's own malloc or free
+// reads and writes (requested, pool, stream, uses, freed_at): a free of a
+// block whose records are out of the cache misses these two lines and no
+// third (freed_at in the third: 0.65 more misses an operation of a
+// simulated 2 MiB cache at 10^5 live blocks; the CPU's adjacent-line
+// prefetch hid most of it: ns/op the same within noise,
+// docs/benchmarks/2026-11-28-scale-misses-cpu.md). With 10^5
 // live blocks a churn's blocks no longer fit the CPU's caches and each block
 // a walk passes costs a miss: one line per block instead of two took the
 // D1 misses of tools/bench/scale.cpp's churn at 10^5 live blocks from 26.8
@@ -157,22 +163,28 @@ struct alignas(64) Block {
   uint8_t sliver_kinds = 0;  // bit k: listed as a sliver of kind k (Note [Sliver index])
   int bin_class = -1;          // FreeSet::size_class(size), set when it enters a free set and
                                // kept while allocated (its size does not change then)
-  // ---- the second cache line
+  // ---- the second cache line: the rest of what the fast path's malloc and free touch
   size_t requested = 0;      // bytes the caller asked for; 0 unless allocated/pending
   Pool* pool = nullptr;      // == segment->pool, kept here for the fast path
   StreamId stream = 0;       // == segment->stream, likewise
   std::vector<StreamId> uses;  // streams recorded by record_stream (rarely non-empty)
-  uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
-                               // (stale otherwise: SequenceLearner ignores old numbers)
-  uint64_t lifetime_number = UINT64_MAX;  // its request number in LifetimeLearner, while learning
   uint64_t freed_at = 0;  // while free: the allocator's count of frees when a request freed it
                           // (coalesced with free neighbours); 0 for memory no request freed as
                           // it is (a split's remainder, a hole just mapped): Note [Cold donors]
+  uint64_t born = UINT64_MAX;  // its number in the planner's observation, while observed
+                               // (stale otherwise: SequenceLearner ignores old numbers)
+  // ---- the third: the lifetime learner's and the sliver index's, off the fast path
+  uint64_t lifetime_number = UINT64_MAX;  // its request number in LifetimeLearner, while learning
   Block* sliver_prev[2] = {nullptr, nullptr};  // neighbours in its arena's sliver lists, while
   Block* sliver_next[2] = {nullptr, nullptr};  // free and indexed (Note [Sliver index])
 
   bool is_free() const { return state == BlockState::kFree; }
 };
+// Note [Block layout]: what a walk reads in the first line, the rest of the
+// fast path's in the second.
+static_assert(offsetof(Block, bin_class) + sizeof(int) <= 64 && offsetof(Block, requested) == 64 &&
+                  offsetof(Block, freed_at) + sizeof(uint64_t) <= 128,
+              "Note [Block layout]: a Block's fields moved across its cache lines");
 
 // One granule of a pair of twins (Note [Shared granules] in
 // device/share.cpp): the granule that maps the same physical granule, and
