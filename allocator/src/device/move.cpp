@@ -31,10 +31,9 @@
 // granules only, no twins, no granule of an extent (I16). Both kinds are
 // what the arena's sliver index lists, in offset order (Note [Sliver
 // index]); a move builds the indexes when sharing has not. A granule free
-// at both ends may be either. The pairs (match) are as many as any matching
-// finds in all but a few odd cases (pair_slivers, Note [Pairing
-// slivers]). Of the pairs, those that copy the fewest bytes go first, as many
-// as the caller wants.
+// at both ends may be either. The pairs are as many as any matching finds,
+// or within 1% of it (pair_slivers, Note [Pairing slivers]). Of the pairs,
+// those that copy the fewest bytes go first, as many as the caller wants.
 //
 // Ordering: every stream of the device is synchronized first (a block may be
 // used on a stream other than its own, ordered by the program's events and
