@@ -215,6 +215,76 @@ def test_granules_free_at_both_ends_pair_with_each_other() -> None:
         pyalloc.check(0)
 
 
+@pytest.fixture(params=["host", "sim"])
+def nested(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, dict[str, int]]]:
+    """A 6 MiB device, full, sharing off, in units of 256 KiB: h keeps units 0 and 7 of granule 0
+    (its middle, 1 to 7, free), c all of granule 1, u unit 3 of granule 2 (free at both ends).
+    No cut pairs them (h is live at both ends); u's live part lies inside h's free middle."""
+    a = rebuilt(request.param, "vmm=shared", "capacity=6MiB,share=0")
+    unit = 256 * KiB
+    plan = [("h0", 1), ("hf", 6), ("h1", 1), ("c", 8), ("uf0", 3), ("u", 1), ("uf1", 4)]
+    blocks = {name: a.malloc(units * unit) for name, units in plan}
+    if a.backend == "host":
+        for name, byte in (("h0", 0xA1), ("h1", 0xA2), ("c", 0xC1), ("u", 0xB1)):
+            fill(blocks[name], a.live[blocks[name]][0], byte)
+    for name in ("hf", "uf0", "uf1"):
+        a.free(blocks.pop(name))
+    assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
+    yield a, blocks
+    a.free_all()
+    pyalloc.check(0)
+    pyalloc.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+
+
+def nested_intact(a: Allocator, blocks: dict[str, int]) -> bool:
+    return a.backend != "host" or all(
+        holds(blocks[name], a.live[blocks[name]][0], byte)
+        for name, byte in (("h0", 0xA1), ("h1", 0xA2), ("c", 0xC1), ("u", 0xB1)) if name in blocks
+    )
+
+
+def test_a_granule_live_inside_anothers_free_middle_moves_there(nested: tuple[Allocator, dict[str, int]]) -> None:
+    """u's live unit goes to the same offset of h's granule, which lends u its middle; u lends
+    its start and its end (I13). A 2 MiB request is served from the granule given back."""
+    a, blocks = nested
+    assert moved_to_serve(a, 2 * MiB, full=6 * MiB) == 1
+    s = a.stats()
+    assert s["moved_bytes"] == 256 * KiB and s["reserved_bytes.all.current"] == 6 * MiB
+    pyalloc.check(0)
+    assert nested_intact(a, blocks)
+    if a.backend == "host":  # one physical granule under both: u's byte is at unit 3 of h's range
+        assert holds(blocks["h0"] + 3 * 256 * KiB, 256 * KiB, 0xB1)
+
+
+@pytest.mark.parametrize("first", ["u", "h"])
+def test_nested_twins_part_when_either_owns_nothing_live(nested: tuple[Allocator, dict[str, int]],
+                                                        first: str) -> None:
+    """Freeing u (its own part, h's middle, all free) or both of h's blocks (its two own parts)
+    lets the pair part: the granule of the one freed becomes address space again and the
+    other's lent pieces free memory, where the next request of their size lands."""
+    a, blocks = nested
+    n = a.malloc(2 * MiB)
+    assert a.stats()["num_moved_granules"] == 1
+    unit = 256 * KiB
+    if first == "u":
+        a.free(blocks.pop("u"))
+        size, where = 6 * unit, blocks["h0"] + unit  # h's middle, lent to u until now
+    else:
+        a.free(blocks.pop("h0"))
+        a.free(blocks.pop("h1"))
+        size, where = 4 * unit, blocks["u"] + unit  # u's end, lent to h until now
+    pyalloc.check(0)
+    pyalloc.release_cached(0, 0)  # parts the twins whose own part is free
+    pyalloc.check(0)
+    assert a.stats()["reserved_bytes.all.current"] == 6 * MiB  # three physical granules, as before
+    assert a.malloc(size) == where
+    s = a.stats()
+    assert s["num_ooms"] == 0 and s["num_moved_granules"] == 1
+    assert nested_intact(a, blocks)
+    a.free(n)
+
+
 def test_a_request_moves_the_pairs_it_needs_first() -> None:
     """Four pairs could move; a 2 MiB request moves as many as it spans granules and two more
     (three), and stitches from what they gave back, leaving the fourth pair where it is."""

@@ -120,6 +120,23 @@ bool whole_chunks(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t g, ui
   return *a < *z;
 }
 
+// Whether twin granule `slot` owns nothing live (arena.hpp).
+bool own_part_free(const Segment* arena, size_t slot, size_t g, uintptr_t skip_lo, uintptr_t skip_hi,
+                   bool* overlaps) {
+  const uintptr_t lo = arena->base + slot * g;
+  const uintptr_t hi = lo + g;
+  const Block* b = arena->twins.at(slot).lent;
+  while (b->addr > lo) b = b->prev;
+  bool touched = false;
+  for (; b != nullptr && b->addr < hi; b = b->next) {
+    if (b->state == BlockState::kLent) continue;  // one of its pieces: the granule's lent blocks are its own
+    if (!b->is_free()) return false;
+    touched = touched || (b->addr < skip_hi && end_of(b) > skip_lo);
+  }
+  if (overlaps != nullptr) *overlaps = touched;
+  return true;
+}
+
 // The granule-aligned interior of a free block of an arena: [*lo, *hi). The
 // granule is a power of two (arena_for).
 bool free_interior(const Block* b, size_t granule, uintptr_t* lo, uintptr_t* hi) {

@@ -66,8 +66,11 @@ Block* block_at(const Segment* segment, uintptr_t addr);
 // a hole lies at or soon after `addr`, as where an arena grows.
 Block* block_near_holes(const Segment* arena, uintptr_t addr);
 
-// The lent block of twin granule `slot` of `arena`: at its start or at its end (I13).
-inline Block* lent_block(const Segment* arena, size_t slot) { return arena->twins.at(slot).lent; }
+// Whether twin granule `slot` of `arena` owns nothing live: every block of
+// the granule but its lent pieces (I13) is free. *overlaps (when given) says
+// whether one of those free blocks overlaps [skip_lo, skip_hi).
+bool own_part_free(const Segment* arena, size_t slot, size_t g, uintptr_t skip_lo = 0, uintptr_t skip_hi = 0,
+                   bool* overlaps = nullptr);
 
 // The granule-aligned interior of a free block of an arena: [*lo, *hi);
 // false when it holds no whole granule.

@@ -66,10 +66,13 @@
 //       device/arena.cpp) no segment at all
 //   I13 twins (Note [Shared granules] in device/share.cpp) come in pairs of
 //       granules of one arena that name each other and the same physical
-//       granule; a lent block is one piece of one twin, at its start or its
-//       end, and the two twins' lent pieces are complementary: what one lends,
-//       the other owns, at the same offsets; each twin's record names its
-//       lent piece (Twin::lent)
+//       granule; a lent block is one piece of one twin, and the two twins'
+//       lent pieces are complementary: what one lends, the other owns, at
+//       the same offsets. A twin lends one piece, at its start or its end, or
+//       in its middle, when the other lends two, its start and its end (Note
+//       [Moving slivers]: a granule live only inside another's free middle);
+//       the pieces alternate between the two across the granule. Each twin's
+//       record names its lent pieces (Twin::lent, Twin::lent2)
 //   I14 once an arena's sliver index is on, it lists exactly the arena's free
 //       slivers, each under its offset (Note [Sliver index] in
 //       blocks/sliver_index.hpp); an index is on  <=>  every call is diverted
@@ -188,11 +191,14 @@ static_assert(offsetof(Block, bin_class) + sizeof(int) <= 64 && offsetof(Block, 
 
 // One granule of a pair of twins (Note [Shared granules] in
 // device/share.cpp): the granule that maps the same physical granule, and
-// this granule's lent piece. A lent block is never split, merged or freed
-// while the pair lasts, so the pointer stays good until the twins part.
+// this granule's lent piece, or pieces: a twin whose other lends its middle
+// lends its start (lent) and its end (lent2). A lent block is never split,
+// merged or freed while the pair lasts, so the pointers stay good until the
+// twins part.
 struct Twin {
   size_t other = 0;
   Block* lent = nullptr;
+  Block* lent2 = nullptr;  // the second piece, at the granule's end, or none
 };
 
 struct Segment {

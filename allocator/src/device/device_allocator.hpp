@@ -341,7 +341,7 @@ class DeviceAllocator {
   Block* share_first(Pool& pool, size_t rounded, StreamId stream, const Block* fit);
   Block* map_share(Segment* arena, const SharePlan& plan, std::vector<PhysHandle>* spares);
   Block* lend(Block* block, uintptr_t from, uintptr_t to);
-  void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent);
+  void pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent, Block* b_lent2 = nullptr);
   void index_slivers();
   void count_whole_granules();
   void stop_counting_whole_granules();

@@ -1,4 +1,4 @@
-// move.cpp: moving live bytes so that two slivers give a granule back.
+// move.cpp: moving live bytes so that two partly free granules give one back.
 //
 // Note [Moving slivers]
 // Sharing (Note [Shared granules]) uses at most two slivers for a request,
@@ -22,6 +22,23 @@
 // part lazily in untwin_free once either's own part is free). No address
 // changes: what the program holds stays valid, and a CUDA graph's kernels
 // find the same bytes at the same addresses.
+//
+// A granule live only in its middle fits in another's free middle too:
+//
+//   granule a   [ live a | free ............. | live a ]   free in [x, y)
+//   granule b   [ free ....... | live b | free ........ ]   live in [q, p)
+//
+// with x <= q and p <= y: b's live bytes go to the same offsets of a's
+// granule, a lends [x, y), b owns [x, y) and lends its start [0, x) and its
+// end [y, g) (I13: a twin lends one piece, or two when the other lends its
+// middle). These nested pairs are sought after the cut ones, among the
+// granules free at both ends that no cut pair took, each in the tightest
+// free middle (a free block inside one granule, touching neither edge, of a
+// granule no pair took) that holds its live part (nest). At lstm_varlen's
+// first failing request at 194 MiB, the last pair the request lacked was
+// such a one; with it the replay went on from its 11,605th call to its
+// 26,837th before a request failed (its minimum stays 196 MiB: by then the
+// partly free granules were twins, which never pair again).
 //
 // Which granules move (move_in): per arena, the granules with a free end
 // (a: free from p to the end, p > 0) and those with a free start (b: free up
@@ -91,9 +108,55 @@ struct Sliver {
   Block* free;
 };
 
-struct Pair {
-  Sliver a, b;
+// One move: b's live bytes [copy_lo, copy_hi) go to the same offsets of a's
+// physical granule, and b's address range maps a's granule. a lends [x, y)
+// (offsets), b the rest: [0, x) and, when y < g, [y, g). From a pair cut at
+// one offset (x = b's start, y = g) or a nested pair ([x, y) a free block in
+// the middle of a, b live only inside it). The free blocks named hold those
+// pieces when the move is planned: in a, [x, y); in b, its start and its end.
+struct Move {
+  size_t a_slot, b_slot;
+  size_t x, y;
+  size_t copy_lo, copy_hi;
+  Block* a_free;
+  Block* b_start;
+  Block* b_end;  // nested pairs only
 };
+
+// Nested pairs (Note [Moving slivers]): granules free at both ends that no
+// cut pair took (`duals`: each its start sliver and its end sliver), each
+// placed in the tightest free middle of another untaken single granule
+// (`middles`: a slot and a free block inside it that touches neither edge)
+// that holds its live part. At most `budget` comparisons in all.
+std::vector<Move> nest(const std::vector<std::pair<Sliver, Sliver>>& duals,
+                       const std::vector<std::pair<size_t, Block*>>& middles, uintptr_t base, size_t g,
+                       std::vector<bool>* taken, size_t budget) {
+  std::vector<Move> out;
+  std::vector<size_t> order(duals.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  auto span = [&](size_t i) { return duals[i].second.edge - duals[i].first.edge; };
+  std::sort(order.begin(), order.end(), [&](size_t i, size_t j) { return span(i) > span(j); });  // widest first
+  for (const size_t i : order) {
+    const Sliver& start = duals[i].first;  // b is free up to start.edge and from end.edge on
+    const Sliver& end = duals[i].second;
+    if ((*taken)[start.slot]) continue;
+    size_t best = SIZE_MAX, best_width = SIZE_MAX;
+    for (size_t k = 0; k < middles.size() && budget > 0; ++k, --budget) {
+      const auto& [slot, gap] = middles[k];
+      const size_t m1 = gap->addr - base - slot * g;
+      const size_t m2 = m1 + gap->size;
+      if (slot == start.slot || (*taken)[slot] || m1 > start.edge || m2 < end.edge || gap->size >= best_width) continue;
+      best = k;
+      best_width = gap->size;
+    }
+    if (best == SIZE_MAX) continue;
+    const auto& [slot, gap] = middles[best];
+    const size_t m1 = gap->addr - base - slot * g;
+    (*taken)[slot] = (*taken)[start.slot] = true;
+    out.push_back({slot, start.slot, m1, m1 + gap->size, start.edge, end.edge, gap, start.free, end.free});
+  }
+  return out;
+}
 
 // The block holding `addr`, walked to from `from`, a block of the same
 // segment. Moves only split free blocks (lend, carve_free): none is merged
@@ -183,11 +246,36 @@ size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronize
   }
   if (ends.empty() || starts.empty()) return 0;
 
-  std::vector<Pair> pairs;
-  for (const auto& [a, b] : pair_slivers(ends, starts, arena->phys.size())) pairs.push_back({*a, *b});
-  std::sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) { return x.b.edge > y.b.edge; });
-  if (pairs.size() > wanted) pairs.resize(wanted);  // the smallest copies
-  if (pairs.empty()) return 0;
+  const size_t slots = arena->phys.size();
+  std::vector<Move> moves;
+  std::vector<bool> taken(slots, false);
+  for (const auto& [a, b] : pair_slivers(ends, starts, slots)) {
+    moves.push_back({a->slot, b->slot, b->edge, g, b->edge, g, a->free, b->free, nullptr});
+    taken[a->slot] = taken[b->slot] = true;
+  }
+  // Granules free at both ends left over: nested in another's free middle.
+  std::vector<const Sliver*> end_of_slot(slots, nullptr);
+  for (const Sliver& a : ends) end_of_slot[a.slot] = &a;
+  std::vector<std::pair<Sliver, Sliver>> duals;
+  for (const Sliver& b : starts) {
+    if (!taken[b.slot] && end_of_slot[b.slot] != nullptr && end_of_slot[b.slot]->edge > b.edge) {
+      duals.emplace_back(b, *end_of_slot[b.slot]);
+    }
+  }
+  if (!duals.empty() && moves.size() < wanted) {
+    std::vector<std::pair<size_t, Block*>> middles;  // free blocks inside one granule, touching neither edge
+    for (Block* b = arena->head; b != nullptr; b = b->next) {
+      const size_t lo = b->addr - base;
+      if (!b->is_free() || lo % g == 0 || (lo + b->size) % g == 0 || (lo + b->size) / g != lo / g) continue;
+      if (single(lo / g) && !taken[lo / g]) middles.emplace_back(lo / g, b);
+    }
+    for (const Move& m : nest(duals, middles, base, g, &taken, size_t{1} << 22)) moves.push_back(m);
+  }
+  auto copied_bytes = [](const Move& m) { return m.copy_hi - m.copy_lo; };
+  std::stable_sort(moves.begin(), moves.end(),
+                   [&](const Move& p, const Move& q) { return copied_bytes(p) < copied_bytes(q); });
+  if (moves.size() > wanted) moves.resize(wanted);  // the smallest copies
+  if (moves.empty()) return 0;
 
   // Every stream's work first, then the copies on the arena's stream, then one wait for them.
   if (!*synchronized) {
@@ -195,34 +283,37 @@ size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronize
     backend_->synchronize_device(device_);
     *synchronized = true;
   }
-  std::vector<Pair> copied;
-  for (const Pair& pr : pairs) {
-    const uintptr_t from = base + pr.b.slot * g + pr.b.edge;
-    const uintptr_t to = base + pr.a.slot * g + pr.b.edge;
-    if (succeeded(backend_->copy_device_async(device_, to, from, g - pr.b.edge, arena->stream))) copied.push_back(pr);
+  std::vector<Move> copied;
+  for (const Move& m : moves) {
+    const uintptr_t from = base + m.b_slot * g + m.copy_lo;
+    const uintptr_t to = base + m.a_slot * g + m.copy_lo;
+    if (succeeded(backend_->copy_device_async(device_, to, from, m.copy_hi - m.copy_lo, arena->stream))) {
+      copied.push_back(m);
+    }
   }
   if (copied.empty() || !synchronize_stream(arena)) return 0;
 
   size_t moved = 0;
-  for (const auto& [a, b] : copied) {
-    const uintptr_t a_lo = base + a.slot * g;
-    const uintptr_t b_lo = base + b.slot * g;
-    const PhysHandle own = arena->phys[b.slot];
+  for (const Move& m : copied) {
+    const uintptr_t a_lo = base + m.a_slot * g;
+    const uintptr_t b_lo = base + m.b_slot * g;
+    const PhysHandle own = arena->phys[m.b_slot];
     backend_->unmap(device_, b_lo, g);
-    if (!succeeded(backend_->map(device_, b_lo, arena->phys[a.slot]))) {
+    if (!succeeded(backend_->map(device_, b_lo, arena->phys[m.a_slot]))) {
       // Back as it was: the bytes are still in b's own granule.
       if (!succeeded(backend_->map(device_, b_lo, own))) lost_mapping(b_lo, last_backend_error_);
       continue;
     }
     release_chunks(&own, 1);
-    arena->phys[b.slot] = arena->phys[a.slot];
-    Block* a_lent = lend(near(a.free, a_lo + b.edge), a_lo + b.edge, a_lo + g);
-    Block* b_lent = lend(near(b.free, b_lo), b_lo, b_lo + b.edge);
-    pair_twins(arena, a.slot, a_lent, b.slot, b_lent);
+    arena->phys[m.b_slot] = arena->phys[m.a_slot];
+    Block* a_lent = lend(near(m.a_free, a_lo + m.x), a_lo + m.x, a_lo + m.y);
+    Block* b_lent = lend(near(m.b_start, b_lo), b_lo, b_lo + m.x);
+    Block* b_lent2 = m.y < g ? lend(near(m.b_end, b_lo + m.y), b_lo + m.y, b_lo + g) : nullptr;
+    pair_twins(arena, m.a_slot, a_lent, m.b_slot, b_lent, b_lent2);
     arena->doubled += g;
     stats_.reserved_bytes.decrease(arena->pool->stat, static_cast<int64_t>(g));
     ++stats_.num_moved_granules;
-    stats_.moved_bytes += static_cast<int64_t>(g - b.edge);
+    stats_.moved_bytes += static_cast<int64_t>(m.copy_hi - m.copy_lo);
     ++moved;
   }
   return moved;

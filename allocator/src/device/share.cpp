@@ -63,7 +63,7 @@
 // Twins part again lazily, whenever free granules are gathered (untwin_free:
 // stitching, release, empty_cache, and share_first): a twin whose own part is
 // all free is unmapped (after its stream is synchronized) and becomes a hole,
-// and its lent piece in the other twin becomes free memory there. A twin is
+// and the pieces the other twin lent it become free memory there. A twin is
 // never shared again; one granule maps at most twice.
 //
 // Measured on the stress suite against share=0 (the rule of when as it is
@@ -311,10 +311,10 @@ Block* DeviceAllocator::lend(Block* block, uintptr_t from, uintptr_t to) {
 }
 
 // Granules `a` and `b` of `arena` map one physical granule from now on, each
-// lending the piece named.
-void DeviceAllocator::pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent) {
-  arena->twins[a] = Twin{b, a_lent};
-  arena->twins[b] = Twin{a, b_lent};
+// lending the pieces named (b two when a lends its middle: I13).
+void DeviceAllocator::pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent, Block* b_lent2) {
+  arena->twins[a] = Twin{b, a_lent, nullptr};
+  arena->twins[b] = Twin{a, b_lent, b_lent2};
   arena->twinned[a] = arena->twinned[b] = true;
   relist_granule(arena, a, a_lent);
   relist_granule(arena, b, b_lent);
@@ -338,18 +338,22 @@ void DeviceAllocator::relist_granule(Segment* arena, size_t slot, Block* inside)
 }
 
 // Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
-// its bytes back to the other twin, whose lent piece becomes free memory.
+// its bytes back to the other twin, whose lent pieces become free memory.
 // The arena's stream must be synchronized.
 void DeviceAllocator::untwin(Segment* arena, size_t slot) {
   const size_t g = granule_;
   const uintptr_t lo = arena->base + slot * g;
   const uintptr_t hi = lo + g;
-  const size_t other = arena->twins.at(slot).other;
-  Block* mine = lent_block(arena, slot);
+  const Twin mine = arena->twins.at(slot);
+  const size_t other = mine.other;
+  const Twin theirs = arena->twins.at(other);
 
-  Block* theirs = lent_block(arena, other);
-  theirs->state = BlockState::kFree;
-  theirs = insert_coalesced(theirs);
+  Block* freed = nullptr;  // a free block of the other granule, to relist it by
+  for (Block* piece : {theirs.lent, theirs.lent2}) {
+    if (piece == nullptr) continue;
+    piece->state = BlockState::kFree;
+    freed = insert_coalesced(piece);  // a second piece is still lent: the first's merge leaves it be
+  }
 
   breaks_capture();
   backend_->unmap(device_, lo, g);
@@ -358,19 +362,25 @@ void DeviceAllocator::untwin(Segment* arena, size_t slot) {
   arena->twins.erase(slot);
   arena->twins.erase(other);
   arena->twinned[slot] = arena->twinned[other] = false;
-  relist_granule(arena, other, theirs);  // this one becomes a hole below
+  relist_granule(arena, other, freed);  // this one becomes a hole below
   arena->mapped -= g;
   arena->doubled -= g;
 
-  // This granule's blocks become one hole: its lent piece and the part of
-  // the free block beside it that lies inside the granule.
-  Block* beside = mine->addr == lo ? mine->next : mine->prev;
-  Block* own = carve_free(beside, std::max(beside->addr, lo), std::min(end_of(beside), hi));
-  own->state = BlockState::kHole;
-  mine->state = BlockState::kHole;
-  Block* hole = own->addr < mine->addr ? own : mine;
-  make_spare_room(1);
-  absorb_next(hole);
+  // This granule's blocks become one hole: its lent pieces and the parts of
+  // the free blocks between and beside them that lie inside the granule.
+  std::vector<Block*> inside;  // in address order: a lent or a free block, alternately
+  Block* b = mine.lent;
+  while (b->addr > lo) b = b->prev;
+  for (; b != nullptr && b->addr < hi; b = b->next) inside.push_back(b);
+  for (Block*& piece : inside) {
+    if (piece->is_free()) piece = carve_free(piece, std::max(piece->addr, lo), std::min(end_of(piece), hi));
+    piece->state = BlockState::kHole;
+  }
+  Block* hole = inside.front();
+  for (size_t i = 1; i < inside.size(); ++i) {
+    make_spare_room(1);
+    absorb_next(hole);
+  }
   merge_holes(hole);
   reserved_changed();
 }
@@ -391,15 +401,9 @@ bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t s
   for (const size_t slot : slots) {
     const auto twin = arena->twins.find(slot);
     if (twin == arena->twins.end()) continue;  // parted since it was noted
-    const uintptr_t lo = arena->base + slot * granule_;
-    const uintptr_t hi = lo + granule_;
-    // The granule's own part is the rest of it, beside its lent piece: all
-    // free when the block on that side is free and reaches the granule's edge.
-    const Block* mine = twin->second.lent;
-    const bool lent_first = mine->addr == lo;
-    const Block* own = lent_first ? mine->next : mine->prev;
-    if (!own->is_free() || (lent_first ? end_of(own) < hi : own->addr > lo)) continue;
-    if (own->addr < skip_hi && end_of(own) > skip_lo) {
+    bool in_skip = false;  // the granule's own part, all but its lent pieces
+    if (!own_part_free(arena, slot, granule_, skip_lo, skip_hi, &in_skip)) continue;
+    if (in_skip) {
       if (arena->indexed) arena->slivers.check_twin(slot);
       continue;
     }
@@ -413,7 +417,7 @@ bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t s
     return false;
   }
   for (const size_t slot : ready) {
-    // Untwinning gives the other twin's lent piece back to its free memory,
+    // Untwinning gives the other twin's lent pieces back to its free memory,
     // which frees nothing of any other pair: the ones found stay ready.
     if (arena->twins.count(slot) != 0) untwin(arena, slot);  // else its twin went first
   }

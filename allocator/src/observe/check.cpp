@@ -112,13 +112,9 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
   }
   // A twin whose own part is all free must be noted, or untwin_free would
   // never part it.
-  for (const auto& [slot, twin] : arena.twins) {
-    const Block* mine = twin.lent;
-    const bool lent_first = (mine->addr - arena.base) % g == 0;
-    const Block* own = lent_first ? mine->next : mine->prev;
-    const uintptr_t lo = arena.base + slot * g;
-    const bool free = own->is_free() && (lent_first ? end_of(own) >= lo + g : own->addr <= lo);
-    if (free && !arena.slivers.noted(slot)) {
+  for (const auto& twin : arena.twins) {
+    const size_t slot = twin.first;
+    if (own_part_free(&arena, slot, g) && !arena.slivers.noted(slot)) {
       *problem = "twin granule " + std::to_string(slot) + " has its own part free but is not noted for untwinning";
       return false;
     }
@@ -137,7 +133,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
   size_t backed_blocks = 0;
   size_t lent_bytes = 0;
   size_t holes = 0;
-  std::unordered_map<size_t, std::pair<size_t, size_t>> lent;  // granule -> its lent piece [lo, hi), offsets
+  std::unordered_map<size_t, std::vector<std::pair<size_t, size_t>>> lent;  // granule -> its lent pieces [lo, hi)
   const Block* prev = nullptr;
   for (const Block* b = arena->head; b != nullptr; prev = b, b = b->next) {
     const size_t lo = b->addr - arena->base;
@@ -145,16 +141,15 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     if (b->state == BlockState::kLent) {
       const size_t slot = lo / g;
       const auto twin = arena->twins.find(slot);
-      if ((hi - 1) / g != slot || (lo % g != 0 && hi % g != 0) || lent.count(slot) != 0 ||
-          twin == arena->twins.end()) {
-        *problem = "lent block " + hex(b->addr) + " is not the start or end of one twin granule";
+      if ((hi - 1) / g != slot || twin == arena->twins.end() || lent[slot].size() >= 2) {
+        *problem = "lent block " + hex(b->addr) + " is not one of the pieces of one twin granule";
         return false;
       }
-      if (twin->second.lent != b) {
-        *problem = "twin granule " + std::to_string(slot) + " names another block than its lent piece " + hex(b->addr);
+      if (twin->second.lent != b && twin->second.lent2 != b) {
+        *problem = "twin granule " + std::to_string(slot) + " names other blocks than its lent piece " + hex(b->addr);
         return false;
       }
-      lent[slot] = {lo % g, hi - slot * g};
+      lent[slot].emplace_back(lo % g, hi - slot * g);
       lent_bytes += b->size;
     }
     if (b->state == BlockState::kHole) {
@@ -198,10 +193,26 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
       *problem = "granules " + std::to_string(i) + " and " + std::to_string(j) + " are not twins of one granule";
       return false;
     }
+    // The pieces of both, in offset order, tile the granule, alternating
+    // between the two (one piece each, or one lends its middle and the other
+    // its start and its end); each record names its pieces.
     const auto mine = lent.find(i), theirs = lent.find(j);
-    const bool complementary = mine != lent.end() && theirs != lent.end() &&
-                               (mine->second.first == 0 ? theirs->second == std::make_pair(mine->second.second, g)
-                                                        : theirs->second == std::make_pair(size_t{0}, mine->second.first));
+    bool complementary = mine != lent.end() && theirs != lent.end() &&
+                         mine->second.size() == (t.second.lent2 != nullptr ? 2u : 1u) &&
+                         theirs->second.size() == (back->second.lent2 != nullptr ? 2u : 1u) &&
+                         mine->second.size() + theirs->second.size() <= 3;
+    if (complementary) {
+      std::vector<std::pair<std::pair<size_t, size_t>, size_t>> pieces;  // ([lo, hi), whose)
+      for (const auto& piece : mine->second) pieces.push_back({piece, i});
+      for (const auto& piece : theirs->second) pieces.push_back({piece, j});
+      std::sort(pieces.begin(), pieces.end());
+      size_t at = 0;
+      for (size_t k = 0; k < pieces.size() && complementary; ++k) {
+        complementary = pieces[k].first.first == at && (k == 0 || pieces[k].second != pieces[k - 1].second);
+        at = pieces[k].first.second;
+      }
+      complementary = complementary && at == g;
+    }
     if (!complementary) {
       *problem = "twin granules " + std::to_string(i) + " and " + std::to_string(j) + " do not lend complementary pieces";
       return false;
