@@ -213,6 +213,10 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
       }
       complementary = complementary && at == g;
     }
+    if (complementary && t.second.lent2 != nullptr) {  // two pieces: `lent` the start, `lent2` the end
+      const uintptr_t lo = arena->base + i * g;
+      complementary = t.second.lent->addr == lo && end_of(t.second.lent2) == lo + g;
+    }
     if (!complementary) {
       *problem = "twin granules " + std::to_string(i) + " and " + std::to_string(j) + " do not lend complementary pieces";
       return false;
