@@ -33,11 +33,22 @@ def apart(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, dict[str,
     blocks = {name: a.malloc(size) for name, size in sizes.items()}
     base = blocks["a"]
     assert [blocks[n] - base for n in ("x", "c", "y", "b")] == [512 * KiB, 2 * MiB, 4 * MiB, 5 * MiB + 512 * KiB]
+    yield from full_device(a, blocks, BYTES, ("x", "y"))
+
+
+BYTES = {"a": 0xA1, "c": 0xC1, "b": 0xB1}  # what `apart`'s live blocks hold on the host backend
+
+
+def full_device(a: Allocator, blocks: dict[str, int], bytes_of: dict[str, int],
+                frees: tuple[str, ...]) -> Iterator[tuple[Allocator, dict[str, int]]]:
+    """A fixture's body: fills the blocks named in `bytes_of` (host backend), frees those in
+    `frees`, checks the 6 MiB device is all reserved, yields, and at the end frees everything
+    and checks that all memory comes back."""
     if a.backend == "host":
-        for name, byte in (("a", 0xA1), ("c", 0xC1), ("b", 0xB1)):
-            fill(blocks[name], sizes[name], byte)
-    a.free(blocks.pop("x"))
-    a.free(blocks.pop("y"))
+        for name, byte in bytes_of.items():
+            fill(blocks[name], a.live[blocks[name]][0], byte)
+    for name in frees:
+        a.free(blocks.pop(name))
     assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
     yield a, blocks
     a.free_all()
@@ -46,10 +57,9 @@ def apart(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, dict[str,
     assert a.stats()["reserved_bytes.all.current"] == 0
 
 
-def intact(a: Allocator, blocks: dict[str, int]) -> bool:
+def intact(a: Allocator, blocks: dict[str, int], bytes_of: dict[str, int] = BYTES) -> bool:
     return a.backend != "host" or all(
-        holds(blocks[name], a.live[blocks[name]][0], byte)
-        for name, byte in (("a", 0xA1), ("c", 0xC1), ("b", 0xB1)) if name in blocks
+        holds(blocks[name], a.live[blocks[name]][0], byte) for name, byte in bytes_of.items() if name in blocks
     )
 
 
@@ -224,24 +234,14 @@ def nested(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, dict[str
     unit = 256 * KiB
     plan = [("h0", 1), ("hf", 6), ("h1", 1), ("c", 8), ("uf0", 3), ("u", 1), ("uf1", 4)]
     blocks = {name: a.malloc(units * unit) for name, units in plan}
-    if a.backend == "host":
-        for name, byte in (("h0", 0xA1), ("h1", 0xA2), ("c", 0xC1), ("u", 0xB1)):
-            fill(blocks[name], a.live[blocks[name]][0], byte)
-    for name in ("hf", "uf0", "uf1"):
-        a.free(blocks.pop(name))
-    assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
-    yield a, blocks
-    a.free_all()
-    pyalloc.check(0)
-    pyalloc.empty_cache()
-    assert a.stats()["reserved_bytes.all.current"] == 0
+    yield from full_device(a, blocks, NESTED_BYTES, ("hf", "uf0", "uf1"))
+
+
+NESTED_BYTES = {"h0": 0xA1, "h1": 0xA2, "c": 0xC1, "u": 0xB1}
 
 
 def nested_intact(a: Allocator, blocks: dict[str, int]) -> bool:
-    return a.backend != "host" or all(
-        holds(blocks[name], a.live[blocks[name]][0], byte)
-        for name, byte in (("h0", 0xA1), ("h1", 0xA2), ("c", 0xC1), ("u", 0xB1)) if name in blocks
-    )
+    return intact(a, blocks, NESTED_BYTES)
 
 
 def test_a_granule_live_inside_anothers_free_middle_moves_there(nested: tuple[Allocator, dict[str, int]]) -> None:
