@@ -170,3 +170,58 @@ def test_moving_slivers_serves_a_request_by_moving_a_live_end_on_a_gpu(gpu_pytho
     assert result["ooms"] == 0 and result["moved"] == 1 and result["moved_bytes"] == 512 << 10
     assert result["reserved"] == result["reserved_before"]
     assert result["n_ok"] and result["live_ok"]
+
+
+def test_moving_slivers_serves_a_request_by_nesting_a_live_middle_on_a_gpu(gpu_python: Callable[..., Any]) -> None:
+    """Note [Moving slivers], nested pairs: granule 2, live only in its middle, is copied into granule 0's
+    free middle (cuMemcpyDtoDAsync) and mapped onto granule 0's memory; granule 2 lends its start and its
+    end, granule 0 its middle (I13), on a real device."""
+    result = gpu_python(_NESTED_SCRIPT, "pyalloc")
+    unit = 256 << 10
+    assert result["offsets"] == [unit * k for k in (1, 7, 8, 16, 19, 20)]
+    assert result["ooms"] == 0 and result["moved"] == 1 and result["moved_bytes"] == unit
+    assert result["reserved"] == result["reserved_before"]
+    assert result["n_ok"] and result["live_ok"]
+
+
+_NESTED_SCRIPT = """
+import torch
+import pyalloc
+
+pyalloc.configure("vmm=shared,share=0,move=1")
+KiB, MiB = 1 << 10, 1 << 20
+def tensor(units, value):
+    return torch.full((units * 256 * KiB // 4,), float(value), device="cuda")
+# granule 0: h0 | free middle | h1; granule 1: c; granule 2: free | u | free
+h0, hf, h1, c, uf0, u, uf1 = (tensor(1, 1), tensor(6, 0), tensor(1, 2), tensor(8, 3), tensor(3, 0), tensor(1, 5),
+                              tensor(4, 0))
+offsets = [t.data_ptr() - h0.data_ptr() for t in (hf, h1, c, uf0, u, uf1)]
+hf = uf0 = uf1 = None
+torch.cuda.synchronize()
+stats = pyalloc.memory_stats(0)
+reserved = stats["reserved_bytes.all.current"]
+total = torch.cuda.get_device_properties(0).total_memory
+pyalloc.set_memory_fraction(reserved / total, 0)  # no granule to spare, sharing off: only a move helps
+n = torch.arange(MiB // 2, device="cuda", dtype=torch.float32)  # 2 MiB
+n.mul_(3)
+u.add_(1)  # a kernel on the moved block, through its own address
+torch.cuda.synchronize()
+stats = pyalloc.memory_stats(0)
+emit({
+    "offsets": offsets,
+    "moved": stats["num_moved_granules"],
+    "moved_bytes": stats["moved_bytes"],
+    "ooms": stats["num_ooms"],
+    "reserved_before": reserved,
+    "reserved": stats["reserved_bytes.all.current"],
+    "n_ok": bool(torch.equal(n.cpu(), torch.arange(MiB // 2, dtype=torch.float32) * 3)),
+    # Compared on the CPU: the device has no room left for the comparisons.
+    "live_ok": bool((h0.cpu() == 1.0).all()) and bool((h1.cpu() == 2.0).all()) and bool((c.cpu() == 3.0).all())
+               and bool((u.cpu() == 6.0).all()),
+})
+pyalloc.check(0)
+n = u = None
+pyalloc.set_memory_fraction(1.0, 0)
+torch.cuda.empty_cache()
+pyalloc.check(0)
+"""
