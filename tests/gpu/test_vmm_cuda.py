@@ -122,50 +122,11 @@ def test_shared_granules_serve_a_request_from_two_slivers_on_a_gpu(gpu_python: C
     assert result["n_ok"] and result["live_ok"]
 
 
-_MOVING_SCRIPT = """
-import torch
-import pyalloc
-
-pyalloc.configure("vmm=shared,share=0,move=1")
-KiB, MiB = 1 << 10, 1 << 20
-def tensor(kib, value):
-    return torch.full((kib * KiB // 4,), float(value), device="cuda")
-a, x, c, y, b = tensor(512, 1), tensor(1536, 0), tensor(2048, 3), tensor(1536, 0), tensor(512, 5)
-offsets = [t.data_ptr() - a.data_ptr() for t in (x, c, y, b)]
-x = y = None  # granule 0 live up to 512 KiB, granule 2 live from 1.5 MiB: one granule holds both
-torch.cuda.synchronize()
-stats = pyalloc.memory_stats(0)
-reserved = stats["reserved_bytes.all.current"]
-total = torch.cuda.get_device_properties(0).total_memory
-pyalloc.set_memory_fraction(reserved / total, 0)  # no granule to spare, sharing off: only a move helps
-n = torch.arange(MiB // 2, device="cuda", dtype=torch.float32)  # 2 MiB
-n.mul_(3)
-b.add_(1)  # a kernel on the moved block, through its own address
-torch.cuda.synchronize()
-stats = pyalloc.memory_stats(0)
-emit({
-    "offsets": offsets,
-    "moved": stats["num_moved_granules"],
-    "moved_bytes": stats["moved_bytes"],
-    "ooms": stats["num_ooms"],
-    "reserved_before": reserved,
-    "reserved": stats["reserved_bytes.all.current"],
-    "n_ok": bool(torch.equal(n.cpu(), torch.arange(MiB // 2, dtype=torch.float32) * 3)),
-    # Compared on the CPU: the device has no room left for the comparisons.
-    "live_ok": bool((a.cpu() == 1.0).all()) and bool((c.cpu() == 3.0).all()) and bool((b.cpu() == 6.0).all()),
-})
-pyalloc.check(0)
-n = b = None
-pyalloc.set_memory_fraction(1.0, 0)
-torch.cuda.empty_cache()
-pyalloc.check(0)
-"""
-
-
 def test_moving_slivers_serves_a_request_by_moving_a_live_end_on_a_gpu(gpu_python: Callable[..., Any]) -> None:
     """Note [Moving slivers]: cuMemcpyDtoDAsync into a partner granule, then cuMemUnmap and cuMemMap of
     the partner's granule under the moved block's address, on a real device."""
-    result = gpu_python(_MOVING_SCRIPT, "pyalloc")
+    result = gpu_python(_moving_script([("a", 2, 1), ("x", 6, 0), ("c", 8, 3), ("y", 6, 0), ("b", 2, 5)], "b"),
+                        "pyalloc")
     assert result["offsets"] == [512 << 10, 2 << 20, 4 << 20, (5 << 20) + (512 << 10)]
     assert result["ooms"] == 0 and result["moved"] == 1 and result["moved_bytes"] == 512 << 10
     assert result["reserved"] == result["reserved_before"]
@@ -176,7 +137,9 @@ def test_moving_slivers_serves_a_request_by_nesting_a_live_middle_on_a_gpu(gpu_p
     """Note [Moving slivers], nested pairs: granule 2, live only in its middle, is copied into granule 0's
     free middle (cuMemcpyDtoDAsync) and mapped onto granule 0's memory; granule 2 lends its start and its
     end, granule 0 its middle (I13), on a real device."""
-    result = gpu_python(_NESTED_SCRIPT, "pyalloc")
+    # granule 0: h0 | free middle | h1; granule 1: c; granule 2: free | u | free
+    result = gpu_python(_moving_script([("h0", 1, 1), ("hf", 6, 0), ("h1", 1, 2), ("c", 8, 3), ("uf0", 3, 0), ("u", 1, 5),
+                                        ("uf1", 4, 0)], "u"), "pyalloc")
     unit = 256 << 10
     assert result["offsets"] == [unit * k for k in (1, 7, 8, 16, 19, 20)]
     assert result["ooms"] == 0 and result["moved"] == 1 and result["moved_bytes"] == unit
@@ -184,7 +147,16 @@ def test_moving_slivers_serves_a_request_by_nesting_a_live_middle_on_a_gpu(gpu_p
     assert result["n_ok"] and result["live_ok"]
 
 
-_NESTED_SCRIPT = """
+def _moving_script(layout: list[tuple[str, int, int]], moved: str) -> str:
+    """A GPU script for ladder step 4b: tensors laid out in order, (name, size in units of 256 KiB,
+    value), those of value 0 freed; the device then limited to what is reserved, sharing off, so
+    that a 2 MiB request is served only by moving `moved`, on which a kernel then runs (adding 1).
+    Emits the offsets from the first tensor, the move counters, and whether every tensor holds
+    its value (compared on the CPU: the device has no room left for the comparisons)."""
+    names = [name for name, _, _ in layout]
+    freed = [name for name, _, value in layout if value == 0]
+    live = [(name, value + (name == moved)) for name, _, value in layout if value != 0]
+    return f"""
 import torch
 import pyalloc
 
@@ -192,11 +164,9 @@ pyalloc.configure("vmm=shared,share=0,move=1")
 KiB, MiB = 1 << 10, 1 << 20
 def tensor(units, value):
     return torch.full((units * 256 * KiB // 4,), float(value), device="cuda")
-# granule 0: h0 | free middle | h1; granule 1: c; granule 2: free | u | free
-h0, hf, h1, c, uf0, u, uf1 = (tensor(1, 1), tensor(6, 0), tensor(1, 2), tensor(8, 3), tensor(3, 0), tensor(1, 5),
-                              tensor(4, 0))
-offsets = [t.data_ptr() - h0.data_ptr() for t in (hf, h1, c, uf0, u, uf1)]
-hf = uf0 = uf1 = None
+{", ".join(names)} = {", ".join(f"tensor({units}, {value})" for _, units, value in layout)}
+offsets = [t.data_ptr() - {names[0]}.data_ptr() for t in ({", ".join(names[1:])},)]
+{" = ".join(freed)} = None
 torch.cuda.synchronize()
 stats = pyalloc.memory_stats(0)
 reserved = stats["reserved_bytes.all.current"]
@@ -204,10 +174,10 @@ total = torch.cuda.get_device_properties(0).total_memory
 pyalloc.set_memory_fraction(reserved / total, 0)  # no granule to spare, sharing off: only a move helps
 n = torch.arange(MiB // 2, device="cuda", dtype=torch.float32)  # 2 MiB
 n.mul_(3)
-u.add_(1)  # a kernel on the moved block, through its own address
+{moved}.add_(1)  # a kernel on the moved block, through its own address
 torch.cuda.synchronize()
 stats = pyalloc.memory_stats(0)
-emit({
+emit({{
     "offsets": offsets,
     "moved": stats["num_moved_granules"],
     "moved_bytes": stats["moved_bytes"],
@@ -215,12 +185,10 @@ emit({
     "reserved_before": reserved,
     "reserved": stats["reserved_bytes.all.current"],
     "n_ok": bool(torch.equal(n.cpu(), torch.arange(MiB // 2, dtype=torch.float32) * 3)),
-    # Compared on the CPU: the device has no room left for the comparisons.
-    "live_ok": bool((h0.cpu() == 1.0).all()) and bool((h1.cpu() == 2.0).all()) and bool((c.cpu() == 3.0).all())
-               and bool((u.cpu() == 6.0).all()),
-})
+    "live_ok": {" and ".join(f"bool(({name}.cpu() == {float(value)}).all())" for name, value in live)},
+}})
 pyalloc.check(0)
-n = u = None
+n = {moved} = None
 pyalloc.set_memory_fraction(1.0, 0)
 torch.cuda.empty_cache()
 pyalloc.check(0)

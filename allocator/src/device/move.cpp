@@ -100,8 +100,9 @@ namespace {
 }
 
 // A granule with a free end (an a) or a free start (a b), as pair_slivers
-// takes them: its slot, its edge (an a's live part ends there, at p; a b's starts there, at q), and a
-// free block that held its free part when it was found.
+// takes them: its slot, its edge (an a's live part ends there, at p; a b's
+// starts there, at q), and a free block that held its free part when it was
+// found.
 struct Sliver {
   size_t slot;
   size_t edge;
@@ -140,20 +141,22 @@ std::vector<Move> nest(const std::vector<std::pair<Sliver, Sliver>>& duals,
     const Sliver& start = duals[i].first;  // b is free up to start.edge and from end.edge on
     const Sliver& end = duals[i].second;
     if ((*taken)[start.slot]) continue;
-    size_t best = SIZE_MAX, best_width = SIZE_MAX;
+    const std::pair<size_t, Block*>* best = nullptr;  // the tightest middle that holds b's live part
+    size_t best_m1 = 0;
     for (size_t k = 0; k < middles.size() && budget > 0; ++k, --budget) {
       const auto& [slot, gap] = middles[k];
       const size_t m1 = gap->addr - base - slot * g;
-      const size_t m2 = m1 + gap->size;
-      if (slot == start.slot || (*taken)[slot] || m1 > start.edge || m2 < end.edge || gap->size >= best_width) continue;
-      best = k;
-      best_width = gap->size;
+      if (slot == start.slot || (*taken)[slot] || m1 > start.edge || m1 + gap->size < end.edge ||
+          (best != nullptr && gap->size >= best->second->size)) {
+        continue;
+      }
+      best = &middles[k];
+      best_m1 = m1;
     }
-    if (best == SIZE_MAX) continue;
-    const auto& [slot, gap] = middles[best];
-    const size_t m1 = gap->addr - base - slot * g;
+    if (best == nullptr) continue;
+    const auto& [slot, gap] = *best;
     (*taken)[slot] = (*taken)[start.slot] = true;
-    out.push_back({slot, start.slot, m1, m1 + gap->size, start.edge, end.edge, gap, start.free, end.free});
+    out.push_back({slot, start.slot, best_m1, best_m1 + gap->size, start.edge, end.edge, gap, start.free, end.free});
   }
   return out;
 }
