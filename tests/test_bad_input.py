@@ -63,6 +63,13 @@ BAD_TRACES = {
     "nested.jsonl": b"[" * 100000 + b"\n",
     "broken.jsonl.gz": b"\x1f\x8bgarbage",
     "too_big_here.jsonl": b'{"version": 1}\n{"op": "alloc", "id": 1, "size": 1099511627776000}\n',
+    # the header's fields checked as TRACE_FORMAT.md defines them (a review saw these accepted,
+    # the bad capacities silently replaced by 80 GiB)
+    "version_true.jsonl": b'{"version": true}\n',
+    "negative_capacity.jsonl": b'{"version": 1, "device_capacity": -5}\n',
+    "text_capacity.jsonl": b'{"version": 1, "device_capacity": "80GiB"}\n',
+    "float_capacity.jsonl": b'{"version": 1, "device_capacity": 1.5}\n',
+    "number_source.jsonl": b'{"version": 1, "source": 7}\n',
 }
 
 
@@ -96,3 +103,81 @@ def test_the_selftest_table_lines_up_whatever_the_workload_names() -> None:
     for column in ("ops", "time"):  # right-aligned: every line ends each column at the same place
         end = table[0].index(column) + len(column)
         assert all(line[end - 1] != " " and (end == len(line) or line[end] == " ") for line in table), table
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # keys the replay sets itself, or that define the policy: they ran something other than what
+    # the report named (a review saw a minimum capacity below the peak of live bytes, a host run
+    # labelled sim, arenas labelled "plain segments only")
+    (["--conf", "capacity=1GiB", "--find-min-capacity"], "--conf capacity=1GiB: the replay sets capacity itself"),
+    (["--conf", "backend=host"], "--conf backend=host: the replay sets backend itself (use --backend)"),
+    (["--policy", "pyalloc-plain", "--conf", "vmm=on"], "policy pyalloc-plain is defined by vmm=off"),
+    (["--policy", "native", "--conf", "share=0"], "--conf applies to the pyalloc policies only"),
+])
+def test_replay_refuses_conf_keys_that_would_change_what_it_reports(args: list[str], message: str) -> None:
+    from pyalloc.traces.trace import workloads_dir
+
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(workloads_dir() / "mlp.jsonl.gz"),
+                           *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def test_replay_labels_a_run_with_extra_conf_keys(tmp_path: Path) -> None:
+    import json
+
+    from pyalloc.traces.trace import workloads_dir
+
+    path = str(workloads_dir() / "mlp.jsonl.gz")
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", path, "--conf", "move=0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and ", with --conf move=0" in done.stdout.splitlines()[0], done.stdout
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", path, "--conf", "move=0", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout)["conf"] == "move=0"
+
+
+def test_a_minimum_capacity_search_for_more_than_any_device_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "huge.jsonl"
+    path.write_text('{"version": 1}\n{"op": "alloc", "id": 1, "size": 9223372036854775807}\n')
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(path), "--find-min-capacity"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "9,223,372,036,854,775,807 bytes live at once, more than any device" in done.stderr, done.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    # `pyalloc config | head -1` printed a BrokenPipeError traceback, `pyalloc stress | head -1`
+    # an error line (a review's finding): a shell tool stops quietly when its reader goes away.
+    for command in (["config"], ["stress", "--quick", "--workloads", "mlp", "--policies", "pyalloc", "--no-progress"]):
+        script = f"{sys.executable} -m pyalloc.cli {' '.join(command)} | head -c 1 > /dev/null; exit ${{PIPESTATUS[0]}}"
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.stderr == "", (command, done.stderr)
+        assert done.returncode in (0, 141), (command, done.returncode)
+
+
+def test_stress_refuses_a_plot_name_it_cannot_write_before_it_runs(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "stress", "--quick", "--workloads", "mlp",
+                           "--out", str(tmp_path / "out"), "--plot", str(tmp_path / "plot.txt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "plot.txt: not an image file name" in done.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("snapshot", "args", "message"), [
+    ({"device_traces": [None]}, [], "device 0's trace is not a list"),
+    ({"device_traces": [[]]}, ["--snapshot-device", "-1"], "the snapshot has no device -1 (devices 0 to 0)"),
+])
+def test_a_snapshot_that_is_not_one_or_a_device_it_lacks_is_one_line(
+        tmp_path: Path, snapshot: dict[str, object], args: list[str], message: str) -> None:
+    import pickle
+
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    for command in (["replay", str(path)], ["record", "--from-snapshot", str(path), "-o", str(tmp_path / "t.jsonl")]):
+        if args and command[0] == "replay":
+            continue  # replay reads device 0
+        done = subprocess.run([sys.executable, "-m", "pyalloc.cli", *command, *args], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 1 and done.stderr.count("\n") == 1 and message in done.stderr, (command, done.stderr)
+        assert not (tmp_path / "t.jsonl").exists()

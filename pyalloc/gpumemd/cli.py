@@ -113,7 +113,8 @@ def _print_decisions(decisions: list[reaper.Decision], as_json: bool) -> None:
         ev = d.evidence
         why = d.protected_reason or d.result or ""
         print(f"{'DRY RUN ' if d.dry_run else ''}{d.action:<13} pid {d.pid:<7} {d.criterion:<15} "
-              f"held {format_bytes(ev['held_bytes']):>9} cpu {ev['cpu_percent']}% idle {ev['idle_s']}s "
+              f"held {format_bytes(ev['held_bytes']):>9} cpu {ev['cpu_percent']}% "
+              f"idle {'-' if ev['idle_s'] is None else str(ev['idle_s']) + 's'} "
               f"status {ev['status']} ppid {ev['ppid']}  [{why}]  {(ev['command'] or '')[:60]}")
 
 
@@ -131,8 +132,15 @@ def cmd_trim(args: argparse.Namespace) -> int:
     path = registry.find_record_path(args.pid, args.registry_dir)
     if path is None:
         raise CliError(f"pid {args.pid} has no pyalloc registry record")
-    nbytes = parse_size(args.bytes) if args.bytes else 0
+    nbytes = 0  # all of the device's cache
+    if args.bytes is not None:
+        nbytes = parse_size(args.bytes)
+        if nbytes <= 0:
+            raise CliError(f"--bytes {args.bytes}: nothing to release (leave --bytes out to release the whole cache)")
     try:
+        devices = len(registry.read_record(path).devices)
+        if not 0 <= args.device < devices:
+            raise CliError(f"--device {args.device}: pid {args.pid} has {devices} device(s): 0 to {devices - 1}")
         released = registry.post_trim(path, args.device, nbytes, timeout=args.timeout)
     except registry.RecordError as e:
         raise CliError(f"{path}: {e}") from None

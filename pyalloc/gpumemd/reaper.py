@@ -96,47 +96,57 @@ class Policy:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> "Policy":
+        """The policy a parsed TOML document describes. Every key is checked for its name, type and
+        range (ValueError naming the key): a typo or a wrong type must never turn a rule on or
+        leave a process unprotected, as ``bool("false")`` or a string read as a list would."""
         p = cls()
-        known = {"zombie", "orphan", "idle", "stale_heartbeat", "no_proc", "protect",
-                 "grace_period", "cpu_sample", "audit_log", "subreapers"}
-        unknown = set(doc) - known
-        if unknown:
-            raise ValueError(f"unknown policy keys: {sorted(unknown)}")
+        _known(doc, "", {"zombie", "orphan", "idle", "stale_heartbeat", "no_proc", "protect",
+                         "grace_period", "cpu_sample", "audit_log", "subreapers"})
         for name in ("zombie", "orphan", "idle", "stale_heartbeat", "no_proc"):
-            table = doc.get(name, {})
+            table = _table(doc, name)
+            _known(table, name + ".", {"enabled", "min_bytes", "window", "cpu_percent", "action", "signal_parent"})
             c: Criterion = getattr(p, name)
-            for key, value in table.items():
-                if key == "enabled":
-                    c.enabled = bool(value)
-                elif key == "min_bytes":
-                    c.min_bytes = parse_size(value)
-                elif key == "window":
-                    c.window_s = parse_duration(value)
-                elif key == "cpu_percent":
-                    c.cpu_percent = float(value)
-                elif key == "action":
-                    if value not in ("kill", "report"):
-                        raise ValueError(f"{name}.action must be kill or report")
-                    c.action = value
-                elif key == "signal_parent":
-                    if value not in (False, "SIGCHLD", "SIGTERM"):
-                        raise ValueError(f"{name}.signal_parent must be false, SIGCHLD or SIGTERM")
-                    c.signal_parent = value or None
-                else:
-                    raise ValueError(f"unknown key {name}.{key}")
+            if "enabled" in table:
+                c.enabled = _bool(table, "enabled", name)
+            if "min_bytes" in table:
+                c.min_bytes = _size(table, "min_bytes", name)
+            if "window" in table:
+                c.window_s = _duration(table, "window", name)
+            if "cpu_percent" in table:
+                c.cpu_percent = _number(table, "cpu_percent", name, 0.0, 100.0)
+            if "action" in table:
+                if table["action"] not in ("kill", "report"):
+                    raise ValueError(f"{name}.action must be kill or report")
+                c.action = table["action"]
+            if "signal_parent" in table:
+                value = table["signal_parent"]
+                if value is not False and value not in ("SIGCHLD", "SIGTERM"):
+                    raise ValueError(f"{name}.signal_parent must be false, SIGCHLD or SIGTERM")
+                c.signal_parent = value or None
         p.zombie.action = "report"  # see the module docstring: signals can't kill zombies
         p.no_proc.action = "report"
-        p.grace_s = parse_duration(doc.get("grace_period", p.grace_s))
-        p.cpu_sample_s = parse_duration(doc.get("cpu_sample", p.cpu_sample_s))
-        p.audit_log = doc.get("audit_log")
-        p.subreapers = list(doc.get("subreapers", p.subreapers))
-        prot = doc.get("protect", {})
-        p.min_uid = int(prot.get("min_uid", p.min_uid))
-        p.protected_pids = [int(x) for x in prot.get("pids", [])]
-        p.protected_users = [str(x) for x in prot.get("users", [])]
-        p.protected_commands = [str(x) for x in prot.get("commands", [])]
+        if "grace_period" in doc:
+            p.grace_s = _duration(doc, "grace_period", "")
+        if "cpu_sample" in doc:
+            p.cpu_sample_s = _duration(doc, "cpu_sample", "")
+        if "audit_log" in doc:
+            if not isinstance(doc["audit_log"], str) or not doc["audit_log"]:
+                raise ValueError("audit_log must be a path (a non-empty string)")
+            p.audit_log = doc["audit_log"]
+        if "subreapers" in doc:
+            p.subreapers = _strings(doc, "subreapers", "")
+        prot = _table(doc, "protect")
+        _known(prot, "protect.", {"min_uid", "pids", "users", "commands", "allow_other_users"})
+        if "min_uid" in prot:
+            p.min_uid = _integer(prot, "min_uid", "protect")
+        p.protected_pids = [_pid(x) for x in _list(prot, "pids", "protect")]
+        p.protected_users = [str(x) for x in _list(prot, "users", "protect", (str, int))]
+        p.protected_commands = _strings(prot, "commands", "protect")
         for pattern in p.protected_commands:
-            re.compile(pattern)
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"protect.commands: {pattern!r} is not a regular expression ({e})") from None
         others = prot.get("allow_other_users", False)
         if isinstance(others, bool):
             p.allow_other_users = others
@@ -145,6 +155,93 @@ class Policy:
         else:
             raise ValueError("protect.allow_other_users must be a list of user names or uids (or true for all)")
         return p
+
+
+# ---- checked reading of the policy's values (each error names the key) ---------------------
+
+
+def _key(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _known(table: dict[str, Any], prefix: str, known: set[str]) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})")
+
+
+def _table(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    table = doc.get(name, {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{name} must be a table ([{name}]), not {type(table).__name__} {table!r}")
+    return table
+
+
+def _bool(table: dict[str, Any], key: str, section: str) -> bool:
+    value = table[key]
+    if not isinstance(value, bool):
+        raise ValueError(f"{_key(section, key)} must be true or false, not {value!r}")
+    return value
+
+
+def _integer(table: dict[str, Any], key: str, section: str) -> int:
+    value = table[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{_key(section, key)} must be a whole number >= 0, not {value!r}")
+    return value
+
+
+def _number(table: dict[str, Any], key: str, section: str, lo: float, hi: float) -> float:
+    value = table[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{_key(section, key)} must be a number from {lo:g} to {hi:g}, not {value!r}")
+    return float(value)
+
+
+def _size(table: dict[str, Any], key: str, section: str) -> int:
+    value = table[key]
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"not a size: {value!r}")
+        n = parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{_key(section, key)}: {e}") from None
+    if n < 0:
+        raise ValueError(f"{_key(section, key)} must be a size >= 0, not {value!r}")
+    return n
+
+
+def _duration(table: dict[str, Any], key: str, section: str) -> float:
+    value = table[key]
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"not a duration: {value!r}")
+        seconds = parse_duration(value)
+    except ValueError as e:
+        raise ValueError(f"{_key(section, key)}: {e}") from None
+    if not seconds >= 0:
+        raise ValueError(f"{_key(section, key)} must be a duration >= 0, not {value!r}")
+    return seconds
+
+
+def _list(table: dict[str, Any], key: str, section: str, types: tuple[type, ...] = (int,)) -> list[Any]:
+    """A list whose items are of ``types`` (booleans never count as numbers): a string given
+    where a list is meant is an error, not a list of its characters."""
+    value = table.get(key, [])
+    names = " or ".join(t.__name__ for t in types)
+    if not isinstance(value, list) or not all(isinstance(x, types) and not isinstance(x, bool) for x in value):
+        raise ValueError(f"{_key(section, key)} must be a list of {names} (e.g. [...]), not {value!r}")
+    return value
+
+
+def _strings(table: dict[str, Any], key: str, section: str) -> list[str]:
+    return [str(x) for x in _list(table, key, section, (str,))]
+
+
+def _pid(value: int) -> int:
+    if value <= 0:
+        raise ValueError(f"protect.pids: {value} is not a process id")
+    return value
 
 
 def default_audit_log() -> Path:

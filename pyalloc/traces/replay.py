@@ -164,12 +164,36 @@ def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
     core.configure(settings + ("," + conf if conf else ""))
 
 
+# Keys a replay sets from its own options: given in --conf, they would run something other than
+# what the report says (a capacity under the peak of live bytes, another backend).
+REPLAY_KEYS = {"backend": "--backend", "capacity": "--capacity", "devices": "a replay's one device"}
+
+
+def check_conf(policy: str, conf: str) -> None:
+    """PyallocError when ``conf`` (extra PYALLOC_CONF keys) cannot apply to a replay of ``policy``:
+    a key the replay sets itself, a key the policy is defined by (``vmm`` for pyalloc-plain), or
+    any key for a model of PyTorch's allocator (not this allocator at all)."""
+    if not conf:
+        return
+    if policy not in POLICY_CONF:
+        raise PyallocError(f"--conf applies to the pyalloc policies only; {policy} is a model of PyTorch's allocator")
+    defined_by = {item.split("=", 1)[0].strip().lower() for item in POLICY_CONF[policy].split(",") if item}
+    for item in conf.split(","):
+        key = item.split("=", 1)[0].strip().lower()
+        if key in REPLAY_KEYS:
+            raise PyallocError(f"--conf {item.strip()}: the replay sets {key} itself (use {REPLAY_KEYS[key]})")
+        if key in defined_by:
+            raise PyallocError(f"--conf {item.strip()}: policy {policy} is defined by {POLICY_CONF[policy]} "
+                               "(choose the policy that has the setting you want)")
+
+
 def replay(flat: FlatTrace, policy: str = "pyalloc", backend: str = "sim", capacity: int | None = None,
            conf: str = "", curve_points: int = 0) -> ReplayResult:
     if policy not in POLICIES:
         raise PyallocError(f"unknown policy {policy!r} (expected one of {', '.join(POLICIES)})")
     if backend not in ("sim", "host"):
         raise PyallocError(f"replay backend must be sim or host, not {backend!r}")
+    check_conf(policy, conf)
     cap = capacity or flat.device_capacity or DEFAULT_CAPACITY
     is_pyalloc = policy in POLICY_CONF
     if is_pyalloc:
@@ -218,6 +242,9 @@ def find_min_capacity(flat: FlatTrace, policy: str = "pyalloc", backend: str = "
     confirmed by stepping down while the next smaller step still works.
     """
     step = CAPACITY_STEP
+    if flat.peak_live_bytes > 1 << 50:
+        raise PyallocError(f"{flat.name}: {flat.peak_live_bytes:,} bytes live at once, more than any device "
+                           "(1 PiB): no capacity to search for")
     lo = max(step, flat.peak_live_bytes // step * step)  # may fail
     hi = max(lo + step, -(-flat.peak_live_bytes * 2 // step) * step)
     while not replays_cleanly(flat, policy, backend, hi, conf):
@@ -249,19 +276,23 @@ def run(args: argparse.Namespace) -> int:
         return 1
     flat = flatten(trace, _trace_name(args.trace))
     capacity = core.parse_size(args.capacity) if args.capacity else None
-    result = replay(flat, args.policy, args.backend, capacity, args.conf or "")
+    conf = args.conf or ""
+    check_conf(args.policy, conf)
+    result = replay(flat, args.policy, args.backend, capacity, conf)
     report = result.report()
+    if conf:
+        report["conf"] = conf
     if args.find_min_capacity:
-        minimum = find_min_capacity(flat, args.policy, args.backend, args.conf or "")
+        minimum = find_min_capacity(flat, args.policy, args.backend, conf)
         report["min_capacity_bytes"] = minimum
         report["min_capacity_over_live"] = minimum / flat.peak_live_bytes if flat.peak_live_bytes else 0.0
     if args.json:
         print(json.dumps(report))
         return 0
     label = POLICIES[args.policy]
-    print(f"{flat.name}: {label}, {report['backend']} backend")
+    print(f"{flat.name}: {label}, {report['backend']} backend" + (f", with --conf {conf}" if conf else ""))
     for key, value in report.items():
-        if key in ("policy", "backend", "trace"):
+        if key in ("policy", "backend", "trace", "conf"):
             continue
         if key.endswith("_bytes"):
             print(f"  {key:<28} {value:>16,}  ({value / MiB:,.1f} MiB)")

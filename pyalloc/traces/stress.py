@@ -491,6 +491,8 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
+    except BrokenPipeError:
+        raise  # the reader went away: pyalloc's main stops quietly
     except (StressError, PyallocError, TraceError, KeyError, OSError) as e:
         message = str(e).strip("'\"") if isinstance(e, KeyError) else str(e)
         print(f"pyalloc stress: error: {message}", file=sys.stderr)
@@ -526,6 +528,10 @@ def _progress_bar(total: int, disable: bool) -> Any:
     return tqdm(total=total, desc="pyalloc stress", unit="step", file=sys.stderr)
 
 
+# The file formats matplotlib writes without extra packages (savefig picks one by the name's suffix).
+PLOT_FORMATS = {"png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp"}
+
+
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     names = select_workloads(args.workloads)
@@ -534,6 +540,10 @@ def _run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     json_path = Path(args.json) if args.json else out_dir / REPORT_NAME
     plot_path: Path | None = Path(args.plot) if args.plot else out_dir / PLOT_NAME
+    if args.plot and plot_path is not None and plot_path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        # refused before the run, not by matplotlib after it
+        raise StressError(f"--plot {args.plot}: not an image file name (one ending in "
+                          f"{', '.join('.' + f for f in sorted(PLOT_FORMATS))})")
     if not available("matplotlib"):
         if args.plot:  # asked for by name: refused before the run, not after it
             raise MissingDependency(missing_message("matplotlib", "pyalloc stress --plot"))

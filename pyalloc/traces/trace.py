@@ -105,8 +105,15 @@ def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Trace:
         if not isinstance(obj, dict):
             raise TraceError(name, number, "a line must be a JSON object")
         if header is None:
-            if obj.get("version") != 1:
-                raise TraceError(name, number, f"the header must carry \"version\": 1, got {obj.get('version')!r}")
+            version = obj.get("version")
+            if version != 1 or isinstance(version, bool):  # True == 1 in Python
+                raise TraceError(name, number, f"the header must carry \"version\": 1, got {version!r}")
+            capacity = obj.get("device_capacity")
+            if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0):
+                raise TraceError(name, number, f"the header's device_capacity must be a whole number of bytes > 0, "
+                                 f"got {capacity!r}")
+            if not isinstance(obj.get("source", ""), str):
+                raise TraceError(name, number, f"the header's source must be a string, got {obj['source']!r}")
             header = obj
             trace = Trace(source=str(obj.get("source", "")), header=obj)
             continue
@@ -197,8 +204,11 @@ def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("device_traces"), list):
         raise TraceError(name, 0, "not a PyTorch memory snapshot: no 'device_traces' list")
     traces = snapshot["device_traces"]
-    if device >= len(traces):
-        raise TraceError(name, 0, f"the snapshot has no device {device}")
+    if not 0 <= device < len(traces):
+        raise TraceError(name, 0, f"the snapshot has no device {device} (devices 0 to {len(traces) - 1})"
+                         if traces else "the snapshot has no device trace")
+    if not isinstance(traces[device], list):
+        raise TraceError(name, 0, f"not a PyTorch memory snapshot: device {device}'s trace is not a list")
     trace = Trace(source=f"PyTorch snapshot {name}, device {device}", header={"version": 1})
     live: dict[int, int] = {}
     next_id = 0

@@ -109,6 +109,13 @@ def test_gpumemd_trim_has_a_real_process_release_its_cache(tmp_path: Path) -> No
         assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
         record = reg / f"pyalloc.{os.getuid()}.{victim.pid}"
         eventually(lambda: record.exists() and registry.read_record(record).devices[0].cached_free_bytes == 48 * MiB)
+        for bad, named in ((["--device", "5"], "--device 5: pid"), (["--bytes", "0"], "--bytes 0: nothing to release")):
+            # a device the process does not have, or nothing to release: an error, and the cache
+            # stays (a review saw "released 0 bytes" for the first and the whole cache go for the second)
+            out = subprocess.run([sys.executable, "-m", "pyalloc.gpumemd", "--registry-dir", str(reg), "trim",
+                                  str(victim.pid), *bad], capture_output=True, text=True, env=child_env, timeout=120)
+            assert out.returncode == 1 and out.stderr.count("\n") == 1 and named in out.stderr, out.stderr
+        assert registry.read_record(record).devices[0].cached_free_bytes == 48 * MiB
         out = subprocess.run([sys.executable, "-m", "pyalloc.gpumemd", "--registry-dir", str(reg), "trim",
                               str(victim.pid), "--device", "0"],
                              capture_output=True, text=True, env=child_env, timeout=120)
