@@ -42,6 +42,8 @@ def configure(conf: str) -> None:
     (``config()`` shows them all). Raises PyallocError naming the bad key and the accepted form,
     and then nothing changes.
     """
+    if not isinstance(conf, str):
+        raise TypeError(f"configure() takes a PYALLOC_CONF string such as 'backend=host', not {conf!r}")
     check_status(lib().pyalloc_configure(conf.encode()), "pyalloc_configure")
 
 
@@ -71,6 +73,8 @@ def malloc(size: int, device: int = 0, stream: int = 0) -> int:
 
     ``malloc(0)`` returns 0 (NULL), as the C ABI does.
     """
+    if size < 0:
+        raise PyallocError(f"pyalloc_malloc: size {size} is negative")
     ptr = lib().pyalloc_malloc(size, device, stream)
     if not ptr:
         if size == 0:
@@ -214,6 +218,8 @@ def dump_snapshot(path: str | Path) -> None:
 
 
 def create_pool(name: str) -> int:
+    if not isinstance(name, str):
+        raise TypeError(f"a pool is named by a string, not {name!r}")
     pool_id = ctypes.c_int(0)
     check_status(lib().pyalloc_pool_create(name.encode(), ctypes.byref(pool_id)), "pyalloc_pool_create")
     return int(pool_id.value)

@@ -27,7 +27,7 @@ UNITS: dict[str, int] = {
 }  # fmt: skip
 # The C++ parser's bound: sizes are size_t, and a double is exact only so far.
 MAX_SIZE = 9 * 10**18
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", re.ASCII)
 
 
 def parse_size(text: str) -> int:

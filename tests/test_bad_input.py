@@ -181,3 +181,47 @@ def test_a_snapshot_that_is_not_one_or_a_device_it_lacks_is_one_line(
                               timeout=120)
         assert done.returncode == 1 and done.stderr.count("\n") == 1 and message in done.stderr, (command, done.stderr)
         assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_python_calls_with_the_wrong_kind_of_argument_say_so() -> None:
+    # A review saw "size 18446744073709551615 is beyond any device" for -1, and AttributeErrors.
+    with pytest.raises(pyalloc.PyallocError, match="size -1 is negative"):
+        pyalloc.malloc(-1)
+    with pytest.raises(TypeError, match="configure\\(\\) takes a PYALLOC_CONF string"):
+        pyalloc.configure(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a pool is named by a string"), pyalloc.pool(None):  # type: ignore[arg-type]
+        pass
+
+
+def test_sizes_take_ascii_digits_only_as_pyalloc_conf_does() -> None:
+    from pyalloc.sizes import parse_size
+
+    assert parse_size("12GiB") == 12 << 30
+    with pytest.raises(ValueError, match="bad size"):
+        parse_size("\u0661\u0662GiB")  # Arabic-Indic digits: Python's \\d took them, the C parser does not
+
+
+def test_a_folder_given_as_a_trace_or_an_output_is_named_as_such(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and f"{tmp_path}:0: is a folder, not a trace file" in done.stderr, done.stderr
+    import pickle
+
+    snapshot = tmp_path / "snapshot.pickle"
+    snapshot.write_bytes(pickle.dumps({"device_traces": [[]]}))
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "record", "--from-snapshot", str(snapshot),
+                           "-o", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "-o names a folder, not a file" in done.stderr, done.stderr
+
+
+def test_selftest_takes_a_snapshot_as_replay_does(tmp_path: Path) -> None:
+    import pickle
+
+    snapshot = tmp_path / "snapshot.pickle"
+    entries = [{"action": "alloc", "addr": 4096 * (i + 1), "size": 1 << 20} for i in range(3)]
+    entries += [{"action": "free_completed", "addr": 4096 * (i + 1)} for i in range(3)]
+    snapshot.write_bytes(pickle.dumps({"device_traces": [entries]}))
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "selftest", str(snapshot)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "selftest passed: 6 operations replayed" in done.stdout, done.stdout

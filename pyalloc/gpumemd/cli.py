@@ -233,6 +233,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .metrics import State
     from .pressure import PressureServer, default_socket_path
 
+    if args.enforce and not args.policy:
+        raise CliError("serve --enforce: the reaper runs only with --policy FILE (without it there is nothing "
+                       "to enforce)")
     log = EventLog()
     host, port = args.listen
     policy = reaper.Policy.load(args.policy) if args.policy else None

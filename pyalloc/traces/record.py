@@ -481,6 +481,8 @@ def run(args: argparse.Namespace) -> int:
                                 allocator=args.allocator, max_entries=args.max_entries)
         capacity = trace.header.get("device_capacity")
         output = Path(args.output) if args.output else Path(f"{workload.stem}.jsonl.gz")
+    if not output.name or output.is_dir():
+        return _fail(f"cannot write {str(output) or repr(str(output))}: -o names a folder, not a file")
     try:
         written = write_trace(trace, output, trace.source, capacity)
     except OSError as e:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import core
 from .._lib import PyallocError, lib
-from .trace import ALLOC, FREE, Trace, TraceError, load, workloads_dir
+from .trace import ALLOC, FREE, Trace, TraceError, load_any, workloads_dir
 
 MiB = 1 << 20
 CHECK_EVERY = 997  # ops between full invariant walks
@@ -102,7 +102,7 @@ def run(paths: list[Path], as_json: bool) -> int:
     for path in paths:
         name = path.name.split(".")[0]
         try:
-            trace = load(path)
+            trace = load_any(path)  # a JSON Lines trace or a PyTorch snapshot, as replay takes
         except TraceError as e:
             raise PyallocError(f"selftest: {e}") from None
         if not fits_this_machine(trace):
@@ -137,6 +137,6 @@ def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser
         help="replay the shipped training traces on the host backend, verifying every byte",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
     )
-    parser.add_argument("traces", nargs="*", type=Path, help="traces to replay (default: the shipped workloads)")
+    parser.add_argument("traces", nargs="*", type=Path, help="traces (.jsonl, .jsonl.gz) or PyTorch snapshot pickles to replay (default: the shipped workloads)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=lambda args: run(list(args.traces), args.json))

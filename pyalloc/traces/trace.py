@@ -159,11 +159,17 @@ def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Trace:
     return trace
 
 
+def _check_file(p: Path) -> None:
+    if p.is_dir():
+        raise TraceError(str(p), 0, "is a folder, not a trace file")
+    if not p.is_file():
+        raise TraceError(str(p), 0, "no such file")
+
+
 def load(path: str | Path) -> Trace:
     """Reads a JSON Lines trace, gzip-compressed or not, validating every line."""
     p = Path(path)
-    if not p.is_file():
-        raise TraceError(str(p), 0, "no such file")
+    _check_file(p)
     try:
         with _open_text(p) as f:
             return parse_lines(f, str(p))
@@ -241,8 +247,7 @@ def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
 def load_any(path: str | Path, device: int = 0) -> Trace:
     """A JSON Lines trace (plain or gzip) or a pickled PyTorch memory snapshot."""
     p = Path(path)
-    if not p.is_file():
-        raise TraceError(str(p), 0, "no such file")
+    _check_file(p)
     with open(p, "rb") as f:
         magic = f.read(2)
     if magic[:1] == b"\x80":  # pickle protocol 2+

@@ -168,3 +168,10 @@ def test_serve_listens_on_ipv6_loopback(reg_dir: Path, tmp_path: Path) -> None:
     finally:
         d.terminate()
         d.wait(timeout=30)
+
+
+def test_serve_enforce_without_a_policy_is_refused(reg_dir: Path) -> None:
+    # A review saw it start and enforce nothing: the reaper runs only with a policy.
+    out = gpumemd("serve", "--enforce", reg=reg_dir)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "serve --enforce: the reaper runs only with --policy" in out.stderr
