@@ -303,3 +303,48 @@ def test_a_request_moves_the_pairs_it_needs_first() -> None:
     finally:
         a.free_all()
         pyalloc.check(0)
+
+
+def test_lstm_varlen_fits_194_mib_by_merging_groups_and_keeps_every_byte() -> None:
+    """The recorded lstm_varlen trace on the host backend at 194 MiB (peak live 190.31 MiB,
+    1.019): its last requests are served only by merging twins into groups (Note [Groups of
+    twins]; 196 MiB with pairs alone). Every block's bytes are tagged when it is allocated and
+    read back when it is freed and, after every move, for every live block; pyalloc_check every
+    200 calls and at the end."""
+    import ctypes
+
+    from pyalloc.traces.trace import ALLOC, FREE
+
+    flat = stress.load_workload("lstm_varlen", 0, False).flat
+    replay.configure_for_replay("host", 194 * MiB)
+    live: dict[int, tuple[int, int, int]] = {}  # slot -> (address, size, byte)
+
+    def intact(ptr: int, size: int, byte: int) -> bool:  # its first, middle and last KiB
+        return all(ctypes.string_at(ptr + at, min(KiB, size - at)) == bytes([byte]) * min(KiB, size - at)
+                   for at in {0, max(0, size // 2 - KiB // 2), max(0, size - KiB)})
+
+    moved = 0
+    for i, (op, slot, size, stream) in enumerate(zip(flat.ops, flat.slots, flat.sizes, flat.streams)):
+        if op == ALLOC:
+            ptr = pyalloc.malloc(size, stream=stream)  # raises on a failed request
+            live[slot] = (ptr, size, 1 + i % 251)
+            fill(ptr, size, live[slot][2])
+        elif op == FREE:
+            ptr, size, byte = live.pop(slot)
+            assert intact(ptr, size, byte), f"call {i}: a block lost its bytes"
+            pyalloc.free(ptr, size, stream=stream)
+        s = pyalloc.memory_stats()
+        if s["num_moved_granules"] != moved:
+            moved = s["num_moved_granules"]
+            assert all(intact(*block) for block in live.values()), f"call {i}: a move lost bytes"
+        if i % 200 == 0:
+            pyalloc.check(0)
+    pyalloc.check(0)
+    s = pyalloc.memory_stats()
+    for ptr, size, byte in live.values():
+        assert intact(ptr, size, byte)
+        pyalloc.free(ptr, size)
+    pyalloc.empty_cache()
+    pyalloc.check(0)
+    assert s["num_ooms"] == 0 and s["num_merged_groups"] >= 1
+    assert pyalloc.memory_stats()["reserved_bytes.all.current"] == 0

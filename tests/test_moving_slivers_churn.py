@@ -1,9 +1,10 @@
-"""A seeded random churn near a full device for moving slivers (Note [Moving slivers]): layouts
-of granules live at one end, at both ends around a free middle, or only in their middle, so that
-cut pairs and nested pairs move, then requests of whole granules and odd sizes, frees in random
-order, a second stream, record_stream, release_cached and empty_cache. After every call
-``pyalloc_check`` holds (I13: the lent pieces of twins tile their granule) and, on the host
-backend, every live block still holds its own byte; at the end all memory comes back.
+"""A seeded random churn near a full device for moving slivers (Note [Moving slivers]) and
+merging groups of twins (Note [Groups of twins]): layouts of granules live at one end, at both
+ends around a free middle, or only in their middle, so that cut pairs and nested pairs move, then
+requests of whole granules and odd sizes, frees in random order, a second stream, record_stream,
+release_cached and empty_cache. After every call ``pyalloc_check`` holds (I13: every offset of a
+group's granule owned by one twin) and, on the host backend, every live block still holds its own
+byte; at the end all memory comes back.
 """
 
 from __future__ import annotations
@@ -118,6 +119,50 @@ def test_a_churn_near_a_full_device_moves_slivers_and_loses_no_byte(backend: str
         pyalloc.check(0)
         assert c.a.stats()["reserved_bytes.all.current"] == 0
     assert moved > 0 and nested > 0  # both kinds of pair ran
+
+
+class SmallPieces(Churn):
+    """Granules that keep one or two units of 64 KiB live anywhere in them: pairs form first, and
+    the pairs' granules still hold free memory where another pair's or granule's live bytes fit,
+    so later requests merge whole groups (Note [Groups of twins])."""
+
+    def layout(self) -> None:
+        unit = 64 * KiB
+        per = GRANULE // unit
+        pieces: list[tuple[int, bool]] = []
+        for _ in range(self.granules):
+            where = self.rng.randint(0, per - 2)
+            size = self.rng.randint(1, 2)
+            pieces += [(where, False)] if where else []
+            pieces += [(size, True)] + ([(per - where - size, False)] if per - where - size > 0 else [])
+        made = [(self.malloc(units * unit), live) for units, live in pieces]
+        dead = [p for p, live in made if p is not None and not live]
+        self.rng.shuffle(dead)
+        for p in dead:
+            self.free(p)
+
+
+@pytest.mark.parametrize("backend", ["host", "sim"])
+def test_a_churn_of_small_live_pieces_merges_groups_and_loses_no_byte(backend: str) -> None:
+    merged = 0
+    for seed in SEEDS:
+        c = SmallPieces(seed, backend, 0)
+        c.layout()
+        for _ in range(4):  # requests that only moves and merges can serve
+            c.malloc(c.rng.randint(1, 3) * GRANULE)
+        assert c.intact()
+        c.churn(40)
+        for _ in range(3):
+            c.malloc(c.rng.randint(1, 2) * GRANULE)
+            pyalloc.check(0)
+        assert c.intact()
+        merged += int(c.a.stats()["num_merged_groups"])
+        for p in list(c.byte):
+            c.free(p)
+        pyalloc.empty_cache()
+        pyalloc.check(0)
+        assert c.a.stats()["reserved_bytes.all.current"] == 0
+    assert merged > 0  # groups merged, and parted again at the end
 
 
 def lends_a_middle() -> int:

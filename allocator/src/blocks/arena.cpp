@@ -120,12 +120,24 @@ bool whole_chunks(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t g, ui
   return *a < *z;
 }
 
+// The parts of [lo, hi) that `lent` leaves (arena.hpp).
+std::vector<std::pair<uintptr_t, uintptr_t>> lent_gaps(const std::vector<Block*>& lent, uintptr_t lo, uintptr_t hi) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> gaps;
+  uintptr_t at = lo;
+  for (const Block* piece : lent) {
+    if (piece->addr > at) gaps.emplace_back(at, piece->addr);
+    at = end_of(piece);
+  }
+  if (at < hi) gaps.emplace_back(at, hi);
+  return gaps;
+}
+
 // Whether twin granule `slot` owns nothing live (arena.hpp).
 bool own_part_free(const Segment* arena, size_t slot, size_t g, uintptr_t skip_lo, uintptr_t skip_hi,
                    bool* overlaps) {
   const uintptr_t lo = arena->base + slot * g;
   const uintptr_t hi = lo + g;
-  const Block* b = arena->twins.at(slot).lent;
+  const Block* b = arena->twins.at(slot).lent.front();
   while (b->addr > lo) b = b->prev;
   bool touched = false;
   for (; b != nullptr && b->addr < hi; b = b->next) {

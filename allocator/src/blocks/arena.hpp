@@ -3,9 +3,9 @@
 //
 // An arena is a segment made with the backend's virtual-memory calls
 // (types.hpp): one reservation tiled by blocks, holes among them, a granule
-// mapped under every block that is not a hole (I9), and twins, two granules
-// that map one physical granule and lend each other the part they do not use
-// (I13). Everything here reads an arena and changes nothing. The device
+// mapped under every block that is not a hole (I9), and twins, granules
+// that map one physical granule and lend each other the parts they do not
+// use (I13). Everything here reads an arena and changes nothing. The device
 // allocator maps, unmaps, lends and stitches (Note [Arenas] and Note [Whole
 // granules] in device/arena.cpp, Note [Shared granules] in device/share.cpp).
 //
@@ -16,6 +16,8 @@
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "blocks/types.hpp"
 #include "ground/compiler.hpp"
@@ -65,6 +67,10 @@ Block* block_at(const Segment* segment, uintptr_t addr);
 // block_at() in an arena, from the nearest holes (Segment::holes): cheap when
 // a hole lies at or soon after `addr`, as where an arena grows.
 Block* block_near_holes(const Segment* arena, uintptr_t addr);
+
+// The parts of [lo, hi) that `lent` (blocks inside it, in address order,
+// none overlapping) leaves: what a twin granule owns (I13).
+std::vector<std::pair<uintptr_t, uintptr_t>> lent_gaps(const std::vector<Block*>& lent, uintptr_t lo, uintptr_t hi);
 
 // Whether twin granule `slot` of `arena` owns nothing live: every block of
 // the granule but its lent pieces (I13) is free. *overlaps (when given) says

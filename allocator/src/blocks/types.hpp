@@ -26,11 +26,12 @@
 //                large reservation per pool and stream, backed by physical
 //                granules mapped where blocks need them (Note [Arenas]).
 //   hole         a block of an arena with no physical memory behind it.
-//   twin         one of the two granules of an arena that map the same
-//                physical granule (Note [Shared granules], device/share.cpp;
-//                a move makes them too: Note [Moving slivers], device/move.cpp).
-//   lent         the part of a twin that the other twin uses: mapped here,
-//                but never handed out or cached here.
+//   twin         one of the granules of an arena (two, or more: a group)
+//                that map the same physical granule (Note [Shared granules],
+//                device/share.cpp; a move makes them too: Note [Moving
+//                slivers] and Note [Groups of twins], device/move.cpp).
+//   lent         a part of a twin that another twin of its group owns:
+//                mapped here, but never handed out or cached here.
 //
 // Invariants (pyalloc_check: I1..I9, I13 and I16 by observe/check.cpp's walk,
 // I10..I12, I14 and I15 by the device allocator beside it, device/reports.cpp)
@@ -64,15 +65,15 @@
 //   I12 the small pool holds only requests of at most kSmallRequest, and
 //       with vmm=shared (Note [One arena for small and large] in
 //       device/arena.cpp) no segment at all
-//   I13 twins (Note [Shared granules] in device/share.cpp) come in pairs of
-//       granules of one arena that name each other and the same physical
-//       granule; a lent block is one piece of one twin, and the two twins'
-//       lent pieces are complementary: what one lends, the other owns, at
-//       the same offsets. A twin lends one piece, at its start or its end, or
-//       in its middle, when the other lends two, its start and its end (Note
-//       [Moving slivers]: a granule live only inside another's free middle);
-//       the pieces alternate between the two across the granule. Each twin's
-//       record names its lent pieces (Twin::lent, Twin::lent2)
+//   I13 twins (Note [Shared granules] in device/share.cpp) come in groups
+//       of two or more granules of one arena, each naming the next in a ring
+//       (a pair: each other), all mapping the same physical granule; a lent
+//       block is one piece of one twin, and at every offset of the granule
+//       exactly one twin of the group owns the bytes (its block there is not
+//       lent) while every other lends them (Note [Moving slivers], Note
+//       [Groups of twins]), so each twin owns some offsets and lends some.
+//       Each twin's record names its lent pieces, all of them, in address
+//       order (Twin::lent)
 //   I14 once an arena's sliver index is on, it lists exactly the arena's free
 //       slivers, each under its offset (Note [Sliver index] in
 //       blocks/sliver_index.hpp); an index is on  <=>  every call is diverted
@@ -189,16 +190,16 @@ static_assert(offsetof(Block, bin_class) + sizeof(int) <= 64 && offsetof(Block, 
                   offsetof(Block, freed_at) + sizeof(uint64_t) <= 128,
               "Note [Block layout]: a Block's fields moved across its cache lines");
 
-// One granule of a pair of twins (Note [Shared granules] in
-// device/share.cpp): the granule that maps the same physical granule, and
-// this granule's lent piece, or pieces: a twin whose other lends its middle
-// lends its start (lent) and its end (lent2). A lent block is never split,
-// merged or freed while the pair lasts, so the pointers stay good until the
-// twins part.
+// One granule of a group of twins (Note [Shared granules] in
+// device/share.cpp; Note [Groups of twins] in device/move.cpp): the next
+// granule of the group, which maps the same physical granule (the group is a
+// ring: following `other` comes back here; a pair names each other), and this
+// granule's lent pieces in address order, every one of them. A lent block is
+// never merged or freed while the group lasts; a piece splits only when its
+// granule's group changes (untwin, merge_groups), which keeps this list.
 struct Twin {
   size_t other = 0;
-  Block* lent = nullptr;
-  Block* lent2 = nullptr;  // the second piece, at the granule's end, or none
+  std::vector<Block*> lent;
 };
 
 struct Segment {

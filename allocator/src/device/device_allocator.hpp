@@ -365,6 +365,7 @@ class DeviceAllocator {
   Block* move_and_retry(Pool& pool, size_t rounded, StreamId stream);
   size_t move_slivers(size_t wanted);
   size_t move_in(Segment* arena, size_t wanted, bool* synchronized);
+  size_t merge_in(Segment* arena, size_t wanted, bool* synchronized);
   bool movable(Block* from, uintptr_t lo, uintptr_t hi) const;
   void prune_exported();
 

@@ -63,8 +63,10 @@
 // Twins part again lazily, whenever free granules are gathered (untwin_free:
 // stitching, release, empty_cache, and share_first): a twin whose own part is
 // all free is unmapped (after its stream is synchronized) and becomes a hole,
-// and the pieces the other twin lent it become free memory there. A twin is
-// never shared again; one granule maps at most twice.
+// and the pieces the other twin lent it become free memory there. A window
+// never shares a twin again; a move may merge its group with another (Note
+// [Groups of twins] in move.cpp), and then untwin gives a parting twin's
+// bytes to the next twin of its group.
 //
 // Measured on the stress suite against share=0 (the rule of when as it is
 // now: docs/benchmarks/2026-11-25-scale-cpu.md): interleaved_lifetimes needs
@@ -313,8 +315,9 @@ Block* DeviceAllocator::lend(Block* block, uintptr_t from, uintptr_t to) {
 // Granules `a` and `b` of `arena` map one physical granule from now on, each
 // lending the pieces named (b two when a lends its middle: I13).
 void DeviceAllocator::pair_twins(Segment* arena, size_t a, Block* a_lent, size_t b, Block* b_lent, Block* b_lent2) {
-  arena->twins[a] = Twin{b, a_lent, nullptr};
-  arena->twins[b] = Twin{a, b_lent, b_lent2};
+  arena->twins[a] = Twin{b, {a_lent}};
+  arena->twins[b] = Twin{a, {b_lent}};
+  if (b_lent2 != nullptr) arena->twins[b].lent.push_back(b_lent2);
   arena->twinned[a] = arena->twinned[b] = true;
   relist_granule(arena, a, a_lent);
   relist_granule(arena, b, b_lent);
@@ -338,38 +341,70 @@ void DeviceAllocator::relist_granule(Segment* arena, size_t slot, Block* inside)
 }
 
 // Unmaps twin granule `slot` of `arena`, whose own part is free, and gives
-// its bytes back to the other twin, whose lent pieces become free memory.
-// The arena's stream must be synchronized.
+// what it owns to the next twin of its group, whose lent pieces there become
+// free memory; the group closes ranks, and a twin left alone is a granule of
+// its own again. The arena's stream must be synchronized.
 void DeviceAllocator::untwin(Segment* arena, size_t slot) {
   const size_t g = granule_;
   const uintptr_t lo = arena->base + slot * g;
   const uintptr_t hi = lo + g;
   const Twin mine = arena->twins.at(slot);
-  const size_t other = mine.other;
-  const Twin theirs = arena->twins.at(other);
+  const size_t next = mine.other;
+  const uintptr_t next_lo = arena->base + next * g;
 
-  Block* freed = nullptr;  // a free block of the other granule, to relist it by
-  for (Block* piece : {theirs.lent, theirs.lent2}) {
-    if (piece == nullptr) continue;
+  // What this granule owns, as offsets: where its blocks are not lent.
+  std::vector<std::pair<size_t, size_t>> owned;
+  for (const auto& [a, z] : lent_gaps(mine.lent, lo, hi)) owned.emplace_back(a - lo, z - lo);
+  // The next twin lends every byte of that (I13): its pieces there become
+  // free, cut first where they reach past a range this one owns.
+  Twin& theirs = arena->twins.at(next);
+  std::vector<Block*> pieces;
+  for (Block* piece : theirs.lent) {
+    for (const auto& [a, z] : owned) {
+      for (const uintptr_t cut : {next_lo + a, next_lo + z}) {
+        if (cut > piece->addr && cut < end_of(piece)) {
+          pieces.push_back(piece);
+          piece = split_block(piece, cut - piece->addr);
+        }
+      }
+    }
+    pieces.push_back(piece);
+  }
+  theirs.lent.clear();
+  Block* freed = nullptr;  // a free block of the next granule, to relist it by
+  for (Block* piece : pieces) {
+    const size_t at = piece->addr - next_lo;
+    const bool given = std::any_of(owned.begin(), owned.end(), [&](const auto& r) { return r.first <= at && at < r.second; });
+    if (!given) {
+      theirs.lent.push_back(piece);
+      continue;
+    }
     piece->state = BlockState::kFree;
-    freed = insert_coalesced(piece);  // a second piece is still lent: the first's merge leaves it be
+    freed = insert_coalesced(piece);  // a neighbour still lent is not free: the merge leaves it be
   }
 
   breaks_capture();
   backend_->unmap(device_, lo, g);
   trace_.record(TraceAction::kSegmentUnmap, lo, g, arena->stream);
   arena->phys[slot] = PhysHandle{};
+  size_t before = next;  // the twin that names this one
+  while (arena->twins.at(before).other != slot) before = arena->twins.at(before).other;
+  arena->twins.at(before).other = next;
   arena->twins.erase(slot);
-  arena->twins.erase(other);
-  arena->twinned[slot] = arena->twinned[other] = false;
-  relist_granule(arena, other, freed);  // this one becomes a hole below
+  arena->twinned[slot] = false;
+  if (theirs.other == next) {  // alone: it owns its whole granule again
+    assert(theirs.lent.empty());
+    arena->twins.erase(next);
+    arena->twinned[next] = false;
+  }
+  if (freed != nullptr) relist_granule(arena, next, freed);  // this one becomes a hole below
   arena->mapped -= g;
   arena->doubled -= g;
 
   // This granule's blocks become one hole: its lent pieces and the parts of
   // the free blocks between and beside them that lie inside the granule.
-  std::vector<Block*> inside;  // in address order: a lent or a free block, alternately
-  Block* b = mine.lent;
+  std::vector<Block*> inside;  // in address order: lent and free blocks
+  Block* b = mine.lent.front();
   while (b->addr > lo) b = b->prev;
   for (; b != nullptr && b->addr < hi; b = b->next) inside.push_back(b);
   for (Block*& piece : inside) {
@@ -417,9 +452,9 @@ bool DeviceAllocator::untwin_free(Segment* arena, uintptr_t skip_lo, uintptr_t s
     return false;
   }
   for (const size_t slot : ready) {
-    // Untwinning gives the other twin's lent pieces back to its free memory,
-    // which frees nothing of any other pair: the ones found stay ready.
-    if (arena->twins.count(slot) != 0) untwin(arena, slot);  // else its twin went first
+    // Untwinning gives the next twin free memory, and takes nothing from any
+    // other: the ones found stay ready.
+    if (arena->twins.count(slot) != 0) untwin(arena, slot);  // else its pair's other went first
   }
   return true;
 }

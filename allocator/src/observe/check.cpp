@@ -141,12 +141,14 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     if (b->state == BlockState::kLent) {
       const size_t slot = lo / g;
       const auto twin = arena->twins.find(slot);
-      if ((hi - 1) / g != slot || twin == arena->twins.end() || lent[slot].size() >= 2) {
+      if ((hi - 1) / g != slot || twin == arena->twins.end()) {
         *problem = "lent block " + hex(b->addr) + " is not one of the pieces of one twin granule";
         return false;
       }
-      if (twin->second.lent != b && twin->second.lent2 != b) {
-        *problem = "twin granule " + std::to_string(slot) + " names other blocks than its lent piece " + hex(b->addr);
+      const std::vector<Block*>& named = twin->second.lent;
+      if (lent[slot].size() >= named.size() || named[lent[slot].size()] != b) {
+        *problem = "twin granule " + std::to_string(slot) + " does not name its lent piece " + hex(b->addr) +
+                   " (in address order)";
         return false;
       }
       lent[slot].emplace_back(lo % g, hi - slot * g);
@@ -184,41 +186,53 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     }
     if (is_mapped) mapped += g;
   }
-  // I13: twins in pairs, over one physical granule, lending complementary pieces.
+  // I13: twins in groups (rings), over one physical granule; at every offset
+  // exactly one twin of the group owns the bytes, the others lend them; each
+  // record names all of its granule's lent pieces.
+  size_t groups = 0;
+  std::unordered_map<size_t, bool> seen;  // twin granule -> its group was checked
   for (const auto& t : arena->twins) {
-    const size_t i = t.first, j = t.second.other;
-    const auto back = arena->twins.find(j);
-    if (i == j || j >= arena->phys.size() || back == arena->twins.end() || back->second.other != i ||
-        arena->phys[i].value == 0 || arena->phys[i].value != arena->phys[j].value) {
-      *problem = "granules " + std::to_string(i) + " and " + std::to_string(j) + " are not twins of one granule";
+    const size_t first = t.first;
+    const auto pieces = lent.find(first);
+    if ((pieces == lent.end() ? 0 : pieces->second.size()) != t.second.lent.size()) {
+      *problem = "twin granule " + std::to_string(first) + " names " + std::to_string(t.second.lent.size()) +
+                 " lent pieces, not the ones it has";
       return false;
     }
-    // The pieces of both, in offset order, tile the granule, alternating
-    // between the two (one piece each, or one lends its middle and the other
-    // its start and its end); each record names its pieces.
-    const auto mine = lent.find(i), theirs = lent.find(j);
-    bool complementary = mine != lent.end() && theirs != lent.end() &&
-                         mine->second.size() == (t.second.lent2 != nullptr ? 2u : 1u) &&
-                         theirs->second.size() == (back->second.lent2 != nullptr ? 2u : 1u) &&
-                         mine->second.size() + theirs->second.size() <= 3;
-    if (complementary) {
-      std::vector<std::pair<std::pair<size_t, size_t>, size_t>> pieces;  // ([lo, hi), whose)
-      for (const auto& piece : mine->second) pieces.push_back({piece, i});
-      for (const auto& piece : theirs->second) pieces.push_back({piece, j});
-      std::sort(pieces.begin(), pieces.end());
-      size_t at = 0;
-      for (size_t k = 0; k < pieces.size() && complementary; ++k) {
-        complementary = pieces[k].first.first == at && (k == 0 || pieces[k].second != pieces[k - 1].second);
-        at = pieces[k].first.second;
+    if (seen.count(first) != 0) continue;
+    ++groups;
+    std::vector<std::pair<size_t, size_t>> owned;  // every member's own ranges, as offsets
+    std::vector<size_t> members;
+    size_t i = first;
+    do {
+      const auto twin = arena->twins.find(i);
+      if (twin == arena->twins.end() || arena->phys[i].value == 0 ||
+          arena->phys[i].value != arena->phys[first].value || members.size() > arena->twins.size()) {
+        *problem = "twin granules from " + std::to_string(first) + " do not form a ring over one physical granule";
+        return false;
       }
-      complementary = complementary && at == g;
-    }
-    if (complementary && t.second.lent2 != nullptr) {  // two pieces: `lent` the start, `lent2` the end
+      members.push_back(i);
+      seen[i] = true;
       const uintptr_t lo = arena->base + i * g;
-      complementary = t.second.lent->addr == lo && end_of(t.second.lent2) == lo + g;
+      const auto gaps = lent_gaps(twin->second.lent, lo, lo + g);
+      if (gaps.empty() || twin->second.lent.empty()) {
+        *problem = "twin granule " + std::to_string(i) + (gaps.empty() ? " owns nothing" : " lends nothing");
+        return false;
+      }
+      for (const auto& [a, z] : gaps) owned.emplace_back(a - lo, z - lo);
+      i = twin->second.other;
+    } while (i != first);
+    std::sort(owned.begin(), owned.end());
+    size_t at = 0;
+    for (const auto& [a, z] : owned) {
+      if (a != at) break;
+      at = z;
     }
-    if (!complementary) {
-      *problem = "twin granules " + std::to_string(i) + " and " + std::to_string(j) + " do not lend complementary pieces";
+    if (members.size() < 2 || at != g || owned.back().second != g ||
+        std::adjacent_find(owned.begin(), owned.end(), [](const auto& x, const auto& y) { return x.second > y.first; }) !=
+            owned.end()) {
+      *problem = "the group of twin granules from " + std::to_string(first) + " (" + std::to_string(members.size()) +
+                 " granules) does not own each offset of its granule exactly once";
       return false;
     }
   }
@@ -250,7 +264,7 @@ bool check_arena(const Segment& arena_ref, size_t granule, std::string* problem)
     *problem = std::to_string(arena->twins.size()) + " twins but " + std::to_string(twinned) + " flagged";
     return false;
   }
-  if (arena->doubled != arena->twins.size() / 2 * g || lent_bytes != arena->doubled) {
+  if (arena->doubled != (arena->twins.size() - groups) * g || lent_bytes != arena->doubled) {
     *problem = "doubled bytes " + std::to_string(arena->doubled) + " but " + std::to_string(arena->twins.size()) +
                " twins lend " + std::to_string(lent_bytes);
     return false;

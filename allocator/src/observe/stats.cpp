@@ -100,7 +100,8 @@ void DeviceStats::reset_accumulated() {
   num_device_alloc = num_device_free = 0;
   num_pressure_callbacks = pressure_callback_freed_bytes = 0;
   num_daemon_requests = daemon_freed_bytes = 0;
-  num_stitches = stitched_bytes = num_shared_granules = num_moved_granules = moved_bytes = num_sliver_indexes = 0;
+  num_stitches = stitched_bytes = num_shared_granules = 0;
+  num_moved_granules = moved_bytes = num_merged_groups = num_sliver_indexes = 0;
   num_reuses = reused_bytes = 0;
   num_plans = num_plan_drops = plan_served = plan_misses = lifetime_long = 0;
   num_invalid_free = num_invalid_double_free = num_invalid_size = num_invalid_free_stream = 0;
@@ -139,6 +140,7 @@ void DeviceStats::write_fields(JsonWriter& w, int64_t num_invalid_device, int64_
   w.key("num_shared_granules").value(num_shared_granules);
   w.key("num_moved_granules").value(num_moved_granules);
   w.key("moved_bytes").value(moved_bytes);
+  w.key("num_merged_groups").value(num_merged_groups);
   w.key("num_sliver_indexes").value(num_sliver_indexes);
   w.key("num_reuses").value(num_reuses);
   w.key("reused_bytes").value(reused_bytes);

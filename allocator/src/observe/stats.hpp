@@ -131,6 +131,7 @@ struct DeviceStats {
   int64_t num_shared_granules = 0;  // granules step 2 mapped a second time (Note [Shared granules])
   int64_t num_moved_granules = 0;   // granules step 4b gave back by moving live bytes (Note [Moving slivers])
   int64_t moved_bytes = 0;          // bytes step 4b copied
+  int64_t num_merged_groups = 0;    // of num_moved_granules, by merging a group of twins (Note [Groups of twins])
   int64_t num_reuses = 0;        // growths that took cached free granules before new ones (Note [Reuse before growing])
   int64_t reused_bytes = 0;      // bytes of granules those growths moved
   int64_t num_sliver_indexes = 0;   // arenas' sliver indexes built, near a full device (Note [Sliver index])
