@@ -12,6 +12,7 @@ its mask from them as CUDA's fused dropout draws from the device's generator.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -158,7 +159,7 @@ def test_without_cuda_no_generator_state_but_the_cpu_one_is_taken() -> None:
 
 
 class _PrivateNoise(nn.Module):
-    """Draws from a generator of its own, which no session replays: its re-run differs."""
+    """Draws from a generator of its own, which no session replays: a re-run would differ."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,14 +169,37 @@ class _PrivateNoise(nn.Module):
         return x * (torch.rand(x.shape, generator=self.gen) >= 0.1)
 
 
+_OUTSIDE = [0]  # state kept outside the module, which the profile does not see change
+
+
+class _OutsideCounter(nn.Module):
+    """Reads and moves a counter kept outside itself: its re-run differs, and nothing but the
+    check can tell (Note [State a re-run reads] in plan.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _OUTSIDE[0] += 1
+        return x * (1.0 + 0.01 * _OUTSIDE[0])
+
+
+def test_a_module_with_a_generator_of_its_own_is_not_re_run() -> None:
+    # Until 2026-11-28 it was, and the check above all that caught it (this test's old form).
+    model = _model(_PrivateNoise())
+    expected = _train(copy.deepcopy(model), None, None, steps=3)
+    session = offload(budget=128 * 256 * 4, check=True)
+    got = _train(model, None, session, steps=3)
+    for a, b in zip(expected, got):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert session.recompute_mismatches() == []
+
+
 def test_the_check_names_the_module_whose_rerun_differs() -> None:
     session = offload(budget=128 * 256 * 4, check=True)
-    _train(_model(_PrivateNoise()), None, session, steps=2)
+    _train(_model(_OutsideCounter()), None, session, steps=2)
     reports = session.recompute_mismatches()
     st = session.stats()
     assert st["recompute_mismatches_total"] >= 1 and st["recompute_checked_total"] >= st["recompute_mismatches_total"]
     first = reports[0]
-    assert first["module"] == "_PrivateNoise" and first["kind"] == "output" and first["step"] == 1, first
+    assert first["module"] == "_OutsideCounter" and first["kind"] == "output" and first["step"] == 1, first
     assert first["values_equal"] is False and first["elements_differing"] > 0, first
     assert first["original"]["shape"] == [128, 256] and first["recomputed"]["stride"] == first["original"]["stride"]
     assert first["cuda_generators"] == [] and first["linked_inputs"] == 1, first  # its input came through the GELU

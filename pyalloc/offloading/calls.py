@@ -233,7 +233,8 @@ class CallRecorder:
         if not tensors and not getattr(func, "__name__", "").startswith(("rand", "normal", "bernoulli")):
             return run(*args, **kwargs)
         refs: list[Any] = []
-        replayable = True
+        # a generator given to the call has moved on since: a re-run would draw other numbers
+        replayable = not any(isinstance(x, torch.Generator) for x in leaves)
         seen: dict[int, Any] = {}  # one ref per tensor object: `query is key` must hold on replay
         for x in leaves:
             if not isinstance(x, torch.Tensor):

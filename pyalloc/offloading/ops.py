@@ -158,11 +158,15 @@ class OpRecorder(TorchDispatchMode):
     inside a module call), keyed by ``key`` (Profile._key)."""
 
     def __init__(self, key: Callable[[torch.Tensor], "ProfileKey"], active: Callable[[], bool],
-                 unrecorded: Callable[[], None] = lambda: None) -> None:
+                 unrecorded: Callable[[], None] = lambda: None,
+                 private_generator: Callable[[], None] = lambda: None) -> None:
         super().__init__()
         self._key = key
         self._active = active
         self._unrecorded = unrecorded  # told of each operator not recorded (it may be a module's, with grad off)
+        # told of each recorded operator that draws from a generator it was given: a re-run would
+        # draw again from where that generator stands then (Note [State a re-run reads] in plan.py)
+        self._private_generator = private_generator
         self.ops: list[OpInfo] = []
         self.overhead_s = 0.0  # this mode's own time, not the model's
 
@@ -173,6 +177,8 @@ class OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         t0 = time.thread_time()
         leaves, spec = tree_flatten((args, kwargs))
+        if any(isinstance(x, torch.Generator) for x in leaves):
+            self._private_generator()
         recorded = [TensorArg(self._key(x), geometry(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
         reads = tuple(x.key for x in recorded if isinstance(x, TensorArg))
         mutated = _mutated_positions(func, args, kwargs)

@@ -55,6 +55,23 @@ Note [Planned recompute]
     in the step and checked by shape and dtype: a step that differs from the profile keeps what
     it saves from there on and has the next step profiled again.
 
+Note [State a re-run reads]
+    A re-run calls a module's forward again, later, on the same inputs; it sees the module as it
+    is then. Parameters do not change inside a step, and the RNG states of the default generators
+    are replayed (Note [Generator states] in rng.py), but a forward that changes other state reads
+    it changed: an exponential moving average kept in a buffer and subtracted from the
+    activations, a call counter in a Python attribute, a torch.Generator of the module's own that
+    draws a mask. Its re-run computes other values than the first run, and the gradients come
+    out wrong with no error (a review's three models, 2026-11-28: up to 6e-3 apart). The profiled
+    step compares each call's module before and after it (:func:`module_state`: buffers'
+    versions, plain attributes, private generators' states; a training batch norm's statistics
+    excepted, which its forward does not read and a re-run puts back) and notes an operator given
+    a generator of its own (the operator recorder); such a call, and every call around it, is
+    never re-run (``CallInfo.mutates_state``), and DTR does not recompute a call given a
+    generator. What is not seen: state kept outside the module (a global, another object's
+    attribute) or in a container attribute; ``check=True`` compares re-runs with what they
+    replace (Note [Recompute check] in check.py).
+
 Note [Idle steps]
     A budget that the profiled step never reached gives a plan that drops nothing. A planned step
     would still count every save (a saved-tensor hook call each) to check the budget; an idle
@@ -83,7 +100,8 @@ import torch
 
 from .dropout import exact_product_seconds
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
-from .calls import autocast_state
+from .calls import CallTracker, autocast_state
+from .guard import CallTrace, push_at, remove
 from .ops import CallOps, OpRecorder, Recipe, geometry
 
 __all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "PRODUCT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
@@ -173,6 +191,11 @@ class CallInfo:
     input_signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # shape and dtype per input
     input_geometry: list[Any] = field(default_factory=list)  # shape, stride, offset, dtype, device per input
     mutates_input: bool = False
+    # Changed state that a re-run would read changed (Note [State a re-run reads]): a buffer
+    # (other than a training batch norm's statistics), a plain Python attribute, or a private
+    # torch.Generator of the module or of a call inside it. Never re-run.
+    mutates_state: bool = False
+    compiled_inside: bool = False  # a torch.compile'd module ran inside it: no selective variant
     out_key: ProfileKey | None = None  # a single tensor output's storage
     out_nbytes: int = 0
     out_version: int = -1
@@ -228,6 +251,30 @@ def _compiled(module: torch.nn.Module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
+def module_state(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What a re-run of ``module`` reads besides its inputs and parameters, as far as it can be
+    seen cheaply (Note [State a re-run reads]): its buffers' versions (not a training batch norm's
+    statistics, which its forward does not read, and which a re-run puts back: batchnorm.py), its
+    plain Python attributes (numbers, strings, booleans, None) and its private generators'
+    states. Only the module's own: a call inside it reports its own change, which marks this
+    call too."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    skip_buffers = isinstance(module, _BatchNorm) and module.training
+    versions = tuple((name, b._version) for name, b in module._buffers.items()
+                     if b is not None and not skip_buffers)
+    plain = tuple((k, v) for k, v in module.__dict__.items()
+                  if k != "training" and (v is None or isinstance(v, (bool, int, float, str))))
+    generators = tuple((k, v.get_state()) for k, v in module.__dict__.items() if isinstance(v, torch.Generator))
+    return versions, plain, generators
+
+
+def same_state(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
+    versions, plain, generators = before
+    return versions == after[0] and plain == after[1] and len(generators) == len(after[2]) and \
+        all(k == k2 and torch.equal(s, s2) for (k, s), (k2, s2) in zip(generators, after[2]))
+
+
 class Profile:
     """Records one step: module calls (through global module hooks) and saves (fed by the
     session's pack hook). See Note [Planned recompute]."""
@@ -240,7 +287,8 @@ class Profile:
         self._probe = probe  # the same, and reading one DTR evicted raises instead of regenerating it
         self.calls: list[CallInfo] = []
         self.packs: list[PackInfo] = []
-        self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int]]] = []  # call, start, inputs, versions
+        # call, start, inputs, their versions, the module's own state (module_state)
+        self._open: list[tuple[CallInfo, float, list[torch.Tensor], list[int], tuple[Any, ...]]] = []
         self._ordinals: dict[int, int] = {}
         self._outputs: dict[ProfileKey, tuple[int, "weakref.ref[torch.Tensor]"]] = {}
         self._seen: dict[StorageKey, tuple[int, "weakref.ref[torch.UntypedStorage]"]] = {}
@@ -249,12 +297,14 @@ class Profile:
         self.busy = False  # while the session's own hooks run (their operators are not the model's)
         self._thread = threading.get_ident()
         # the aten operators of the forward, inside module calls (Note [Selective re-runs])
-        self.recorder = OpRecorder(self._key, self._recording, self._unrecorded)
+        self.recorder = OpRecorder(self._key, self._recording, self._unrecorded, self._private_generator)
         self.ops = self.recorder.ops
         # the top-level torch calls of the forward, inside module calls (Note [Call traces]):
         # written by the session's CallTrace while this profile records
         self.trace: list[tuple[Any, ...]] = []
         self._suspended: torch.nn.Module | None = None  # a compiled module running without the recorder
+        self._recorder_suspended = False  # the recorder was on the dispatch stack when it began
+        self._modes_suspended: list[tuple[int, Any]] = []  # the session's torch-function modes taken off: (height, mode)
         self._checks_s = 0.0  # time spent checking refills (not the model's)
         self._checking = 0  # inside such a check (its operators run with grad off, not the model's)
         # measured re-run times of selective regions: (call index, dropped storages) -> seconds
@@ -277,6 +327,12 @@ class Profile:
                 and not torch.is_grad_enabled() and threading.get_ident() == self._thread:
             for call, *_ in self._open:
                 call.grad_off_ops = True
+
+    def _private_generator(self) -> None:
+        """An operator inside the open calls drew from a generator given to it (Note [State a
+        re-run reads]): none of them is re-run."""
+        for call, *_ in self._open:
+            call.mutates_state = True
 
     @contextlib.contextmanager
     def _own_check(self, reading: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
@@ -317,20 +373,32 @@ class Profile:
         self._outputs.clear()
 
     def _suspend(self, module: torch.nn.Module) -> None:
-        """Takes the operator recorder off the dispatch stack while a compiled module runs: its
-        modules are not seen (nothing in it is planned), and torch.compile must not trace the
-        recorder."""
+        """Takes the operator recorder off the dispatch stack, and the session's torch-function
+        modes (DTR's recording, the call trace) off theirs, while a compiled module runs: its
+        modules are not seen (nothing in it is planned), torch.compile must not trace the
+        recorder, and a mode stack that differs from a plain step's fails dynamo's guard, so that
+        each profiled step compiled the module again until dynamo gave up on it and ran it eagerly
+        (with other dropout masks than the compiled graph draws)."""
         from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
 
-        if _get_current_dispatch_mode() is self.recorder:
+        self._suspended = module
+        self._recorder_suspended = _get_current_dispatch_mode() is self.recorder
+        if self._recorder_suspended:
             _pop_mode()
-            self._suspended = module
+        stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+        self._modes_suspended = [(i, m) for i, m in enumerate(stack) if isinstance(m, (CallTracker, CallTrace))]
+        for _, mode in reversed(self._modes_suspended):
+            remove(mode)
 
     def _resume(self) -> None:
         from torch.utils._python_dispatch import _push_mode
 
         self._suspended = None
-        _push_mode(self.recorder)
+        for height, mode in self._modes_suspended:  # lowest first: each goes back where it was
+            push_at(mode, height)
+        self._modes_suspended = []
+        if self._recorder_suspended:
+            _push_mode(self.recorder)
 
     def roots(self) -> list[CallInfo]:
         """The step's outermost module calls (the model itself, usually)."""
@@ -357,10 +425,14 @@ class Profile:
             self.busy = busy
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        if self._suspended is None and _compiled(module):
+        compiled = _compiled(module)
+        if self._suspended is None and compiled:
             self._suspend(module)
         if self.paused or not torch.is_grad_enabled() or threading.get_ident() != self._thread:
             return
+        if compiled:
+            for open_call, *_ in self._open:
+                open_call.compiled_inside = True
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
         parent = self._open[-1][0].index if self._open else -1
@@ -376,8 +448,10 @@ class Profile:
         call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
         call.input_geometry = [geometry(t) for t in inputs]
         self.calls.append(call)
+        call.compiled_inside = compiled
+        state = module_state(module)
         call.start = self._clock()
-        self._open.append((call, call.start, inputs, [t._version for t in inputs]))
+        self._open.append((call, call.start, inputs, [t._version for t in inputs], state))
 
     def _leave(self, module: torch.nn.Module, output: Any) -> None:
         if self._suspended is module:
@@ -388,8 +462,12 @@ class Profile:
         self._close(self._open[-1][0], output)
 
     def _close(self, call: CallInfo, output: Any) -> None:
-        _, t0, inputs, versions = self._open.pop()
+        _, t0, inputs, versions, state = self._open.pop()
         call.end = self._clock()
+        module = call.module()
+        if call.mutates_state or (module is not None and not same_state(state, module_state(module))):
+            for open_call, *_ in [(call,), *self._open]:  # a re-run of any call around it runs it again
+                open_call.mutates_state = True
         call.seconds = max(0.0, call.end - t0)
         call.end_pack = len(self.packs)
         call.end_op = len(self.ops)
@@ -404,7 +482,6 @@ class Profile:
             call.out_nbytes = out.untyped_storage().nbytes()
             call.out_version = out._version
             call.out_is_input = key in call.input_keys
-            module = call.module()
             if module is not None and inputs and refill_kind(module) is not None and not autocast_state():
                 with self._own_check(self._peek):
                     seconds = exact_refill_seconds(module, inputs[0], out)
@@ -556,7 +633,7 @@ class _Planner:
     # -- candidates ------------------------------------------------------------------------
 
     def _region(self, call: CallInfo) -> _Candidate | None:
-        if call.mutates_input or call.end_pack <= call.first_pack:
+        if call.mutates_input or call.mutates_state or call.end_pack <= call.first_pack:
             return None
         inputs = set(call.input_keys)
         drops: set[ProfileKey] = set()
@@ -591,7 +668,7 @@ class _Planner:
         that order, each with the recipe that remakes it."""
         call = full.call
         ops = profile.ops[call.first_op:call.end_op]
-        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS or call.grad_off_ops:
+        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS or call.grad_off_ops or call.compiled_inside:
             return []
         first_op = call.first_op
 
@@ -651,7 +728,7 @@ class _Planner:
         """Whether ``call``'s inputs can be had: pinned (kept) when saved anyway and ``depth``
         is ``reach`` or more, else regenerated through the calls that made them (up to
         ``MAX_CHAIN`` deep). Fills ``chain`` (inputs' producers first) and ``pins``."""
-        if depth > MAX_CHAIN or call.mutates_input or call.out_key is None or call.out_is_input:
+        if depth > MAX_CHAIN or call.mutates_input or call.mutates_state or call.out_key is None or call.out_is_input:
             return False
         for key, n, act, prod in zip(call.input_keys, call.input_nbytes, call.input_activation,
                                      call.input_producers):

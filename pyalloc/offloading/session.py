@@ -145,6 +145,7 @@ class ActivationOffload:
         self._trace = CallTrace(self._trace_entries)  # Note [Call traces] in guard.py
         self._passthrough = autograd_entry_points()
         self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offloading.process)
+        self._inside: int | None = None  # the thread whose step runs under the session now
         self._inert = False  # left behind in a forked child: packs and calls pass through
         self._peeking = False  # unpacks change nothing (the profile reads batch-norm statistics)
         self._probing = False  # and an unpack of what DTR evicted raises (the profile's product checks)
@@ -224,7 +225,12 @@ class ActivationOffload:
             raise OffloadError("pyalloc.offload is already active in this thread: nested offload "
                                "sessions are not supported (use one session around the whole step)")
         with self._lock:
+            if self._inside is not None and not self._process_wide:
+                raise OffloadError(f"this pyalloc.offload session runs a step on another thread (ident "
+                                   f"{self._inside}) now: a session runs one step at a time; give each "
+                                   "thread that trains at the same time a session of its own")
             self._new_step()
+            self._inside = threading.get_ident()
         if self._process_wide and self.recompute:
             self._mode_stack = contextlib.ExitStack()
             self._mode_stack.enter_context(CallTracker(self))  # it traces too (Note [Call traces])
@@ -393,6 +399,8 @@ class ActivationOffload:
     def _leave_thread(self) -> None:
         """Takes the hooks and the mode off this thread's stacks; touches no device."""
         _active.session = None
+        if self._inside == threading.get_ident():
+            self._inside = None
         self._recording = False
         stack, self._stack = self._stack, None
         if stack is not None:

@@ -1,0 +1,125 @@
+"""A re-run calls a module's forward again and sees the module as it is then (Note [State a re-run
+reads] in pyalloc/offloading/plan.py): a forward that changes a buffer it reads, a Python
+attribute or a generator of its own is never re-run, so gradients stay bit for bit the plain
+step's. Also: one session is not entered by two threads at once, and a torch.compile'd module
+inside a profiled step is compiled once (a review found all four, 2026-11-28)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyalloc.offloading.session import OffloadError, OffloadFloorWarning, offload
+
+from offload_fixture import assert_bitwise_equal, saved_bytes_peak, session_steps, step
+
+STEPS = 6
+
+
+class Stateful(nn.Module):
+    """A block whose forward reads state it changes: an EMA buffer, a call counter, or a generator
+    of its own."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.l1, self.l2 = nn.Linear(32, 128), nn.Linear(128, 32)
+        self.register_buffer("ema", torch.zeros(128))
+        self.calls = 0
+        self.generator = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.l1(x))
+        if self.kind == "buffer":
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean((0, 1)), alpha=0.1)
+            h = h - self.ema
+        elif self.kind == "attribute":
+            self.calls += 1
+            h = h * (1 + 0.1 * (self.calls % 3))
+        else:
+            h = h * (torch.rand(h.shape, generator=self.generator) > 0.3)
+        return x + self.l2(h.tanh())
+
+
+@pytest.mark.parametrize("kind", ["buffer", "attribute", "generator"])
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_a_forward_that_changes_state_it_reads_is_not_re_run(kind: str, fraction: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Stateful(kind) for _ in range(4)])
+    x = torch.randn(16, 8, 32)
+    budget = int(saved_bytes_peak(copy.deepcopy(model), x) * fraction)
+    plain, planned = copy.deepcopy(model), copy.deepcopy(model)
+    expected = [step(plain, x, seed) for seed in range(STEPS)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)  # nothing but these blocks to re-run
+        got = session_steps(offload(budget=budget, pressure_callback=False), planned, x, STEPS)
+    for a, b in zip(expected, got):  # up to 6e-3 apart before (each re-run saw the state changed)
+        assert_bitwise_equal(a, b)
+    for a, b in zip(plain.buffers(), planned.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_one_session_is_not_entered_by_two_threads_at_once() -> None:
+    session = offload(budget="1MiB", pressure_callback=False)
+    inside, leave = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with session:
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(OffloadError, match="runs a step on another thread"):
+            with session:
+                pass
+    finally:
+        leave.set()
+        t.join(30)
+    with session:  # one at a time is fine
+        pass
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.l1, self.l2, self.drop = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.l2(F.gelu(self.l1(self.norm(x)))))
+
+
+def test_a_compiled_module_inside_the_step_is_compiled_once_and_stays_exact() -> None:
+    import torch._dynamo
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(_Block(), _Block(), _Block(), nn.Linear(32, 8))
+        m[1] = torch.compile(m[1])  # type: ignore[assignment]
+        return m
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    plain, planned = make(), make()
+    x = torch.randn(8, 16, 32)
+    session = offload(budget=3000, pressure_callback=False)
+    counters = torch._dynamo.utils.counters
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for seed in range(16):
+            expected = step(plain, x, seed)
+            with session:
+                got = step(planned, x, seed)
+            assert_bitwise_equal(expected, got)
+    # the session's modes are off the stack while the compiled module runs: no recompiles
+    # (before: one each profiled step, and dynamo's eager fallback after 8 drew other masks)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
