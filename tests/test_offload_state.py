@@ -123,3 +123,26 @@ def test_a_compiled_module_inside_the_step_is_compiled_once_and_stays_exact() ->
     # the session's modes are off the stack while the compiled module runs: no recompiles
     # (before: one each profiled step, and dynamo's eager fallback after 8 drew other masks)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_steps_that_keep_differing_from_the_profile_are_told_once() -> None:
+    # A review's loader alternated sequence lengths 8 and 12: every other step differed from the
+    # profile, kept every save, and the session said nothing.
+    from pyalloc.offloading.session import OffloadUnsettledWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                            for _ in range(4)])
+    for lengths, told in (([8, 12], 1), ([8], 0)):
+        session = offload(budget=330_000, pressure_callback=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(12):
+                x = torch.randn(16, lengths[i % len(lengths)], 32)
+                with session:
+                    model(x).square().mean().backward()
+                model.zero_grad(set_to_none=True)
+        unsettled = [w for w in caught if issubclass(w.category, OffloadUnsettledWarning)]
+        assert len(unsettled) == told, [str(w.message) for w in caught]
+        if told:
+            assert "differed from the profiled step" in str(unsettled[0].message)

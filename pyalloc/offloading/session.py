@@ -78,6 +78,16 @@ class OffloadFloorWarning(UserWarning):
     """The budget is below the bytes the plan cannot drop: the step runs at that floor."""
 
 
+class OffloadUnsettledWarning(UserWarning):
+    """Steps keep differing from the profiled one, so the plan never applies and the budget is
+    not kept on them."""
+
+
+UNSETTLED_WARN_AFTER = 3
+"""Planned steps in a row that differ from the profile (each one profiled again after) before the
+session says so once."""
+
+
 class OffloadError(RuntimeError):
     """Misuse of the offload session (nesting), or a dropped tensor that can't be regenerated."""
 
@@ -146,6 +156,8 @@ class ActivationOffload:
         self._passthrough = autograd_entry_points()
         self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offloading.process)
         self._inside: int | None = None  # the thread whose step runs under the session now
+        self._diverged_in_a_row = 0  # planned steps that differed from the profile (_note_diverged)
+        self._unsettled_warned = False
         self._inert = False  # left behind in a forked child: packs and calls pass through
         self._peeking = False  # unpacks change nothing (the profile reads batch-norm statistics)
         self._probing = False  # and an unpack of what DTR evicted raises (the profile's product checks)
@@ -307,6 +319,7 @@ class ActivationOffload:
             st["idle_steps_total"] += 1
             if run.diverged:
                 self._search = None  # another shape: profile the next step again
+            self._note_diverged(run.diverged)
             return
         st["saved_tensors_total"] += run.seq
         st["drops_total"] += run.dropped
@@ -318,6 +331,7 @@ class ActivationOffload:
             st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
         if run.stale:
             st["replays_stale_total"] += 1
+        self._note_diverged(run.diverged)
         if run.diverged or run.stale:
             self._search = None  # profile the next step again
             return
@@ -334,6 +348,19 @@ class ActivationOffload:
                           f"{search.floor_bytes} bytes of saved activations (what no module re-run can "
                           f"free: inputs kept for recompute, saves outside recomputable modules, one "
                           f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
+
+    def _note_diverged(self, diverged: bool) -> None:
+        """Counts planned steps that differed from the profile in a row; says once when they keep
+        doing so (a loader whose batches change shape, train and eval steps in turn): such a step
+        keeps every save, so the budget holds on none of them."""
+        self._diverged_in_a_row = self._diverged_in_a_row + 1 if diverged else 0
+        if self._diverged_in_a_row >= UNSETTLED_WARN_AFTER and not self._unsettled_warned:
+            self._unsettled_warned = True
+            warnings.warn(f"pyalloc.offload: {self._diverged_in_a_row} steps in a row differed from the "
+                          "profiled step (other input shapes, train and eval in turn, another graph): "
+                          "a step that differs keeps every save, so the budget is not kept on them; "
+                          "give the steps the same shapes (pad or bucket the sequence lengths), or use "
+                          "one session per shape", OffloadUnsettledWarning, stacklevel=4)
 
     def _trace_entries(self) -> list[tuple[Any, ...]] | None:
         """Where the session's CallTrace writes the call it sees (None: nowhere): the profile's
