@@ -26,6 +26,15 @@ namespace pyalloc {
 
 inline uintptr_t end_of(const Block* b) { return b->addr + b->size; }
 
+// The block holding `addr`, walked to from `from`, a block of the same
+// segment (a move's surgery: it only splits blocks, so a block found before
+// it is still a block; Note [Moving slivers]).
+inline Block* walk_to(Block* from, uintptr_t addr) {
+  while (end_of(from) <= addr) from = from->next;
+  while (from->addr > addr) from = from->prev;
+  return from;
+}
+
 // Where in `block` (a free block of an arena) a request of `rounded` bytes
 // starts (Note [Whole granules]): 0, its start, unless `rounded` is a whole
 // number of granules and the block's first granule boundary leaves room for

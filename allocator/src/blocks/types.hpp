@@ -29,7 +29,8 @@
 //   twin         one of the granules of an arena (two, or more: a group)
 //                that map the same physical granule (Note [Shared granules],
 //                device/share.cpp; a move makes them too: Note [Moving
-//                slivers] and Note [Groups of twins], device/move.cpp).
+//                slivers], device/move.cpp; Note [Groups of twins],
+//                device/groups.cpp).
 //   lent         a part of a twin that another twin of its group owns:
 //                mapped here, but never handed out or cached here.
 //
@@ -191,7 +192,7 @@ static_assert(offsetof(Block, bin_class) + sizeof(int) <= 64 && offsetof(Block, 
               "Note [Block layout]: a Block's fields moved across its cache lines");
 
 // One granule of a group of twins (Note [Shared granules] in
-// device/share.cpp; Note [Groups of twins] in device/move.cpp): the next
+// device/share.cpp; Note [Groups of twins] in device/groups.cpp): the next
 // granule of the group, which maps the same physical granule (the group is a
 // ring: following `other` comes back here; a pair names each other), and this
 // granule's lent pieces in address order, every one of them. A lent block is

@@ -366,6 +366,7 @@ class DeviceAllocator {
   size_t move_slivers(size_t wanted);
   size_t move_in(Segment* arena, size_t wanted, bool* synchronized);
   size_t merge_in(Segment* arena, size_t wanted, bool* synchronized);
+  [[noreturn]] static void lost_mapping(uintptr_t va, const std::string& why);
   bool movable(Block* from, uintptr_t lo, uintptr_t hi) const;
   void prune_exported();
 

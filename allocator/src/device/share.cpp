@@ -65,7 +65,7 @@
 // all free is unmapped (after its stream is synchronized) and becomes a hole,
 // and the pieces the other twin lent it become free memory there. A window
 // never shares a twin again; a move may merge its group with another (Note
-// [Groups of twins] in move.cpp), and then untwin gives a parting twin's
+// [Groups of twins] in groups.cpp), and then untwin gives a parting twin's
 // bytes to the next twin of its group.
 //
 // Measured on the stress suite against share=0 (the rule of when as it is
