@@ -197,7 +197,7 @@ static_assert(offsetof(Block, bin_class) + sizeof(int) <= 64 && offsetof(Block, 
 // ring: following `other` comes back here; a pair names each other), and this
 // granule's lent pieces in address order, every one of them. A lent block is
 // never merged or freed while the group lasts; a piece splits only when its
-// granule's group changes (untwin, merge_groups), which keeps this list.
+// granule's group changes (untwin, merge_in), which keeps this list.
 struct Twin {
   size_t other = 0;
   std::vector<Block*> lent;
@@ -213,9 +213,11 @@ struct Segment {
   // Arenas only: granule i of the reservation is backed by phys[i] (value 0:
   // not mapped), a chunk of one granule or more (I16); `mapped` counts the
   // bytes of backed granules.
-  // twins[i].other == j and twins[j].other == i when granules i and j map
-  // the same physical granule (Note [Shared granules] in device/share.cpp),
-  // in granule order; `doubled` counts one granule per such pair.
+  // twins[i] for each granule i that maps the same physical granule as
+  // others (Note [Shared granules] in device/share.cpp, Note [Groups of
+  // twins] in device/groups.cpp), in granule order, each naming the next of
+  // its group; `doubled` counts one granule per twin beyond the first of
+  // each group.
   bool arena = false;
   bool indexed = false;  // slivers.on(), here beside the fields a cache hit reads
   // Its free blocks' whole granules are in the device's count (Note

@@ -57,6 +57,7 @@ struct Group {
   };
   std::vector<Range> live, free;
   size_t live_bytes = 0;
+  size_t free_bytes = 0;
   bool movable = true;
 };
 
@@ -111,7 +112,7 @@ size_t DeviceAllocator::merge_in(Segment* arena, size_t wanted, bool* synchroniz
       if (group_of[slot] == SIZE_MAX) {
         if (arena->phys[slot].size != g || (b->is_free() && hi - lo == g)) continue;  // an extent, or wholly free
         group_of[slot] = groups.size();
-        groups.push_back(Group{{slot}, {}, {}, 0, true});
+        groups.push_back(Group{{slot}, {}, {}, 0, 0, true});
       }
       Group& group = groups[group_of[slot]];
       const Group::Range r{lo - base - slot * g, hi - base - slot * g, slot, b};
@@ -134,37 +135,48 @@ size_t DeviceAllocator::merge_in(Segment* arena, size_t wanted, bool* synchroniz
   std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return groups[x].live_bytes < groups[y].live_bytes; });
 
   // Plan: sources smallest first, each into the first destination that holds
-  // every live range of it (first fit over the destination's free ranges,
-  // which shrink as they are given).
+  // every live range of it. A destination's free ranges are disjoint and in
+  // offset order, and so are a source's live ranges: each live range fits
+  // in at most one free range, the one that starts last at or before it,
+  // whatever the other live ranges take. So the test needs no copy; the
+  // free ranges are cut only for the merge chosen.
+  for (Group& group : groups) {
+    std::sort(group.free.begin(), group.free.end(), [](const Group::Range& x, const Group::Range& y) { return x.lo < y.lo; });
+    for (const Group::Range& f : group.free) group.free_bytes += f.hi - f.lo;
+  }
+  auto holder = [](std::vector<Group::Range>& free, const Group::Range& r) -> std::vector<Group::Range>::iterator {
+    auto it = std::upper_bound(free.begin(), free.end(), r.lo, [](size_t lo, const Group::Range& f) { return lo < f.lo; });
+    if (it == free.begin() || std::prev(it)->hi < r.hi) return free.end();
+    return std::prev(it);
+  };
   std::vector<char> role(groups.size(), 0);  // 1: merged away, 2: received
   std::vector<Merge> merges;
-  size_t budget = size_t{1} << 22;
+  size_t budget = size_t{1} << 20;  // live ranges tested, at most (a few ms of a request that fails)
   for (const size_t k : order) {
     const Group& source = groups[k];
     if (merges.size() >= wanted || budget == 0) break;
     if (role[k] != 0 || !source.movable || source.live.empty()) continue;
     for (const size_t d : order) {
-      if (d == k || role[d] == 1 || groups[d].free.empty() || budget == 0) continue;
-      std::vector<Group::Range> room = groups[d].free;
+      Group& dest = groups[d];
+      if (d == k || role[d] == 1 || dest.free_bytes < source.live_bytes || budget == 0) continue;
+      bool fits = true;
+      for (size_t i = 0; i < source.live.size() && fits; ++i, --budget) {
+        fits = budget > 0 && holder(dest.free, source.live[i]) != dest.free.end();
+      }
+      if (!fits) continue;
       std::vector<Group::Range> into;
       for (const Group::Range& r : source.live) {
-        size_t at = 0;  // the first free range that holds r
-        while (at < room.size() && budget > 0 && !(room[at].lo <= r.lo && r.hi <= room[at].hi)) {
-          ++at;
-          --budget;
-        }
-        if (at == room.size() || budget == 0) break;
-        const Group::Range f = room[at];
+        const auto it = holder(dest.free, r);
+        const Group::Range f = *it;
         into.push_back(f);
-        // What is left of f: the part before r in its place, the part after r added.
-        room[at].hi = r.lo;
-        if (f.hi > r.hi) room.push_back({r.hi, f.hi, f.owner, f.block});
+        // What is left of f: the part before r in its place, the part after r next to it.
+        const auto at = static_cast<std::ptrdiff_t>(it - dest.free.begin());
+        dest.free.erase(it);
+        if (f.hi > r.hi) dest.free.insert(dest.free.begin() + at, {r.hi, f.hi, f.owner, f.block});
+        if (r.lo > f.lo) dest.free.insert(dest.free.begin() + at, {f.lo, r.lo, f.owner, f.block});
       }
-      if (into.size() != source.live.size()) continue;
-      room.erase(std::remove_if(room.begin(), room.end(), [](const Group::Range& f) { return f.lo >= f.hi; }),
-                 room.end());
-      groups[d].free = std::move(room);
-      merges.push_back({&source, &groups[d], std::move(into)});
+      dest.free_bytes -= source.live_bytes;
+      merges.push_back({&source, &dest, std::move(into)});
       role[k] = 1;
       role[d] = 2;
       break;

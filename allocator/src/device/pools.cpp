@@ -85,7 +85,7 @@ size_t DeviceAllocator::release_pool(int pool_id, size_t* still_reserved) {
     if (!capturing_ && !seg->arena && seg->wholly_free()) {
       releasable.push_back(seg);
     } else {
-      *still_reserved += seg->arena ? seg->mapped : seg->size;
+      *still_reserved += seg->reserved_bytes();  // an arena: mapped bytes less what its twins map twice
     }
   }
   size_t released = 0;

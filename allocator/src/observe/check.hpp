@@ -51,8 +51,9 @@ struct HeapView {
 bool check_heap(const HeapView& heap, std::string* error);
 
 // I9, I13 and I14 for one arena: holes granule-aligned and apart, a granule
-// mapped exactly when a non-hole block overlaps it, twins in complementary
-// pairs, the sliver index (once on) listing exactly the free slivers.
+// mapped exactly when a non-hole block overlaps it, twins in groups that own
+// each offset of their granule once, the sliver index (once on) listing
+// exactly the free slivers.
 bool check_arena(const Segment& arena, size_t granule, std::string* problem);
 
 }  // namespace pyalloc
