@@ -36,6 +36,10 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> Non
     assert done.stderr.strip().count("\n") == 0
     assert done.stderr.startswith("pyalloc gpu-check: no GPU to check: torch ")
     assert not any(tmp_path.iterdir())
+    done = _cli("--out", str(tmp_path), "--json")  # with --json, stdout is one JSON object as well
+    assert done.returncode == 2 and done.stderr.startswith("pyalloc gpu-check: no GPU to check: torch ")
+    answer = json.loads(done.stdout)
+    assert answer["gpu"] is False and answer["reason"].startswith("torch ") and answer["checks"] == []
 
 
 def test_the_cpu_run_writes_both_reports_with_every_check_and_the_targets(tmp_path: Path) -> None:

@@ -389,6 +389,8 @@ def _gpu_check(args: argparse.Namespace) -> int:
         reason = gpu_reason()
         if reason is not None:
             print(f"pyalloc gpu-check: no GPU to check: {reason}", file=sys.stderr)
+            if args.json:  # a script that reads stdout gets an answer too
+                print(json.dumps({"gpu": False, "reason": reason, "checks": []}))
             return EXIT_NO_GPU
     if args.budget < 10:
         raise UsageError(f"--budget must be at least 10 seconds, got {args.budget}")
