@@ -367,6 +367,8 @@ class DeviceAllocator {
   size_t move_in(Segment* arena, size_t wanted, bool* synchronized);
   size_t merge_in(Segment* arena, size_t wanted, bool* synchronized);
   [[noreturn]] static void lost_mapping(uintptr_t va, const std::string& why);
+  void synchronize_for_moves(bool* synchronized);
+  bool remap(Segment* arena, const size_t* slots, size_t n, PhysHandle to);
   bool movable(Block* from, uintptr_t lo, uintptr_t hi) const;
   void prune_exported();
 

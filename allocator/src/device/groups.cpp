@@ -185,11 +185,7 @@ size_t DeviceAllocator::merge_in(Segment* arena, size_t wanted, bool* synchroniz
   if (merges.empty()) return 0;
 
   // Every stream's work first, then the copies on the arena's stream, then one wait for them.
-  if (!*synchronized) {
-    breaks_capture();
-    backend_->synchronize_device(device_);
-    *synchronized = true;
-  }
+  synchronize_for_moves(synchronized);
   std::vector<const Merge*> copied;
   for (const Merge& m : merges) {
     bool ok = true;
@@ -209,24 +205,7 @@ size_t DeviceAllocator::merge_in(Segment* arena, size_t wanted, bool* synchroniz
     const PhysHandle own = arena->phys[m->source->members.front()];
     const PhysHandle theirs = arena->phys[m->dest->members.front()];
     // Each source granule maps the destination's granule; on a failure, all of them back.
-    size_t remapped = 0;
-    for (const size_t slot : m->source->members) {
-      const uintptr_t lo = base + slot * g;
-      backend_->unmap(device_, lo, g);
-      if (!succeeded(backend_->map(device_, lo, theirs))) {
-        if (!succeeded(backend_->map(device_, lo, own))) lost_mapping(lo, last_backend_error_);
-        break;
-      }
-      ++remapped;
-    }
-    if (remapped != m->source->members.size()) {
-      for (size_t i = 0; i < remapped; ++i) {
-        const uintptr_t lo = base + m->source->members[i] * g;
-        backend_->unmap(device_, lo, g);
-        if (!succeeded(backend_->map(device_, lo, own))) lost_mapping(lo, last_backend_error_);
-      }
-      continue;
-    }
+    if (!remap(arena, m->source->members.data(), m->source->members.size(), theirs)) continue;
     release_chunks(&own, 1);
     // The owners lend what they gave; the source's granules lend all but their live bytes.
     for (size_t i = 0; i < m->source->live.size(); ++i) {
@@ -277,8 +256,11 @@ size_t DeviceAllocator::merge_in(Segment* arena, size_t wanted, bool* synchroniz
     for (const Group* group : {m->source, m->dest}) {
       for (const size_t slot : group->members) idle.push_back(slot);
     }
-    for (const Group::Range& r : m->into) {
-      if (arena->twinned[r.owner]) relist_granule(arena, r.owner, r.block);
+    for (size_t i = 0; i < m->into.size(); ++i) {  // each owner that gave, once
+      const Group::Range& r = m->into[i];
+      const bool seen = std::any_of(m->into.begin(), m->into.begin() + static_cast<std::ptrdiff_t>(i),
+                                    [&](const Group::Range& q) { return q.owner == r.owner; });
+      if (!seen && arena->twinned[r.owner]) relist_granule(arena, r.owner, r.block);
     }
     if (arena->indexed) {  // a twin that owns nothing live parts at the next gathering
       for (const Group* group : {m->source, m->dest}) {

@@ -164,6 +164,35 @@ void DeviceAllocator::lost_mapping(uintptr_t va, const std::string& why) {
   std::abort();
 }
 
+// Before the first copy of a move: every stream's work done (a block may be
+// used on a stream other than its own, ordered by the program's events), once
+// per ladder step (*synchronized).
+void DeviceAllocator::synchronize_for_moves(bool* synchronized) {
+  if (*synchronized) return;
+  breaks_capture();
+  backend_->synchronize_device(device_);
+  *synchronized = true;
+}
+
+// Maps physical granule `to` at granules slots[0..n) of `arena` instead of
+// their own (phys[], left as it is for the caller); on a failure, every one
+// remapped so far maps its own again and false is returned.
+bool DeviceAllocator::remap(Segment* arena, const size_t* slots, size_t n, PhysHandle to) {
+  const size_t g = granule_;
+  for (size_t i = 0; i < n; ++i) {
+    const uintptr_t lo = arena->base + slots[i] * g;
+    backend_->unmap(device_, lo, g);
+    if (succeeded(backend_->map(device_, lo, to))) continue;
+    for (size_t j = i + 1; j-- > 0;) {  // this one (unmapped) and those before it (mapped to `to`)
+      const uintptr_t back = arena->base + slots[j] * g;
+      if (j < i) backend_->unmap(device_, back, g);
+      if (!succeeded(backend_->map(device_, back, arena->phys[slots[j]]))) lost_mapping(back, last_backend_error_);
+    }
+    return false;
+  }
+  return true;
+}
+
 // Whether the blocks of [lo, hi) (inside one mapped granule of `arena`) may
 // be moved to another physical granule: each allocated or free, used on its
 // own stream only as far as record_stream says, never exported.
@@ -276,11 +305,7 @@ size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronize
   if (moves.empty()) return 0;
 
   // Every stream's work first, then the copies on the arena's stream, then one wait for them.
-  if (!*synchronized) {
-    breaks_capture();
-    backend_->synchronize_device(device_);
-    *synchronized = true;
-  }
+  synchronize_for_moves(synchronized);
   std::vector<Move> copied;
   for (const Move& m : moves) {
     const uintptr_t from = base + m.b_slot * g + m.copy_lo;
@@ -296,12 +321,7 @@ size_t DeviceAllocator::move_in(Segment* arena, size_t wanted, bool* synchronize
     const uintptr_t a_lo = base + m.a_slot * g;
     const uintptr_t b_lo = base + m.b_slot * g;
     const PhysHandle own = arena->phys[m.b_slot];
-    backend_->unmap(device_, b_lo, g);
-    if (!succeeded(backend_->map(device_, b_lo, arena->phys[m.a_slot]))) {
-      // Back as it was: the bytes are still in b's own granule.
-      if (!succeeded(backend_->map(device_, b_lo, own))) lost_mapping(b_lo, last_backend_error_);
-      continue;
-    }
+    if (!remap(arena, &m.b_slot, 1, arena->phys[m.a_slot])) continue;  // back as it was: bytes still in b's
     release_chunks(&own, 1);
     arena->phys[m.b_slot] = arena->phys[m.a_slot];
     Block* a_lent = lend(walk_to(m.a_free, a_lo + m.x), a_lo + m.x, a_lo + m.y);
