@@ -218,6 +218,12 @@ def test_config_json_prints_configuration_in_force() -> None:
     assert settings["trace"] == 11
 
 
+def test_a_key_named_twice_takes_the_later_value_as_in_pytorch_cuda_alloc_conf() -> None:
+    result = pyalloc_cli("config", "--json", env=child_env(PYALLOC_CONF="backend=sim,trace=11,trace=12"))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert json.loads(result.stdout)["trace"] == 12
+
+
 def test_config_text_lists_one_key_per_line() -> None:
     result = pyalloc_cli("config", env=child_env(PYALLOC_CONF="backend=sim"))
     assert result.returncode == 0, result.stderr

@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "processes, then exit."), epilog=COLUMNS_HELP, formatter_class=fmt)
     s.add_argument("--json", action="store_true", help="the snapshot as JSON instead of the table")
     s.add_argument("--cpu-sample", type=_duration, default=0.2, metavar="DURATION",
-                   help="window over which CPU%% is measured, e.g. 200ms, 1s (default: 200ms)")
+                   help="window over which CPU%% is measured, e.g. 200ms, 1s; 0 waits for nothing and "
+                        "shows no CPU%% (-) (default: 200ms)")
     s.add_argument("--wide", action="store_true",
                    help="every column, command lines uncut (default: fit the terminal, 100 columns when "
                         "not a terminal)")

@@ -62,10 +62,14 @@ class ProcInfo:
         return False, ""
 
 
+MIN_CPU_WINDOW_S = 0.01  # a shorter window measures the clock's tick, not the process
+
+
 class ProcessSampler:
     def __init__(self) -> None:
         self._handles: dict[int, psutil.Process] = {}
         self._first_ppid: dict[tuple[int, float], int] = {}
+        self._window_start: dict[int, float] = {}  # when each handle's CPU % window opened
 
     def _handle(self, pid: int) -> psutil.Process | None:
         h = self._handles.get(pid)
@@ -74,6 +78,7 @@ class ProcessSampler:
                 return h
             h = psutil.Process(pid)
             h.cpu_percent(None)  # primes the CPU counter
+            self._window_start[pid] = time.monotonic()
             self._handles[pid] = h
             return h
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
@@ -95,6 +100,7 @@ class ProcessSampler:
         for pid in list(self._handles):
             if pid not in live:
                 del self._handles[pid]
+                self._window_start.pop(pid, None)
         return out
 
     def _info(self, pid: int) -> ProcInfo:
@@ -117,7 +123,12 @@ class ProcessSampler:
                 except psutil.Error:
                     info.command = None
                 try:
-                    info.cpu_percent = h.cpu_percent(None)
+                    # psutil reads 0.0 over a window of no time: a process primed a moment ago
+                    # (--cpu-sample 0, a pid just reused) or read a moment ago has no CPU % yet, not an idle one.
+                    now = time.monotonic()
+                    if now - self._window_start.get(pid, 0.0) >= MIN_CPU_WINDOW_S:
+                        info.cpu_percent = h.cpu_percent(None)  # over the window; opens the next
+                        self._window_start[pid] = now
                     times = h.cpu_times()
                     info.cpu_seconds = times.user + times.system
                 except psutil.Error:

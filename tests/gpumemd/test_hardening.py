@@ -80,3 +80,28 @@ def test_a_record_the_library_is_still_creating_is_not_reported(reg_dir: Path) -
     assert [s.reason for s in scan.skipped] == ["1 files named pyalloc.* that are not pyalloc.<uid>.<pid> ignored"]
     with pytest.raises(registry.RecordGone):  # a record removed between the listing and the open
         registry.read_record(reg_dir / f"pyalloc.{os.getuid()}.1")
+
+
+def test_a_process_sampled_over_no_time_has_no_cpu_percent_rather_than_an_idle_one() -> None:
+    # `gpumemd status --cpu-sample 0` (or cpu_sample = 0 in a policy) printed 0.0 for every
+    # process seen for the first time: psutil reads 0.0 over a window of no time, and the reaper's
+    # idle criterion would take a busy process for an idle one.
+    import subprocess
+    import sys
+    import time
+
+    from pyalloc.gpumemd.procinfo import ProcessSampler
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert ProcessSampler().sample([busy.pid], wait=0)[busy.pid].cpu_percent is None
+        sampler = ProcessSampler()
+        measured = sampler.sample([busy.pid], wait=0.3)[busy.pid].cpu_percent
+        assert measured is not None and measured > 20, measured
+        assert sampler.sample([busy.pid], wait=0)[busy.pid].cpu_percent is None  # read a moment ago
+        time.sleep(0.3)
+        again = sampler.sample([busy.pid], wait=0)[busy.pid].cpu_percent  # since the previous read
+        assert again is not None and again > 20, again
+    finally:
+        busy.kill()
+        busy.wait()
