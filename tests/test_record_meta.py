@@ -135,10 +135,16 @@ def test_the_cli_writes_a_trace_that_validates(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--meta", "gpt5"], "unknown model 'gpt5'"),
-    (["--meta", "llama-tiny", "--device", "cuda"], "takes no --device"),
+    (["--meta", "llama-tiny", "--device", "cuda"], "--device goes with MODEL, not --meta"),
     (["--meta"], "name a MODEL"),
     (["--meta", "llama-tiny", "--batch", "0"], "at least 1"),
-    (["mlp", "--batch", "4"], "go with --meta"),
+    (["mlp", "--batch", "4"], "--batch goes with --meta, not MODEL"),
+    # options the way of recording does not read are refused, not ignored (a review's finding)
+    (["--from-snapshot", "x.pickle", "--steps", "3"], "--steps goes with --meta and MODEL, not --from-snapshot"),
+    (["--from-snapshot", "x.pickle", "--device", "cuda"], "--device goes with MODEL, not --from-snapshot"),
+    (["mlp", "--snapshot-device", "1"], "--snapshot-device goes with --from-snapshot, not MODEL"),
+    (["mlp", "--allocator", "pyalloc"], "--allocator goes with --device cuda"),
+    (["--meta", "llama-tiny", "--max-entries", "10"], "--max-entries goes with MODEL, not --meta"),
 ])
 def test_bad_input_gets_one_clear_line(args: list[str], message: str, tmp_path: Path) -> None:
     done = run_record(*args, "-o", str(tmp_path / "never.jsonl.gz"))

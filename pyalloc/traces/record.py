@@ -439,16 +439,42 @@ def _fail(message: str) -> int:
     return 1
 
 
+# Each way of recording and the options it reads; an option given to a way that does not read it
+# is refused rather than silently ignored. Defaults are filled in after that check.
+_OPTIONS = {"steps": 8, "seed": 0, "device": "cpu", "allocator": "native", "max_entries": DEFAULT_MAX_ENTRIES,
+            "snapshot_device": 0, "tiny": False, "batch": None, "seq": None, "checkpoint": False}
+_READS = {"--meta": {"steps", "seed", "batch", "seq", "checkpoint"},
+          "--from-snapshot": {"snapshot_device"},
+          "MODEL": {"steps", "seed", "device", "allocator", "max_entries", "tiny"}}
+_CUDA_ONLY = ("allocator", "max_entries")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    from ..command import UsageError
+
+    way = "--meta" if args.meta else "--from-snapshot" if args.from_snapshot is not None else "MODEL"
+    given = [name for name, default in _OPTIONS.items() if getattr(args, name) not in (None, False)]
+    for name in given:
+        flag = "--" + name.replace("_", "-")
+        if name not in _READS[way]:
+            readers = " and ".join(w for w, names in _READS.items() if name in names)
+            raise UsageError(f"record: {flag} goes with {readers}, not {way}")
+        if way == "MODEL" and name in _CUDA_ONLY and args.device != "cuda":
+            raise UsageError(f"record: {flag} goes with --device cuda (a CPU run records no allocator history)")
+    for name, default in _OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..command import UsageError
 
+    _check_options(args)
     if args.meta:
         require("torch", "pyalloc record --meta")
         from . import meta
 
         return meta.run(args)
-    if args.batch is not None or args.seq is not None or args.checkpoint:
-        raise UsageError("record: --batch, --seq and --checkpoint go with --meta")
     if (args.model is None) == (args.from_snapshot is None):
         raise UsageError("record: give a MODEL to record or --from-snapshot PICKLE to convert (one of them)")
     if args.from_snapshot is not None:
@@ -513,16 +539,16 @@ def register_cli(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser
                              "llama1b, llama7b, vit_l, resnet50")
     parser.add_argument("--from-snapshot", metavar="PICKLE",
                         help="convert a torch.cuda.memory._snapshot() pickle instead (needs -o)")
-    parser.add_argument("--snapshot-device", type=int, default=0, metavar="I",
+    parser.add_argument("--snapshot-device", type=int, metavar="I",
                         help="which device's trace of the snapshot to convert (default 0)")
     parser.add_argument("-o", "--output", metavar="PATH",
                         help="trace to write; .gz compresses (default: ./<workload>.jsonl.gz)")
-    parser.add_argument("--steps", type=int, default=8, help="training steps to record (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights, data and shapes (default 0)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--allocator", choices=["native", "pyalloc"], default="native",
+    parser.add_argument("--steps", type=int, help="training steps to record (default 8)")
+    parser.add_argument("--seed", type=int, help="seed of weights, data and shapes (default 0)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="where MODEL trains (default cpu)")
+    parser.add_argument("--allocator", choices=["native", "pyalloc"],
                         help="with --device cuda: the allocator whose trace is recorded (default native)")
-    parser.add_argument("--max-entries", type=int, default=DEFAULT_MAX_ENTRIES, metavar="N",
+    parser.add_argument("--max-entries", type=int, metavar="N",
                         help=f"with --device cuda: history ring size (default {DEFAULT_MAX_ENTRIES:,})")
     parser.add_argument("--tiny", action="store_true", help="the workload's tiny test configuration")
     parser.add_argument("--meta", action="store_true",
