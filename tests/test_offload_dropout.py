@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pyalloc.offloading import dropout, refills
+from pyalloc.offloading import activations, dropout, refills
 from pyalloc.offloading.dropout import refill, refillable, saved_noise
 from pyalloc.offloading.plan import Profile
 from pyalloc.offloading.session import offload
@@ -80,7 +80,9 @@ def test_the_profile_marks_dropout_refills_it_found_exact() -> None:
     profile = profiled(model, x)
     drops = [c for c in profile.calls if isinstance(c.module(), nn.Dropout)]
     assert len(drops) == 4 and all(c.refill_seconds >= 0 for c in drops)
-    assert all(c.refill_seconds < 0 for c in profile.calls if c not in drops)
+    others = [c for c in profile.calls if c not in drops]
+    # the activations too (Note [Activation refills]); nothing else
+    assert all((c.refill_seconds >= 0) == activations.refillable(c.module()) for c in others)
 
 
 def _session_run(fraction: float = 0.5) -> tuple[dict[str, float], int]:

@@ -25,7 +25,8 @@ Note [Planned recompute]
       through the module that made them, up to ``MAX_CHAIN`` deep) and re-runs the module when
       the output is needed. A training-mode batch norm on the way is refilled from its saved
       statistics instead of re-run (Note [Batch-norm refills] in batchnorm.py), a dropout from
-      its saved noise (Note [Dropout refills] in dropout.py).
+      its saved noise (Note [Dropout refills] in dropout.py), an elementwise activation by its
+      functional form (Note [Activation refills] in activations.py).
 
     - a *dropout product*: a save that is a view of ``a * noise``, refilled from the softmax (or
       other) result ``a`` and the noise that autograd holds anyway (Note [Dropout products] in

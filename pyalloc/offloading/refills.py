@@ -1,8 +1,10 @@
 """Refills: a planned output call's result computed again from what its forward saved for
-backward, instead of re-running the call (issue 20). Two kinds: a training-mode batch norm's
-output from its saved mean and inverse std (Note [Batch-norm refills] in batchnorm.py), and a
-dropout's output from its saved noise (Note [Dropout refills] in dropout.py). Each is checked bit
-for bit in the profiled step (:func:`exact_refill_seconds`) before a plan relies on it."""
+backward, instead of re-running the call (issue 20). Three kinds: a training-mode batch norm's
+output from its saved mean and inverse std (Note [Batch-norm refills] in batchnorm.py), a
+dropout's output from its saved noise (Note [Dropout refills] in dropout.py), and an elementwise
+activation's from its functional form, in place over an input regenerated for it alone (Note
+[Activation refills] in activations.py). Each is checked bit for bit in the profiled step
+(:func:`exact_refill_seconds`) before a plan relies on it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import batchnorm, dropout
+from . import activations, batchnorm, dropout
 
 __all__ = ["KINDS", "MIN_ELEMENTS", "exact_refill_seconds", "kind", "refiller"]
 
@@ -20,7 +22,7 @@ MIN_ELEMENTS = 4096
 """Calls on fewer elements are re-run whole: a few elements could agree by chance, and a small
 output is not worth dropping."""
 
-KINDS = ("batchnorm", "dropout")
+KINDS = ("batchnorm", "dropout", "activation")
 """The kinds of refill: each has a counter ``<kind>_refills_total`` in the session's stats."""
 
 
@@ -30,6 +32,8 @@ def kind(module: nn.Module) -> str | None:
         return "batchnorm"
     if dropout.refillable(module):
         return "dropout"
+    if activations.refillable(module):
+        return "activation"
     return None
 
 
@@ -45,18 +49,18 @@ def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tenso
     layout (a batch norm's also with other parameters: Note [Batch-norm refills]). Timed on a
     second run: the first one's output often lands in memory never touched before (seen: 3 ms
     instead of 0.45 ms for 4 MiB, in the profiled step), and a refill costed that high would never
-    be planned, so never measured."""
+    be planned, so never measured. An activation's in-place form is checked too, on a copy."""
     found = refiller(module, output)
     if found is None or x.numel() < MIN_ELEMENTS:
         return None
     k, refill = found
     x = x.detach()
     try:
-        refill(x)
+        refill(x, False)
     except RuntimeError:  # not the input's (a dropout's noise that does not broadcast to it)
         return None
     t0 = time.thread_time()
-    got = refill(x)
+    got = refill(x, False)
     seconds = time.thread_time() - t0
     if not _same(got, output):
         return None
@@ -64,10 +68,17 @@ def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tenso
         pair = batchnorm.with_other_parameters(module, x)
         if pair is None or not _same(*pair):
             return None
+    if k == "activation" and not _same(refill(x.clone(), True), output):
+        return None
     return seconds
 
 
-def refiller(module: nn.Module, output: torch.Tensor) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+Refill = Callable[[torch.Tensor, bool], torch.Tensor]
+"""``(x, owned)`` -> the call's output for input ``x``; ``owned``: no one else holds ``x``, which
+an activation's refill then writes over (the others ignore it)."""
+
+
+def refiller(module: nn.Module, output: torch.Tensor) -> tuple[str, Refill] | None:
     """Taken when the call returns ``output``: the refill's kind and the function that gives
     the output again from the call's input, holding what the forward saved; None when that is not
     found (the call is then re-run whole)."""
@@ -77,10 +88,12 @@ def refiller(module: nn.Module, output: torch.Tensor) -> tuple[str, Callable[[to
         if stats is None:
             return None
         mean, invstd = stats
-        return k, lambda x: batchnorm.refill(module, x, mean, invstd)
+        return k, lambda x, owned: batchnorm.refill(module, x, mean, invstd)
     if k == "dropout":
         noise = dropout.saved_noise(output)
         if noise is None:
             return None
-        return k, lambda x: dropout.refill(x, noise)
+        return k, lambda x, owned: dropout.refill(x, noise)
+    if k == "activation":
+        return k, lambda x, owned: activations.refill(module, x, owned)
     return None

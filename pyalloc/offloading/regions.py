@@ -468,7 +468,8 @@ class Output(_Rerun):
         # a call refilled from what its forward saved (a batch norm's statistics, a dropout's
         # noise: refills.py): its input's profiled geometry; the refill, taken when it returns
         self.refill_geometry = refill_geometry if not self.autocast else None
-        self.refiller: tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
+        self.refiller: tuple[str, refills.Refill] | None = None
+        self.owned = False  # the last regenerate() refilled: a new tensor, or one written over
         self.inside: list[OutputSlot] | None = []  # saves of the output made before the call returned
 
     def returned(self, output: Any) -> None:
@@ -488,16 +489,20 @@ class Output(_Rerun):
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
+        owned = [False]  # an input regenerated for this use alone, by a refill: no one else holds it
+
         def resolve(x: Any) -> Any:
             if isinstance(x, _Link):
                 t = x.record.output()
+                owned[0] = x.record.pending <= 0 and x.record.owned  # (output() did not cache it)
                 return t.detach().requires_grad_(True) if x.requires_grad else t
             return x
 
         args, kwargs = self.args, self.kwargs
         if self.links:
             args, kwargs = _substitute(args, resolve), _substitute(kwargs, resolve)
-        out = self._refill(args, kwargs)
+        out = self._refill(args, kwargs, owned[0] and len(self.links) == 1)
+        self.owned = out is not None
         if out is None:
             out = self.run(args, kwargs, None)
         if not isinstance(out, torch.Tensor):
@@ -506,9 +511,10 @@ class Output(_Rerun):
             raise OffloadError(f"re-running {type(self.module).__name__} did not return a tensor")
         return out.detach()
 
-    def _refill(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    def _refill(self, args: tuple, kwargs: dict, owned: bool) -> torch.Tensor | None:
         """The output from what the call saved (refills.py), or None: not a refill, or its input
-        is not laid out as in the profiled step (where the refill was checked exact)."""
+        is not laid out as in the profiled step (where the refill was checked exact). ``owned``:
+        no one else holds the input (an activation's refill writes over it)."""
         refiller = self.refiller
         inputs = tensor_leaves((args, kwargs))
         if refiller is None or len(inputs) != 1 or geometry(inputs[0]) != self.refill_geometry:
@@ -519,7 +525,7 @@ class Output(_Rerun):
         self.note_inputs(inputs)
         t0 = time.thread_time()
         kind, refill = refiller
-        out = refill(inputs[0])
+        out = refill(inputs[0], owned)
         seconds = time.thread_time() - t0
         st = self.step.session._stats
         st[f"{kind}_refills_total"] += 1
