@@ -38,7 +38,7 @@ Form = Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]
 
 _FORMS: dict[type, Form] = {
     nn.ReLU: lambda m, x, own: torch.relu_(x) if own else torch.relu(x),
-    nn.GELU: lambda m, x, own: F.gelu(x, approximate=m.approximate),
+    nn.GELU: lambda m, x, own: F.gelu(x, approximate=str(m.approximate)),
     nn.SiLU: lambda m, x, own: F.silu(x, inplace=own),
     nn.Tanh: lambda m, x, own: torch.tanh_(x) if own else torch.tanh(x),
     nn.Sigmoid: lambda m, x, own: torch.sigmoid_(x) if own else torch.sigmoid(x),
