@@ -146,3 +146,42 @@ def test_steps_that_keep_differing_from_the_profile_are_told_once() -> None:
         assert len(unsettled) == told, [str(w.message) for w in caught]
         if told:
             assert "differed from the profiled step" in str(unsettled[0].message)
+
+
+@pytest.mark.parametrize("budget", ["half", "never reached"])
+def test_a_model_copied_or_saved_inside_a_step_carries_none_of_the_sessions_hooks(budget: str) -> None:
+    """``copy.deepcopy(model)`` (an EMA, a snapshot) or ``torch.save(model)`` inside a planned or
+    idle step raised "cannot pickle '_thread.RLock' object": the step's hooks on the planned
+    modules were copied with them (a review's finding). The copies run, lose the hooks at their
+    first call, and the stepped model's gradients stay the plain steps'."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    x = torch.randn(128, 64)
+    plain = copy.deepcopy(model)
+    expected = [step(plain, x, seed) for seed in range(6)]
+    peak = saved_bytes_peak(copy.deepcopy(model), x)
+    session = offload(budget=peak // 2 if budget == "half" else peak * 10, pressure_callback=False)
+
+    def hooks(m: nn.Module) -> int:
+        return sum(len(s._forward_pre_hooks) + len(s._forward_hooks) for s in m.modules())
+
+    hooked = 0
+    for seed in range(6):
+        with session:
+            assert_bitwise_equal(expected[seed], step(model, x, seed))
+            hooked = max(hooked, hooks(model))
+            twin = copy.deepcopy(model)
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+            for other in (twin, loaded):
+                with torch.no_grad():
+                    assert torch.equal(other(x), model(x))
+                assert hooks(other) == 0
+        assert hooks(model) == 0
+    assert hooked > 0  # the steps did hang hooks on the model (so the copies had some to drop)
+    st = session.stats()
+    assert st["planned_steps_total"] + st["idle_steps_total"] >= 4, st

@@ -612,6 +612,53 @@ class OutputSlot(_Counted):
         return self.tensor
 
 
+class StepHook:
+    """A planned step's hook on a module of the program (``fn``: the step's bound method; ``pre``:
+    a forward pre-hook, else a forward hook).
+
+    The step hangs hooks on the planned modules for its duration, so a module copied inside the
+    step (``copy.deepcopy(model)`` for an EMA or a snapshot, ``torch.save(model)``) would copy
+    them, and with them the step and its lock: "cannot pickle '_thread.RLock' object" (a review's
+    finding). A copy gets a :class:`DetachedHook` instead, which does nothing and is taken off
+    the copy at the copy's first call."""
+
+    __slots__ = ("fn", "pre")
+
+    def __init__(self, fn: Callable[..., Any], pre: bool) -> None:
+        self.fn, self.pre = fn, pre
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "DetachedHook":
+        return DetachedHook(self.pre)
+
+    def __reduce__(self) -> tuple[type, tuple[bool]]:
+        return (DetachedHook, (self.pre,))
+
+
+class DetachedHook:
+    """What a copied module holds where the original held a :class:`StepHook`. The pre-hook one
+    (pre-hooks run first, from a copy of the module's list) removes every detached hook from the
+    module, the forward hooks among them before their list is walked; a forward hook one does
+    nothing (a module is not changed while its forward hooks are walked)."""
+
+    __slots__ = ("pre",)
+
+    def __init__(self, pre: bool) -> None:
+        self.pre = pre
+
+    def __call__(self, module: torch.nn.Module, *rest: Any) -> None:
+        if not self.pre:
+            return
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook_id in [k for k, h in hooks.items() if isinstance(h, DetachedHook)]:
+                del hooks[hook_id]
+                for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+                              module._forward_hooks_always_called):
+                    extra.pop(hook_id, None)
+
+
 class PlannedStep:
     """One step run under a plan: the saved-tensor hooks and the module hooks."""
 
@@ -711,8 +758,8 @@ class PlannedStep:
                 continue
             # first among the module's own hooks, as the profile's global hooks are: a trace
             # spans what the profiled call's did (Note [Call traces] in guard.py)
-            stack.callback(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True).remove)
-            stack.callback(m.register_forward_hook(self._post, always_call=True, prepend=True).remove)
+            stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True, prepend=True).remove)
+            stack.callback(m.register_forward_hook(StepHook(self._post, False), always_call=True, prepend=True).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
         # where the trace goes around a selective region's call: above the session's modes,
         # under the program's (guard.push_at)
@@ -931,7 +978,7 @@ class IdleStep:
         for ref, _ in self._roots.values():
             m = ref()
             if m is not None:
-                stack.callback(m.register_forward_pre_hook(self._pre).remove)
+                stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True)).remove)
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or threading.get_ident() != self._thread:
