@@ -16,7 +16,8 @@ Note [Activation refills]
     functional with grad off: the same operator on the same operand. When the input is a tensor
     regenerated for this use alone (a refill's fresh output, not cached for other uses), the
     in-place form writes over it (``relu_``, ``silu(..., inplace=True)``, ``tanh_``,
-    ``sigmoid_``; GELU has none in the public API) and no new tensor is made.
+    ``sigmoid_``; GELU has none in the public API; a floating-point input only) and no new tensor
+    is made.
 
     Both forms are checked bit for bit in the profiled step, on the device and layout the call
     ran on, against the forward's output (``refills.exact_refill_seconds``: the in-place one on a
@@ -51,14 +52,15 @@ IN_PLACE = frozenset({nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid})
 
 
 def refillable(module: nn.Module) -> bool:
-    """A stock activation of ``_FORMS`` (its class's forward), not in place. A hook that changes
-    the output fails the profile's check; one that only watches is not called by a refill, as
-    it is not by a batch norm's or a dropout's."""
+    """A stock activation of ``_FORMS`` (its class's forward), not in place (a module with hooks
+    of the program's is never refilled: Note [Session hooks] in hooks.py)."""
     return type(module) in _FORMS and "forward" not in vars(module) and not getattr(module, "inplace", False)
 
 
 def refill(module: nn.Module, x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``module``'s output for ``x`` (Note [Activation refills]); ``in_place``: written over ``x``,
-    which the caller owns alone. Exact only where ``refills.exact_refill_seconds`` said so."""
+    which the caller owns alone, where the output has ``x``'s dtype (an integer input's sigmoid
+    is a float tensor). Exact only where ``refills.exact_refill_seconds`` said so."""
+    own = in_place and type(module) in IN_PLACE and x.is_floating_point()
     with torch.no_grad():
-        return _FORMS[type(module)](module, x, in_place and type(module) in IN_PLACE)
+        return _FORMS[type(module)](module, x, own)

@@ -100,6 +100,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .dropout import exact_product_seconds
+from .hooks import StepHook
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
 from .calls import CallTracker, autocast_state
 from .guard import CallTrace, push_at, remove
@@ -358,8 +359,8 @@ class Profile:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self._thread = threading.get_ident()  # global hooks fire on every thread: only this one's
-        self._handles = [register_module_forward_pre_hook(self._pre),
-                         register_module_forward_hook(self._post, always_call=True)]
+        self._handles = [register_module_forward_pre_hook(StepHook(self._pre, True)),
+                         register_module_forward_hook(StepHook(self._post, False), always_call=True)]
 
     def stop(self) -> None:
         """Removes the hooks; closes calls left open by an exception."""

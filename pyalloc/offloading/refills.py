@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import activations, batchnorm, dropout
+from .hooks import foreign_hooks
 
 __all__ = ["KINDS", "MIN_ELEMENTS", "exact_refill_seconds", "kind", "refiller"]
 
@@ -27,7 +28,10 @@ KINDS = ("batchnorm", "dropout", "activation")
 
 
 def kind(module: nn.Module) -> str | None:
-    """The kind of refill ``module``'s output could have, or None: re-run whole."""
+    """The kind of refill ``module``'s output could have, or None: re-run whole (so is a module
+    with a hook of the program's: Note [Session hooks] in hooks.py)."""
+    if foreign_hooks(module):
+        return None
     if batchnorm.refillable(module):
         return "batchnorm"
     if dropout.refillable(module):
@@ -68,8 +72,12 @@ def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tenso
         pair = batchnorm.with_other_parameters(module, x)
         if pair is None or not _same(*pair):
             return None
-    if k == "activation" and not _same(refill(x.clone(), True), output):
-        return None
+    if k == "activation":
+        try:
+            if not _same(refill(x.clone(), True), output):
+                return None
+        except RuntimeError:
+            return None
     return seconds
 
 

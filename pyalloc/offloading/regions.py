@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from . import dropout, refills, rng
+from .hooks import StepHook
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
 from .calls import autocast_state
@@ -610,53 +611,6 @@ class OutputSlot(_Counted):
                 record.finish()
         assert self.tensor is not None
         return self.tensor
-
-
-class StepHook:
-    """A planned step's hook on a module of the program (``fn``: the step's bound method; ``pre``:
-    a forward pre-hook, else a forward hook).
-
-    The step hangs hooks on the planned modules for its duration, so a module copied inside the
-    step (``copy.deepcopy(model)`` for an EMA or a snapshot, ``torch.save(model)``) would copy
-    them, and with them the step and its lock: "cannot pickle '_thread.RLock' object" (a review's
-    finding). A copy gets a :class:`DetachedHook` instead, which does nothing and is taken off
-    the copy at the copy's first call."""
-
-    __slots__ = ("fn", "pre")
-
-    def __init__(self, fn: Callable[..., Any], pre: bool) -> None:
-        self.fn, self.pre = fn, pre
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "DetachedHook":
-        return DetachedHook(self.pre)
-
-    def __reduce__(self) -> tuple[type, tuple[bool]]:
-        return (DetachedHook, (self.pre,))
-
-
-class DetachedHook:
-    """What a copied module holds where the original held a :class:`StepHook`. The pre-hook one
-    (pre-hooks run first, from a copy of the module's list) removes every detached hook from the
-    module, the forward hooks among them before their list is walked; a forward hook one does
-    nothing (a module is not changed while its forward hooks are walked)."""
-
-    __slots__ = ("pre",)
-
-    def __init__(self, pre: bool) -> None:
-        self.pre = pre
-
-    def __call__(self, module: torch.nn.Module, *rest: Any) -> None:
-        if not self.pre:
-            return
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            for hook_id in [k for k, h in hooks.items() if isinstance(h, DetachedHook)]:
-                del hooks[hook_id]
-                for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
-                              module._forward_hooks_always_called):
-                    extra.pop(hook_id, None)
 
 
 class PlannedStep:

@@ -1,0 +1,83 @@
+"""The session's module hooks, told apart from the program's (issue 20).
+
+Note [Session hooks]
+    A profiled step hangs global module hooks for its duration, a planned step hooks on the
+    planned modules; both are :class:`StepHook` objects, so that what a refill must not skip
+    (refills.py) can be told from them: a hook of the program's own that changes a module's input
+    or output. A refill computes the output from the input the step recorded, which is before
+    the module's own pre-hooks (the step's come first) and after nothing of the module's forward
+    hooks; a module with a hook of the program's is re-run whole, which runs its hooks again,
+    as the forward did.
+
+    A module copied inside a planned step (``copy.deepcopy(model)`` for an EMA or a snapshot)
+    would copy the step's hooks on it, and with them the step and its lock: "cannot pickle
+    '_thread.RLock' object" (a review's finding). A deep copy gets a :class:`DetachedHook`
+    instead, which does nothing and takes itself off the copy at the copy's first eager call;
+    a pickle (``torch.save(model)``) gets ``None.__init__``, a builtin that takes any arguments
+    and returns None: the checkpoint names nothing of pyalloc, and loads where pyalloc is not
+    installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["DetachedHook", "StepHook", "foreign_hooks"]
+
+
+class StepHook:
+    """One of the session's module hooks (``fn``: the step's bound method; ``pre``: a forward
+    pre-hook, else a forward hook)."""
+
+    __slots__ = ("fn", "pre")
+
+    def __init__(self, fn: Callable[..., Any], pre: bool) -> None:
+        self.fn, self.pre = fn, pre
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "DetachedHook":
+        return DetachedHook(self.pre)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[None, str]]:
+        return (getattr, (None, "__init__"))
+
+
+class DetachedHook:
+    """What a deep copy of a module holds where the original held a :class:`StepHook`. The
+    pre-hook one (pre-hooks run first, from a copy of the module's list) removes every detached
+    hook from the module, the forward hooks among them before their list is walked; a forward
+    hook one does nothing (a module is not changed while its forward hooks are walked), and
+    neither changes anything while torch.compile traces."""
+
+    __slots__ = ("pre",)
+
+    def __init__(self, pre: bool) -> None:
+        self.pre = pre
+
+    def __call__(self, module: torch.nn.Module, *rest: Any) -> None:
+        if not self.pre or torch.compiler.is_compiling():
+            return
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook_id in [k for k, h in hooks.items() if isinstance(h, DetachedHook)]:
+                del hooks[hook_id]
+                for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+                              module._forward_hooks_always_called):
+                    extra.pop(hook_id, None)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[None, str]]:
+        return (getattr, (None, "__init__"))
+
+
+def foreign_hooks(module: torch.nn.Module) -> bool:
+    """Whether a hook of the program's may change ``module``'s input or output: a forward
+    pre-hook or forward hook of the module's, or a global forward hook, that is not the
+    session's (global pre-hooks run before the step's, which records what they give)."""
+    from torch.nn.modules.module import _global_forward_hooks
+
+    ours = (StepHook, DetachedHook)
+    return any(not isinstance(h, ours) for hooks in (module._forward_pre_hooks, module._forward_hooks,
+                                                     _global_forward_hooks) for h in hooks.values())
