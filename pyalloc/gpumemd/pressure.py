@@ -84,6 +84,32 @@ def _read_line(conn: socket.socket, deadline: float) -> bytes:
     return buf.split(b"\n", 1)[0]
 
 
+def _clear_stale_socket(path: str) -> None:
+    """Removes a socket at ``path`` that no one listens on (a daemon that died); refuses
+    anything else there: a file that is not a socket is not ours to delete, and a socket that
+    answers is another daemon's (a review's finding: a second ``serve`` took the first one's
+    socket and removed it on exit, and a regular file given as --socket was deleted)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat_module.S_ISSOCK(st.st_mode):
+        raise FileExistsError(f"--socket {path}: exists and is not a socket; not replaced (choose another path)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale: its daemon is gone
+        return
+    except OSError as e:  # another user's socket, say: not ours to remove either
+        raise FileExistsError(f"--socket {path}: a socket this daemon cannot connect to ({e.strerror or e}); "
+                              "not replaced (choose another path)") from None
+    finally:
+        probe.close()
+    raise FileExistsError(f"--socket {path}: another gpumemd listens there (stop it, or choose another path)")
+
+
 class PressureServer:
     """The pressure socket. Connection handling no local user can starve (Note [Pressure slots]).
 
@@ -107,6 +133,7 @@ class PressureServer:
         self.max_per_uid = max_per_uid
         self.log = log or silent()
         self._sock: socket.socket | None = None
+        self._bound: int | None = None  # the inode of the socket this server bound
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -117,12 +144,10 @@ class PressureServer:
 
     def start(self) -> None:
         _own_closed_folder(Path(self.path).parent)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        _clear_stale_socket(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.bind(self.path)
+        self._bound = os.stat(self.path).st_ino  # stop() removes this socket, not a later one
         os.chmod(self.path, 0o666)  # anyone may ask; SO_PEERCRED decides who is answered
         sock.listen(64)
         sock.settimeout(0.2)
@@ -137,7 +162,8 @@ class PressureServer:
         if self._sock:
             self._sock.close()
         try:
-            os.unlink(self.path)
+            if self._bound is not None and os.lstat(self.path).st_ino == self._bound:
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
 

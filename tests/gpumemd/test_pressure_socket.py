@@ -250,3 +250,37 @@ def test_a_process_claiming_to_free_more_than_it_cached_is_credited_what_it_cach
         liar.close()
     assert answer["freed_bytes"] == 1 << 20
     assert answer["asked"] == [{"pid": os.getpid(), "released_bytes": 1 << 20, "claimed_bytes": 1 << 60}]
+
+
+def test_the_socket_path_is_never_taken_from_a_file_or_a_live_daemon(tmp_path: Path) -> None:
+    """--socket naming a regular file deleted it, and a second daemon on the same path took the
+    first one's socket and removed it on exit (a review's findings). Refused now; a socket no one
+    listens on (a daemon that died) is still replaced."""
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    kept = folder / "notes.txt"
+    kept.write_text("keep me")
+    with pytest.raises(FileExistsError, match="exists and is not a socket"):
+        pressure.PressureServer(str(kept)).start()
+    assert kept.read_text() == "keep me"
+
+    path = str(folder / "p.sock")
+    first = pressure.PressureServer(path, registry_dir=tmp_path / "registry")
+    first.start()
+    try:
+        second = pressure.PressureServer(path, registry_dir=tmp_path / "registry")
+        with pytest.raises(FileExistsError, match="another gpumemd listens there"):
+            second.start()
+        second.stop()  # what the daemon's exit path runs: the first one's socket stays
+        assert "error" in ask(path, b"not json\n")  # still answered by the first
+    finally:
+        first.stop()
+    assert not os.path.exists(path)
+
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)  # bound, never listening, closed: what a killed daemon leaves
+    dead.close()
+    third = pressure.PressureServer(path, registry_dir=tmp_path / "registry")
+    third.start()
+    third.stop()
+    assert not os.path.exists(path)
