@@ -228,3 +228,33 @@ def test_selftest_takes_a_snapshot_as_replay_does(tmp_path: Path) -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "selftest passed: 6 operations replayed" in done.stdout, done.stdout
+
+
+def test_a_trace_is_never_written_over_a_fifo_a_device_or_standard_output(tmp_path: Path) -> None:
+    """record -o replaced whatever was at the path with a new file: a FIFO, a device node (as root,
+    -o /dev/null would have replaced it), and -o - wrote a file named '-' (a review's finding).
+    Refused before recording; a symbolic link is followed and stays a link."""
+    import pickle
+
+    snapshot = tmp_path / "snapshot.pickle"
+    snapshot.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 4096, "size": 512,
+                                                           "stream": 0}]]}))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def record(output: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pyalloc.cli", "record", "--from-snapshot", str(snapshot),
+                               "-o", output], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    for output, message in ((str(fifo), "exists and is not a regular file"), ("/dev/null", "not a regular file"),
+                            ("-", "a trace goes to a file, not to standard output")):
+        done = record(output)
+        assert done.returncode == 1 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert fifo.is_fifo() and not (tmp_path / "-").exists()
+    target = tmp_path / "target.jsonl"
+    target.write_text("old")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    done = record(str(link))
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and target.read_text().startswith('{"version": 1')

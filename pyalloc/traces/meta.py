@@ -209,17 +209,23 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..command import UsageError
-    from .record import _fail, _summary, write_trace
+    from .record import _fail, _summary, output_problem, write_trace
 
     if args.device != "cpu" or args.from_snapshot is not None or args.tiny:
         raise UsageError("record --meta records on the meta device: it takes no --device, --from-snapshot or --tiny")
     if args.model is None:
         raise UsageError(f"record --meta: name a MODEL ({', '.join(MODELS)})")
+    if args.output is not None and (problem := output_problem(Path(args.output))) is not None:
+        return _fail(problem)
     try:
         rec = record_meta(args.model, args.steps, args.batch, args.seq, args.checkpoint, args.seed)
     except (KeyError, ValueError) as e:
         raise UsageError(f"record --meta: {e.args[0]}") from None
+    except RuntimeError as e:  # a size torch cannot represent (a batch of 10^14)
+        return _fail(f"--meta {args.model}: torch could not build the step at this size: {str(e).splitlines()[0]}")
     output = Path(args.output) if args.output else Path(f"{rec.name}.jsonl.gz")
+    if (problem := output_problem(output)) is not None:
+        return _fail(problem)
     try:
         written = write_trace(rec.trace, output, rec.source, H100_CAPACITY)
     except OSError as e:

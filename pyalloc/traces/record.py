@@ -396,7 +396,7 @@ def write_trace(trace: Trace, path: str | Path, source: str, device_capacity: in
     sees half a trace. gzip output carries no name or mtime, so recording the
     same thing twice gives the same bytes.
     """
-    p = Path(path)
+    p = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)  # the link stays a link
     header: dict[str, Any] = {"version": 1, "source": source}
     if device_capacity is not None:
         if device_capacity <= 0:
@@ -432,6 +432,20 @@ def _summary(trace: Trace, path: Path) -> dict[str, Any]:
         "peak_live_bytes": trace.peak_live_bytes(),
         "skipped_frees": getattr(trace, "skipped_frees", 0),
     }
+
+
+def output_problem(output: Path) -> str | None:
+    """Why a trace cannot be written to ``output``, checked before recording: ``-`` (a trace
+    goes to a file), a folder, or something that is not a regular file (a FIFO, a device: the
+    write replaces what is at the path, which would turn ``/dev/null`` into a file). A symbolic
+    link is followed: its target is written."""
+    if str(output) == "-":
+        return "cannot write -: a trace goes to a file, not to standard output"
+    if not output.name or output.is_dir():
+        return f"cannot write {str(output) or repr(str(output))}: -o names a folder, not a file"
+    if output.exists() and not output.is_file():
+        return f"cannot write {output}: it exists and is not a regular file (not replaced)"
+    return None
 
 
 def _fail(message: str) -> int:
@@ -494,6 +508,8 @@ def run(args: argparse.Namespace) -> int:
         capacity = None
         output = Path(args.output)
     else:
+        if args.output is not None and (problem := output_problem(Path(args.output))) is not None:
+            return _fail(problem)  # before the recording, not after it
         require("torch", "pyalloc record MODEL")  # the built-in workloads are PyTorch models
         from . import models
 
@@ -507,8 +523,8 @@ def run(args: argparse.Namespace) -> int:
                                 allocator=args.allocator, max_entries=args.max_entries)
         capacity = trace.header.get("device_capacity")
         output = Path(args.output) if args.output else Path(f"{workload.stem}.jsonl.gz")
-    if not output.name or output.is_dir():
-        return _fail(f"cannot write {str(output) or repr(str(output))}: -o names a folder, not a file")
+    if (problem := output_problem(output)) is not None:
+        return _fail(problem)
     try:
         written = write_trace(trace, output, trace.source, capacity)
     except OSError as e:
