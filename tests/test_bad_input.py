@@ -258,3 +258,36 @@ def test_a_trace_is_never_written_over_a_fifo_a_device_or_standard_output(tmp_pa
     done = record(str(link))
     assert done.returncode == 0, done.stderr
     assert link.is_symlink() and target.read_text().startswith('{"version": 1')
+
+
+def test_corrupt_gzip_and_snapshot_values_that_no_trace_holds_are_one_line(tmp_path: Path) -> None:
+    """A gzip trace corrupt mid-stream raised zlib.error; a corrupt pickle MemoryError or
+    AttributeError; a snapshot's True size or 2^70 stream was written into the trace as is, which
+    the replay then refused (a review's findings)."""
+    import pickle
+
+    from pyalloc.traces.trace import workloads_dir
+
+    data = bytearray((workloads_dir() / "mlp.jsonl.gz").read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 64):  # mid-stream: zlib's error, not gzip's
+        data[i] ^= 0x5A
+    corrupt = tmp_path / "corrupt.jsonl.gz"
+    corrupt.write_bytes(bytes(data))
+    cases = [(corrupt, "cannot read the file")]
+    for name, entry, message in (
+            ("bool", {"action": "alloc", "addr": 4096, "size": True}, "'size' must be an integer, got True"),
+            ("huge", {"action": "alloc", "addr": 4096, "size": 512, "stream": 1 << 70}, "'stream' 1180591620717411303424 does not fit in 64 bits")):
+        path = tmp_path / f"{name}.pickle"
+        path.write_bytes(pickle.dumps({"device_traces": [[entry]]}))
+        cases.append((path, message))
+    garbage = tmp_path / "garbage.pickle"
+    garbage.write_bytes(pickle.dumps({"device_traces": [[]]})[:3] + b"\xff" * 40)
+    cases.append((garbage, "cannot read the snapshot pickle"))
+    for path, message in cases:
+        for args in (["replay", str(path)], ["record", "--from-snapshot", str(path), "-o", str(tmp_path / "o.jsonl")]):
+            if args[0] == "record" and path.suffix == ".gz":
+                continue
+            done = subprocess.run([sys.executable, "-m", "pyalloc.cli", *args], capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == 1 and done.stderr.count("\n") == 1 and message in done.stderr, (args, done.stderr)
+    assert not (tmp_path / "o.jsonl").exists()

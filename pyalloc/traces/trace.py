@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
@@ -173,7 +174,7 @@ def load(path: str | Path) -> Trace:
     try:
         with _open_text(p) as f:
             return parse_lines(f, str(p))
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # zlib: gzip data corrupt mid-stream
         raise TraceError(str(p), 0, f"cannot read the file ({e})") from None
 
 
@@ -222,9 +223,14 @@ def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
         if not isinstance(entry, dict):
             raise TraceError(name, index, "a trace entry is not a dict")
         action = entry.get("action")
-        addr, size, stream = entry.get("addr"), entry.get("size"), entry.get("stream", 0)
+        if action not in ("alloc", "free_completed"):
+            continue
+        try:  # what the trace written from it must hold (a True size, a 2^70 stream were written as is)
+            addr, size, stream = _int_field(entry, "addr"), _int_field(entry, "size"), _int_field(entry, "stream", 0)
+        except ValueError as e:
+            raise TraceError(name, index, f"{'an' if action == 'alloc' else 'a'} {action} entry's {e}") from None
         if action == "alloc":
-            if not isinstance(addr, int) or not isinstance(size, int) or size <= 0:
+            if addr is None or size is None or size <= 0:
                 raise TraceError(name, index, "an alloc entry needs an integer addr and a positive size")
             if addr in live:
                 raise TraceError(name, index, f"alloc at {addr:#x}, which is already live")
@@ -232,7 +238,7 @@ def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
             trace.ops.append(ALLOC)
             trace.ids.append(next_id)
             trace.sizes.append(size)
-            trace.streams.append(int(stream) if isinstance(stream, int) else 0)
+            trace.streams.append(stream or 0)
             next_id += 1
         elif action == "free_completed":
             if addr not in live:
@@ -240,7 +246,7 @@ def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
             trace.ops.append(FREE)
             trace.ids.append(live.pop(addr))
             trace.sizes.append(0)
-            trace.streams.append(int(stream) if isinstance(stream, int) else 0)
+            trace.streams.append(stream or 0)
     return trace
 
 
@@ -255,7 +261,7 @@ def load_any(path: str | Path, device: int = 0) -> Trace:
 
         try:
             snapshot = _SnapshotUnpickler.load(p)
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-            raise TraceError(str(p), 0, f"cannot read the snapshot pickle ({e})") from None
+        except Exception as e:  # a corrupt pickle fails in many ways (MemoryError, AttributeError, OverflowError)
+            raise TraceError(str(p), 0, f"cannot read the snapshot pickle ({type(e).__name__}: {e})") from None
         return from_snapshot(snapshot, str(p), device)
     return load(p)
