@@ -42,6 +42,21 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> Non
     assert answer["gpu"] is False and answer["reason"].startswith("torch ") and answer["checks"] == []
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--only", "growth,offlaod"], "--only: unknown check 'offlaod' (known: environment, growth"),
+    (["--budget", "nan"], "--budget must be a number of seconds, at least 10, got nan"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--out", "/proc/gpu-check"], "--out /proc/gpu-check: cannot write the report in /proc"),
+])
+def test_bad_options_are_refused_before_anything_runs_gpu_or_not(args: list[str], message: str) -> None:
+    """A mistyped --only name ran nothing and reported success; a NaN budget ran; an unwritable
+    --out was found after every check had run; without a GPU no option was looked at (a review's
+    findings). Each is one line, exit 2, before the GPU is even probed."""
+    for device in ("cuda", "cpu"):
+        done = _cli(*args, "--device", device)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
 def test_the_cpu_run_writes_both_reports_with_every_check_and_the_targets(tmp_path: Path) -> None:
     # A budget well above what the run takes (about a minute): each check's share of it is its
     # time limit, and a loaded machine must not turn a pass into a timeout.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -383,8 +384,42 @@ def unfinished(args: argparse.Namespace, results: list[CheckResult]) -> list[str
     return groups
 
 
+def _check_options(args: argparse.Namespace) -> Path:
+    """The options, checked before anything runs (a GPU session's minutes are the scarcest thing
+    this command spends: a review found a mistyped --only name that ran nothing and reported
+    success, a NaN budget, and an unwritable --out found only after every check had run).
+    Returns the report folder, created."""
+    if not math.isfinite(args.budget) or args.budget < 10:
+        raise UsageError(f"--budget must be a number of seconds, at least 10, got {args.budget}")
+    for flag, value in (("--start-batch", args.start_batch), ("--max-batch", args.max_batch), ("--steps", args.steps)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.only is not None:
+        known = list(dict.fromkeys(p.group for p in plan(argparse.Namespace(**{**vars(args), "only": None}))))
+        names = [n.strip() for n in args.only.split(",")]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise UsageError(f"--only: unknown check {', '.join(map(repr, unknown)) or repr(args.only)} "
+                             f"(known: {', '.join(known)})")
+        args.only = ",".join(names)
+    out = Path(args.out)
+    existing = out
+    while not existing.exists() and existing != existing.parent:  # the folder is made when the report is
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise UsageError(f"--out {out}: {existing} is not a folder")
+    try:  # a file made and removed where the first missing folder would go (root passes access())
+        fd, probe = tempfile.mkstemp(prefix=".gpu-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write the report in {existing} ({e.strerror or e})") from None
+    return out
+
+
 def _gpu_check(args: argparse.Namespace) -> int:
     device = args.device
+    out = _check_options(args)
     if device == "cuda":
         reason = gpu_reason()
         if reason is not None:
@@ -392,8 +427,6 @@ def _gpu_check(args: argparse.Namespace) -> int:
             if args.json:  # a script that reads stdout gets an answer too
                 print(json.dumps({"gpu": False, "reason": reason, "checks": []}))
             return EXIT_NO_GPU
-    if args.budget < 10:
-        raise UsageError(f"--budget must be at least 10 seconds, got {args.budget}")
     say = (lambda line: None) if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     results = run_checks(args, device, say)
     environment = _find(results, "environment")
@@ -401,7 +434,6 @@ def _gpu_check(args: argparse.Namespace) -> int:
               "environment": environment.figures if environment else {},
               "checks": [asdict(r) for r in results], "targets": targets(results),
               "unfinished": unfinished(args, results)}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "gpu-check.md").write_text(markdown(report))
