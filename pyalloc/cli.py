@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import json
 import os
@@ -161,14 +162,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pyalloc`` console script; returns the exit status."""
     # The commands report a bad $PYALLOC_CONF themselves, in one line: the library stays quiet.
     os.environ["PYALLOC_CLI"] = "1"
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(list(argv) if argv is not None else None)
+    try:
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(list(argv) if argv is not None else None)
+    except KeyboardInterrupt:
+        return 130
     if unknown:
         print(_unrecognized(parser, getattr(args, "command_name", None), unknown), file=sys.stderr)
         return EXIT_USAGE
     handler: Handler = args.handler
     try:
-        return int(handler(args))
+        status = int(handler(args))
+        sys.stdout.flush()  # a full disk under `> file` shows here, not at exit
+        return status
     except UsageError as exc:
         print(f"pyalloc: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -190,9 +196,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`pyalloc config | head -1`): stop quietly, as a shell tool does,
         # and keep Python from complaining again when it flushes stdout at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _drop_stdout()
         return 141  # 128 + SIGPIPE
+    except OSError as exc:
+        # What no command caught: writing its output failed (`> /dev/full`: no space left), or a
+        # file it did not expect to be unable to read. One line, as for any other error.
+        if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT):
+            _drop_stdout()  # (the output is what has no file name here)
+            print(f"pyalloc: error: cannot write the output: {exc.strerror}", file=sys.stderr)
+        else:
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"pyalloc: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Points stdout at /dev/null, so that Python's flush at exit does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

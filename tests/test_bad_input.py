@@ -291,3 +291,13 @@ def test_corrupt_gzip_and_snapshot_values_that_no_trace_holds_are_one_line(tmp_p
                                   timeout=120)
             assert done.returncode == 1 and done.stderr.count("\n") == 1 and message in done.stderr, (args, done.stderr)
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_output_to_a_full_disk_is_one_line() -> None:
+    """`pyalloc config > /dev/full` ended in an OSError traceback (a review's finding)."""
+    env = {**os.environ, "PYALLOC_CONF": "backend=host"}
+    for command in ("config", "config --json"):
+        done = subprocess.run(["bash", "-c", f"{sys.executable} -m pyalloc.cli {command} > /dev/full"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 1 and done.stderr == "pyalloc: error: cannot write the output: No space left on device\n", \
+            done.stderr

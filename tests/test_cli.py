@@ -284,3 +284,13 @@ def test_version_names_the_package_and_its_library() -> None:
     result = pyalloc_cli("--version")
     assert result.returncode == 0
     assert re.fullmatch(r"pyalloc \S+ \(library \S+\)\n", result.stdout), result.stdout
+
+
+def test_a_command_that_needs_no_torch_does_not_import_it() -> None:
+    """Building the parser imported torch to list the workloads: ~0.9 s for every command, and a
+    Ctrl-C in that second was a traceback (a review's finding)."""
+    code = ("import sys; from pyalloc.cli import main; status = main(['config', '--json']); "
+            "print(status, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=child_env(PYALLOC_CONF="backend=host"))
+    assert done.stdout.strip().splitlines()[-1] == "0 False", (done.stdout, done.stderr)

@@ -288,3 +288,9 @@ def test_the_cli_prints_no_profiler_chatter(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "USDT:" not in result.stderr and "profiler_st" not in result.stderr, result.stderr
     assert result.stdout.startswith(f"{out}: ") and out.is_file()
+
+
+def test_the_help_names_every_workload_without_importing_torch() -> None:
+    from pyalloc.traces import models, record
+
+    assert record.WORKLOAD_NAMES == tuple(models.names())
