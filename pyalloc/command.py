@@ -13,6 +13,9 @@ the command modules see one and the same :class:`UsageError`.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 Handler = Callable[[argparse.Namespace], int]
@@ -27,3 +30,23 @@ PYALLOC_EINVAL = 1  # enum pyalloc_status in pyalloc.h
 
 class UsageError(Exception):
     """A mistake in the command line: reported in one line, exit status 2."""
+
+
+def unwritable(path: Path) -> str | None:
+    """Why nothing could be written at ``path`` (a file, or a folder the command will make), or
+    None: checked before a long run, whose output would otherwise be lost at its end. A file is
+    made and removed where the first missing part of the path would go (``os.access`` says yes
+    to root in ``/proc``)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != path and not existing.is_dir():
+        return f"{existing} is not a folder"
+    folder = existing if existing.is_dir() else existing.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".pyalloc-write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write in {folder} ({e.strerror or e})"
+    return None

@@ -301,3 +301,18 @@ def test_output_to_a_full_disk_is_one_line() -> None:
                               capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 1 and done.stderr == "pyalloc: error: cannot write the output: No space left on device\n", \
             done.stderr
+
+
+def test_an_offload_stats_path_that_cannot_be_written_is_refused_before_the_program_runs(tmp_path: Path) -> None:
+    """run --offload-stats DIR trained, then warned at exit and left a temporary file beside the
+    folder (a review's finding): the path is checked before the program starts."""
+    env = {**os.environ, "PYALLOC_CONF": "backend=host"}
+    for path, message in ((str(tmp_path), "names a folder, not a file"),
+                          ("/proc/stats.json", "cannot write in /proc"),
+                          (str(tmp_path / "missing" / "s.json"), "missing is not a folder")):
+        done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "run", "--offload=1MiB", "--offload-stats", path,
+                               "--", sys.executable, "-c", "print('ran')"], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 2 and "ran" not in done.stdout, (done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -46,7 +46,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> Non
     (["--only", "growth,offlaod"], "--only: unknown check 'offlaod' (known: environment, growth"),
     (["--budget", "nan"], "--budget must be a number of seconds, at least 10, got nan"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--out", "/proc/gpu-check"], "--out /proc/gpu-check: cannot write the report in /proc"),
+    (["--out", "/proc/gpu-check"], "--out /proc/gpu-check: cannot write in /proc"),
 ])
 def test_bad_options_are_refused_before_anything_runs_gpu_or_not(args: list[str], message: str) -> None:
     """A mistyped --only name ran nothing and reported success; a NaN budget ran; an unwritable

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..command import Subparsers, UsageError
+from ..command import Subparsers, UsageError, unwritable
 from .child import RESULT_MARKER
 
 EXIT_NO_GPU = 2
@@ -403,17 +403,10 @@ def _check_options(args: argparse.Namespace) -> Path:
                              f"(known: {', '.join(known)})")
         args.only = ",".join(names)
     out = Path(args.out)
-    existing = out
-    while not existing.exists() and existing != existing.parent:  # the folder is made when the report is
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        raise UsageError(f"--out {out}: {existing} is not a folder")
-    try:  # a file made and removed where the first missing folder would go (root passes access())
-        fd, probe = tempfile.mkstemp(prefix=".gpu-check-", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot write the report in {existing} ({e.strerror or e})") from None
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: not a folder")
+    if (problem := unwritable(out)) is not None:  # the folder is made when the report is written
+        raise UsageError(f"--out {out}: {problem}")
     return out
 
 

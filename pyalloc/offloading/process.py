@@ -183,3 +183,7 @@ def _write_stats() -> None:
         os.replace(tmp, path)
     except OSError as exc:
         sys.stderr.write(f"pyalloc: warning: cannot write the offload stats to {path}: {exc}\n")
+        try:
+            os.unlink(tmp)  # what a failed replace left (a folder at the path)
+        except OSError:
+            pass

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .._lib import PyallocError
-from ..command import EXIT_NOT_FOUND, PYALLOC_EINVAL, Subparsers, UsageError
+from ..command import EXIT_NOT_FOUND, PYALLOC_EINVAL, Subparsers, UsageError, unwritable
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 
@@ -132,6 +132,14 @@ def _validate_offload(args: argparse.Namespace) -> None:
             raise UsageError(f"--offload: {exc} (write --offload=BUDGET, or put -- before the command)") from None
     if args.offload_stats is not None and args.offload is None:
         raise UsageError("--offload-stats needs --offload")
+    if args.offload_stats is not None:  # found at the program's exit, after the training, otherwise
+        stats = Path(args.offload_stats.replace("{pid}", "0"))
+        if not stats.name or stats.is_dir():
+            raise UsageError(f"--offload-stats {args.offload_stats}: names a folder, not a file")
+        if not stats.parent.is_dir():
+            raise UsageError(f"--offload-stats {args.offload_stats}: {stats.parent} is not a folder")
+        if (problem := unwritable(stats)) is not None:
+            raise UsageError(f"--offload-stats {args.offload_stats}: {problem}")
 
 
 def _validate_conf(conf: str | None) -> None:
