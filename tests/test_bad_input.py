@@ -316,3 +316,26 @@ def test_an_offload_stats_path_that_cannot_be_written_is_refused_before_the_prog
         assert done.returncode == 2 and "ran" not in done.stdout, (done.stdout, done.stderr)
         assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["replay", "mlp"], ["selftest"],
+                                     ["stress", "--quick", "--workloads", "mlp", "--policies", "pyalloc", "--no-progress"]])
+def test_replays_refuse_a_bad_pyalloc_conf_as_every_command_does(command: list[str]) -> None:
+    from pyalloc.traces.trace import workloads_dir
+
+    args = [str(workloads_dir() / "mlp.jsonl.gz") if a == "mlp" and command[0] == "replay" else a for a in command]
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYALLOC_CONF": "vmm=maybe"})
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert "$PYALLOC_CONF: bad value 'maybe' for vmm" in done.stderr
+
+
+@pytest.mark.parametrize("policy", ["pyalloc", "native"])
+@pytest.mark.parametrize("capacity", ["0", "0B", "1"])
+def test_a_replay_capacity_below_one_granule_is_refused_for_every_policy(policy: str, capacity: str) -> None:
+    """--capacity 0 ran at the default capacity; the native models ran at 1 byte (a review's finding)."""
+    from pyalloc.traces.trace import workloads_dir
+
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(workloads_dir() / "mlp.jsonl.gz"),
+                           "--policy", policy, f"--capacity={capacity}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "at least one 2 MiB granule" in done.stderr, done.stderr

@@ -41,12 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import core
+from ..command import UsageError
 from .._lib import PyallocError, check_status, lib
 from .trace import ALLOC, FREE, Trace, TraceError, load_any
 
 MiB = 1 << 20
 CAPACITY_STEP = 2 * MiB
 DEFAULT_CAPACITY = 80 << 30
+MIN_CAPACITY = 2 * MiB  # one granule: the library refuses less (every allocation would fail)
 
 POLICIES = {
     "pyalloc": "the pyalloc allocator, its defaults (one arena for every size, stitching, shared granules, moving slivers; vmm=auto)",
@@ -150,6 +152,15 @@ def _pointer(arr: array, ctype: Any) -> Any:
         return None
     address, _ = arr.buffer_info()
     return ctypes.cast(address, ctypes.POINTER(ctype))
+
+
+def refuse_a_bad_environment() -> None:
+    """UsageError for a $PYALLOC_CONF the library refused: a replay sets every key itself, but a
+    typo there is refused by every command alike, as `pyalloc config` and `pyalloc run` do
+    (replay, stress and selftest ran as if it were fine: a review's finding)."""
+    error = core.startup_error()
+    if error is not None and error.startswith("PYALLOC_CONF"):
+        raise UsageError(f"${error} (a replay sets its own configuration, but fix or unset this)")
 
 
 def configure_for_replay(backend: str, capacity: int, conf: str = "") -> None:
@@ -269,13 +280,19 @@ def _trace_name(path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_a_bad_environment()
     try:
         trace = load_any(args.trace)
     except TraceError as e:
         print(f"pyalloc replay: {e}", file=sys.stderr)
         return 1
     flat = flatten(trace, _trace_name(args.trace))
-    capacity = core.parse_size(args.capacity) if args.capacity else None
+    capacity = None
+    if args.capacity is not None:  # 0 or an empty value ran at the default (a review's finding)
+        capacity = core.parse_size(args.capacity)
+        if capacity < MIN_CAPACITY:
+            raise UsageError(f"--capacity {args.capacity}: at least one 2 MiB granule, for every policy "
+                             "(leave it out for the trace's own capacity)")
     conf = args.conf or ""
     check_conf(args.policy, conf)
     result = replay(flat, args.policy, args.backend, capacity, conf)

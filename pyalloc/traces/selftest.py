@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import core
 from .._lib import PyallocError, lib
+from .replay import refuse_a_bad_environment
 from .trace import ALLOC, FREE, Trace, TraceError, load_any, workloads_dir
 
 MiB = 1 << 20
@@ -94,6 +95,7 @@ def fits_this_machine(trace: Trace) -> bool:
 
 
 def run(paths: list[Path], as_json: bool) -> int:
+    refuse_a_bad_environment()
     named = bool(paths)
     if not paths:
         paths = sorted(workloads_dir().glob("*.jsonl.gz"))

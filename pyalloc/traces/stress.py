@@ -63,6 +63,7 @@ from .replay import (
     ReplayResultC,
     find_min_capacity,
     flatten,
+    refuse_a_bad_environment,
     replay,
     run_replay,
 )
@@ -489,6 +490,7 @@ def plot(runs: list[WorkloadRun], policies: list[str], curve_points: int, path: 
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_a_bad_environment()
     try:
         return _run(args)
     except BrokenPipeError:
