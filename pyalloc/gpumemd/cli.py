@@ -167,7 +167,8 @@ def _duration(text: str) -> float:
     try:
         return parse_duration(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 500ms, 2s, 1m)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration of at most a year (e.g. 500ms, 2s, "
+                                         "1m)") from None
 
 
 def _period(text: str) -> float:

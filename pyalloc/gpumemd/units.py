@@ -17,14 +17,24 @@ def parse_size(text: str | int) -> int:
     return sizes.parse_size(text)
 
 
+MAX_DURATION_S = 366 * 86400.0
+"""The longest duration anything of gpumemd waits or measures: a year. Longer ones overflowed the
+clock's arithmetic in a traceback (``serve --interval 1000000000d``), or printed Infinity into
+the JSON event log (a review's finding)."""
+
+
 def parse_duration(text: str | int | float) -> float:
-    """'2s', '500ms', '10m', '1h', 3 -> seconds."""
+    """'2s', '500ms', '10m', '1h', 3 -> seconds (ASCII digits, at most a year)."""
     if isinstance(text, (int, float)):
-        return float(text)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text)
-    if not m or m.group(2) not in _TIME_UNITS:
-        raise ValueError(f"not a duration: {text!r}")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
+        seconds = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*", text)
+        if not m or m.group(2) not in _TIME_UNITS:
+            raise ValueError(f"not a duration: {text!r}")
+        seconds = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    if not seconds <= MAX_DURATION_S:  # NaN, inf and too long alike
+        raise ValueError(f"{text!r} is not a duration of at most a year")
+    return seconds
 
 
 def format_bytes(n: int | None) -> str:

@@ -175,3 +175,13 @@ def test_serve_enforce_without_a_policy_is_refused(reg_dir: Path) -> None:
     out = gpumemd("serve", "--enforce", reg=reg_dir)
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "serve --enforce: the reaper runs only with --policy" in out.stderr
+
+
+@pytest.mark.parametrize("args", [["serve", "--interval", "1000000000d"], ["status", "--cpu-sample", "١s"],
+                                  ["serve", "--idle-timeout", "1000000000d"]])
+def test_a_duration_past_a_year_or_in_other_digits_is_refused_in_one_line(args: list[str]) -> None:
+    """A billion days overflowed the clock in a traceback once serving, or printed Infinity into
+    the JSON log; Arabic-Indic digits were read as a number (a review's findings)."""
+    done = subprocess.run([sys.executable, "-m", "pyalloc.gpumemd", "--no-nvml", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is not a duration of at most a year" in done.stderr

@@ -89,3 +89,14 @@ def test_reap_with_a_mistyped_policy_stops_with_one_line_and_decides_nothing(tmp
     assert out.returncode != 0 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "idle.enabled must be true or false" in out.stderr, out.stderr
     assert not audit.exists() or audit.read_text() == ""
+
+
+def test_a_policy_duration_that_is_infinite_or_past_a_year_is_refused(tmp_path) -> None:
+    """cpu_sample = inf made `reap` end in an OverflowError traceback (a review's finding)."""
+    from pyalloc.gpumemd import reaper
+
+    for text in ("cpu_sample = inf\n", 'cpu_sample = "400d"\n', '[idle]\nwindow = "١s"\n'):
+        path = tmp_path / "p.toml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match="duration"):
+            reaper.Policy.load(str(path))
