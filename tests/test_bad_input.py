@@ -339,3 +339,11 @@ def test_a_replay_capacity_below_one_granule_is_refused_for_every_policy(policy:
     done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(workloads_dir() / "mlp.jsonl.gz"),
                            "--policy", policy, f"--capacity={capacity}"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "at least one 2 MiB granule" in done.stderr, done.stderr
+
+
+def test_stress_refuses_report_paths_it_cannot_write_before_it_runs() -> None:
+    for flag, path in (("--json", "/proc/x.json"), ("--plot", "/proc/x.png"), ("--out", "/proc/r")):
+        done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "stress", "--quick", "--workloads", "mlp",
+                               "--policies", "pyalloc", "--no-progress", flag, path], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 1 and done.stdout == "" and "cannot write in /proc" in done.stderr, done.stderr

@@ -55,6 +55,7 @@ from .. import core
 from .._deps import MissingDependency, available, missing_message, require
 from . import generators
 from .._lib import PyallocError
+from ..command import unwritable
 from .replay import (
     DEFAULT_CAPACITY,
     POLICIES,
@@ -546,6 +547,10 @@ def _run(args: argparse.Namespace) -> int:
         # refused before the run, not by matplotlib after it
         raise StressError(f"--plot {args.plot}: not an image file name (one ending in "
                           f"{', '.join('.' + f for f in sorted(PLOT_FORMATS))})")
+    for flag, path in (("--out", out_dir / REPORT_NAME), ("--json", None if args.json == "-" else json_path),
+                       ("--plot", plot_path)):
+        if path is not None and (problem := unwritable(path)) is not None:  # not after the run
+            raise StressError(f"{flag} {path}: {problem}")
     if not available("matplotlib"):
         if args.plot:  # asked for by name: refused before the run, not after it
             raise MissingDependency(missing_message("matplotlib", "pyalloc stress --plot"))
@@ -585,7 +590,10 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(table)
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        try:
+            json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise StressError(f"cannot write the report to {json_path}: {e.strerror or e}") from None
     if plot_path is not None:
         plot(runs, policies, curve_points, plot_path)
     if args.json != "-":
