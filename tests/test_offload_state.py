@@ -205,3 +205,34 @@ def test_a_copy_made_inside_a_step_compiles_with_fullgraph() -> None:
     compiled = torch.compile(twin, fullgraph=True, backend="eager")
     with torch.no_grad():
         assert torch.equal(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("budget", ["half", "never reached"])
+def test_torch_utils_checkpoint_inside_a_step_keeps_batch_norm_statistics(budget: str) -> None:
+    """The profile read a batch norm's saved statistics inside a non-reentrant checkpoint, whose
+    unpack re-ran the checkpointed forward: the running statistics moved twice more than in the
+    plain step (a review's finding). What a checkpoint saved is not the session's to read."""
+    from torch.utils.checkpoint import checkpoint
+
+    def conv() -> nn.Module:
+        return nn.Conv2d(8, 8, 3, padding=1, bias=False)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(conv(), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2), conv())
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 8, 16, 16)
+
+    def one(m: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        checkpoint(m, x, use_reentrant=False).square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        return grads
+
+    peak = saved_bytes_peak(copy.deepcopy(model), x)
+    session = offload(budget=peak // 2 if budget == "half" else peak * 10, pressure_callback=False)
+    for seed in range(4):
+        expected = one(plain, seed)
+        with session:
+            assert_bitwise_equal(expected, one(model, seed))
+        assert_bitwise_equal(plain.state_dict(), model.state_dict())

@@ -16,6 +16,11 @@ Note [Session hooks]
     a pickle (``torch.save(model)``) gets ``None.__init__``, a builtin that takes any arguments
     and returns None: the checkpoint names nothing of pyalloc, and loads where pyalloc is not
     installed.
+
+    The same holds for saved-tensor hooks: a refill reads what an autograd node saved (a batch
+    norm's statistics, a dropout's noise) only where the hooks in force are the session's
+    (:func:`saves_are_ours`); inside the program's own (``torch.utils.checkpoint``,
+    ``save_on_cpu``) a read goes through their unpack, which may re-run a forward.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["DetachedHook", "StepHook", "foreign_hooks"]
+__all__ = ["DetachedHook", "StepHook", "foreign_hooks", "saves_are_ours"]
 
 
 class StepHook:
@@ -81,3 +86,17 @@ def foreign_hooks(module: torch.nn.Module) -> bool:
     ours = (StepHook, DetachedHook)
     return any(not isinstance(h, ours) for hooks in (module._forward_pre_hooks, module._forward_hooks,
                                                      _global_forward_hooks) for h in hooks.values())
+
+
+def saves_are_ours() -> bool:
+    """Whether the saved-tensor hooks in force are the session's, so that reading a tensor an
+    autograd node saved (a batch norm's statistics, a dropout's noise) only reads it. Under the
+    program's own hooks the read goes through their unpack: inside ``torch.utils.checkpoint``
+    (non-reentrant) it re-ran the checkpointed forward, twice for a batch norm's two statistics,
+    and its running statistics moved twice more than the plain step's (a review's finding).
+    Without the (private) way to ask, the answer is no: nothing is refilled."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError):
+        return False
+    return top is not None and getattr(top[0], "__module__", "").startswith("pyalloc.offloading.")

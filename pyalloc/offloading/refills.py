@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import activations, batchnorm, dropout
-from .hooks import foreign_hooks
+from .hooks import foreign_hooks, saves_are_ours
 
 __all__ = ["KINDS", "MIN_ELEMENTS", "exact_refill_seconds", "kind", "refiller"]
 
@@ -89,8 +89,11 @@ an activation's refill then writes over (the others ignore it)."""
 def refiller(module: nn.Module, output: torch.Tensor) -> tuple[str, Refill] | None:
     """Taken when the call returns ``output``: the refill's kind and the function that gives
     the output again from the call's input, holding what the forward saved; None when that is not
-    found (the call is then re-run whole)."""
+    found (the call is then re-run whole), or when what it saved is not the session's to read
+    (Note [Session hooks] in hooks.py)."""
     k = kind(module)
+    if k in ("batchnorm", "dropout") and not saves_are_ours():
+        return None
     if k == "batchnorm":
         stats = batchnorm.saved_statistics(output)
         if stats is None:
