@@ -89,7 +89,7 @@ def foreign_hooks(module: torch.nn.Module) -> bool:
 
 
 def saves_are_ours() -> bool:
-    """Whether the saved-tensor hooks in force are the session's, so that reading a tensor an
+    """Whether the saved-tensor hooks in force are the session's (or none are), so that reading a tensor an
     autograd node saved (a batch norm's statistics, a dropout's noise) only reads it. Under the
     program's own hooks the read goes through their unpack: inside ``torch.utils.checkpoint``
     (non-reentrant) it re-ran the checkpointed forward, twice for a batch norm's two statistics,
@@ -99,4 +99,4 @@ def saves_are_ours() -> bool:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     except (AttributeError, RuntimeError):
         return False
-    return top is not None and getattr(top[0], "__module__", "").startswith("pyalloc.offloading.")
+    return top is None or getattr(top[0], "__module__", "").startswith("pyalloc.offloading.")

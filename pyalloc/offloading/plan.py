@@ -277,6 +277,10 @@ def same_state(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
         all(k == k2 and torch.equal(s, s2) for (k, s), (k2, s2) in zip(generators, after[2]))
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class Profile:
     """Records one step: module calls (through global module hooks) and saves (fed by the
     session's pack hook). See Note [Planned recompute]."""
@@ -517,6 +521,15 @@ class Profile:
         if entry is None or entry[1]() is None:
             return -1
         return entry[0]
+
+    def saving(self) -> "contextlib.AbstractContextManager[None]":
+        """Saved-tensor hooks that note each save and keep it: a profile run without a session
+        (the session packs through its own hooks, which call :meth:`note_pack`)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._noted, _kept)
+
+    def _noted(self, t: torch.Tensor) -> torch.Tensor:
+        self.note_pack(t)
+        return t
 
     def note_pack(self, t: torch.Tensor) -> None:
         """Called by the session for every save of the step (not for replays)."""
