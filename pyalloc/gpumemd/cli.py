@@ -129,14 +129,17 @@ def cmd_reap(args: argparse.Namespace) -> int:
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
+    nbytes = 0  # all of the device's cache
+    if args.bytes is not None:  # checked first: a bad value is the same mistake whatever the pid
+        try:
+            nbytes = parse_size(args.bytes)
+        except ValueError as e:
+            raise CliError(f"--bytes: {e}") from None
+        if nbytes <= 0:
+            raise CliError(f"--bytes {args.bytes}: nothing to release (leave --bytes out to release the whole cache)")
     path = registry.find_record_path(args.pid, args.registry_dir)
     if path is None:
         raise CliError(f"pid {args.pid} has no pyalloc registry record")
-    nbytes = 0  # all of the device's cache
-    if args.bytes is not None:
-        nbytes = parse_size(args.bytes)
-        if nbytes <= 0:
-            raise CliError(f"--bytes {args.bytes}: nothing to release (leave --bytes out to release the whole cache)")
     try:
         devices = len(registry.read_record(path).devices)
         if not 0 <= args.device < devices:
