@@ -233,7 +233,8 @@ def test_selftest_takes_a_snapshot_as_replay_does(tmp_path: Path) -> None:
 def test_a_trace_is_never_written_over_a_fifo_a_device_or_standard_output(tmp_path: Path) -> None:
     """record -o replaced whatever was at the path with a new file: a FIFO, a device node (as root,
     -o /dev/null would have replaced it), and -o - wrote a file named '-' (a review's finding).
-    Refused before recording; a symbolic link is followed and stays a link."""
+    Refused before recording; a symbolic link is replaced, never followed (another user's link in
+    /tmp would have had root's write land where it points: a second review's finding)."""
     import pickle
 
     snapshot = tmp_path / "snapshot.pickle"
@@ -257,7 +258,7 @@ def test_a_trace_is_never_written_over_a_fifo_a_device_or_standard_output(tmp_pa
     link.symlink_to(target)
     done = record(str(link))
     assert done.returncode == 0, done.stderr
-    assert link.is_symlink() and target.read_text().startswith('{"version": 1')
+    assert not link.is_symlink() and link.read_text().startswith('{"version": 1') and target.read_text() == "old"
 
 
 def test_corrupt_gzip_and_snapshot_values_that_no_trace_holds_are_one_line(tmp_path: Path) -> None:

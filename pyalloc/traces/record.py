@@ -396,7 +396,8 @@ def write_trace(trace: Trace, path: str | Path, source: str, device_capacity: in
     sees half a trace. gzip output carries no name or mtime, so recording the
     same thing twice gives the same bytes.
     """
-    p = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)  # the link stays a link
+    p = Path(path)  # a symbolic link at the path is replaced, never followed (another user's link
+    # in /tmp would have had root's write land where it points)
     header: dict[str, Any] = {"version": 1, "source": source}
     if device_capacity is not None:
         if device_capacity <= 0:
@@ -438,7 +439,7 @@ def output_problem(output: Path) -> str | None:
     """Why a trace cannot be written to ``output``, checked before recording: ``-`` (a trace
     goes to a file), a folder, or something that is not a regular file (a FIFO, a device: the
     write replaces what is at the path, which would turn ``/dev/null`` into a file). A symbolic
-    link is followed: its target is written."""
+    link to a regular file is replaced by the trace, not followed."""
     if str(output) == "-":
         return "cannot write -: a trace goes to a file, not to standard output"
     if not output.name or output.is_dir():
