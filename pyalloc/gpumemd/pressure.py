@@ -14,6 +14,7 @@ deadline, and a bounded request size; each mailbox has its own timeout.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -84,30 +85,35 @@ def _read_line(conn: socket.socket, deadline: float) -> bytes:
     return buf.split(b"\n", 1)[0]
 
 
+def _claim(path: str) -> int:
+    """This daemon's claim on the socket path: an exclusive ``flock`` on ``<path>.lock``, held while
+    it serves and let go by the kernel if it dies. Two daemons on one path (a second ``serve``
+    took the first one's socket and removed it on exit: a review's finding; probing the socket
+    instead left a window between another daemon's bind and listen) find out here."""
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FileExistsError(f"--socket {path}: another gpumemd serves there (stop it, or choose another "
+                              "path)") from None
+    return fd
+
+
 def _clear_stale_socket(path: str) -> None:
-    """Removes a socket at ``path`` that no one listens on (a daemon that died); refuses
-    anything else there: a file that is not a socket is not ours to delete, and a socket that
-    answers is another daemon's (a review's finding: a second ``serve`` took the first one's
-    socket and removed it on exit, and a regular file given as --socket was deleted)."""
+    """With the claim held, a socket at ``path`` is a dead daemon's: removed. Anything else there is
+    refused: a file that is not a socket is not ours to delete (a regular file given as --socket
+    was deleted: a review's finding)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat_module.S_ISSOCK(st.st_mode):
         raise FileExistsError(f"--socket {path}: exists and is not a socket; not replaced (choose another path)")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    probe.settimeout(1.0)
     try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # stale: its daemon is gone
-        return
-    except OSError as e:  # another user's socket, say: not ours to remove either
-        raise FileExistsError(f"--socket {path}: a socket this daemon cannot connect to ({e.strerror or e}); "
-                              "not replaced (choose another path)") from None
-    finally:
-        probe.close()
-    raise FileExistsError(f"--socket {path}: another gpumemd listens there (stop it, or choose another path)")
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class PressureServer:
@@ -134,6 +140,7 @@ class PressureServer:
         self.log = log or silent()
         self._sock: socket.socket | None = None
         self._bound: int | None = None  # the inode of the socket this server bound
+        self._claim: int | None = None  # the flock on <path>.lock (_claim)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -144,12 +151,18 @@ class PressureServer:
 
     def start(self) -> None:
         _own_closed_folder(Path(self.path).parent)
-        _clear_stale_socket(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.bind(self.path)
-        self._bound = os.stat(self.path).st_ino  # stop() removes this socket, not a later one
-        os.chmod(self.path, 0o666)  # anyone may ask; SO_PEERCRED decides who is answered
-        sock.listen(64)
+        self._claim = _claim(self.path)
+        try:
+            _clear_stale_socket(self.path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.bind(self.path)
+            sock.listen(64)
+            self._bound = os.stat(self.path).st_ino  # stop() removes this socket, not a later one
+            os.chmod(self.path, 0o666)  # anyone may ask; SO_PEERCRED decides who is answered
+        except BaseException:
+            os.close(self._claim)
+            self._claim = None
+            raise
         sock.settimeout(0.2)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="gpumemd-pressure", daemon=True)
@@ -166,6 +179,9 @@ class PressureServer:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._claim is not None:  # (the lock file stays: removing it would race a daemon starting)
+            os.close(self._claim)
+            self._claim = None
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
