@@ -34,9 +34,15 @@ class UsageError(Exception):
 
 def unwritable(path: Path) -> str | None:
     """Why nothing could be written at ``path`` (a file, or a folder the command will make), or
-    None: checked before a long run, whose output would otherwise be lost at its end. A file is
-    made and removed where the first missing part of the path would go (``os.access`` says yes
-    to root in ``/proc``)."""
+    None: checked before a long run, whose output would otherwise be lost at its end. An existing
+    file is opened for appending (nothing written); otherwise a file is made and removed where
+    the first missing part of the path would go (``os.access`` says yes to root in ``/proc``)."""
+    if path.is_file():  # written in place by some (write_text): may this user write it?
+        try:
+            open(path, "ab").close()  # appends nothing, truncates nothing
+        except OSError as e:
+            return f"cannot write {path} ({e.strerror or e})"
+        return None
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

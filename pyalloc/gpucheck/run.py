@@ -396,7 +396,7 @@ def _check_options(args: argparse.Namespace) -> Path:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     if args.only is not None:
         known = list(dict.fromkeys(p.group for p in plan(argparse.Namespace(**{**vars(args), "only": None}))))
-        names = [n.strip() for n in args.only.split(",")]
+        names = [n.strip() for n in args.only.split(",") if n.strip()]  # (a trailing comma is fine)
         unknown = [n for n in names if n not in known]
         if unknown or not names:
             raise UsageError(f"--only: unknown check {', '.join(map(repr, unknown)) or repr(args.only)} "

@@ -113,7 +113,7 @@ def _print_decisions(decisions: list[reaper.Decision], as_json: bool) -> None:
         ev = d.evidence
         why = d.protected_reason or d.result or ""
         print(f"{'DRY RUN ' if d.dry_run else ''}{d.action:<13} pid {d.pid:<7} {d.criterion:<15} "
-              f"held {format_bytes(ev['held_bytes']):>9} cpu {ev['cpu_percent']}% "
+              f"held {format_bytes(ev['held_bytes']):>9} cpu {'?' if ev['cpu_percent'] is None else ev['cpu_percent']}% "
               f"idle {'-' if ev['idle_s'] is None else str(ev['idle_s']) + 's'} "
               f"status {ev['status']} ppid {ev['ppid']}  [{why}]  {(ev['command'] or '')[:60]}")
 
@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="the snapshot as JSON instead of the table")
     s.add_argument("--cpu-sample", type=_duration, default=0.2, metavar="DURATION",
                    help="window over which CPU%% is measured, e.g. 200ms, 1s; 0 waits for nothing and "
-                        "shows no CPU%% (-) (default: 200ms)")
+                        "shows no CPU%% (?) (default: 200ms)")
     s.add_argument("--wide", action="store_true",
                    help="every column, command lines uncut (default: fit the terminal, 100 columns when "
                         "not a terminal)")

@@ -289,7 +289,10 @@ def run(args: argparse.Namespace) -> int:
     flat = flatten(trace, _trace_name(args.trace))
     capacity = None
     if args.capacity is not None:  # 0 or an empty value ran at the default (a review's finding)
-        capacity = core.parse_size(args.capacity)
+        try:
+            capacity = core.parse_size(args.capacity)
+        except PyallocError as e:
+            raise UsageError(f"--capacity: {e}") from None
         if capacity < MIN_CAPACITY:
             raise UsageError(f"--capacity {args.capacity}: at least one 2 MiB granule, for every policy "
                              "(leave it out for the trace's own capacity)")
