@@ -388,7 +388,7 @@ def _check_options(args: argparse.Namespace) -> Path:
     """The options, checked before anything runs (a GPU session's minutes are the scarcest thing
     this command spends: a review found a mistyped --only name that ran nothing and reported
     success, a NaN budget, and an unwritable --out found only after every check had run).
-    Returns the report folder, created."""
+    Returns the report folder (made when the report is written)."""
     if not math.isfinite(args.budget) or args.budget < 10:
         raise UsageError(f"--budget must be a number of seconds, at least 10, got {args.budget}")
     for flag, value in (("--start-batch", args.start_batch), ("--max-batch", args.max_batch), ("--steps", args.steps)):

@@ -123,8 +123,9 @@ class ProcessSampler:
                 except psutil.Error:
                     info.command = None
                 try:
-                    # psutil reads 0.0 over a window of no time: a process primed a moment ago
-                    # (--cpu-sample 0, a pid just reused) or read a moment ago has no CPU % yet (shown ?), not an idle one.
+                    # psutil reads 0.0 over a window of no time: a process primed or read a
+                    # moment ago (--cpu-sample 0, a pid just reused) has no CPU % yet (shown
+                    # ?), not an idle one.
                     now = time.monotonic()
                     if now - self._window_start.get(pid, 0.0) >= MIN_CPU_WINDOW_S:
                         info.cpu_percent = h.cpu_percent(None)  # over the window; opens the next

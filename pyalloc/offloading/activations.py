@@ -34,20 +34,20 @@ from torch.nn import functional as F
 
 __all__ = ["refill", "refillable"]
 
-Form = Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]
-"""``(module, x, in_place)`` -> the module's output for ``x``; in place: written over ``x``."""
+Form = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""``(module, x)`` -> the module's output for ``x``."""
 
-_FORMS: dict[type, Form] = {
-    nn.ReLU: lambda m, x, own: torch.relu_(x) if own else torch.relu(x),
-    nn.GELU: lambda m, x, own: F.gelu(x, approximate=str(m.approximate)),
-    nn.SiLU: lambda m, x, own: F.silu(x, inplace=own),
-    nn.Tanh: lambda m, x, own: torch.tanh_(x) if own else torch.tanh(x),
-    nn.Sigmoid: lambda m, x, own: torch.sigmoid_(x) if own else torch.sigmoid(x),
+_FORMS: dict[type, tuple[Form, Form | None]] = {
+    nn.ReLU: (lambda m, x: torch.relu(x), lambda m, x: torch.relu_(x)),
+    nn.GELU: (lambda m, x: F.gelu(x, approximate=str(m.approximate)), None),
+    nn.SiLU: (lambda m, x: F.silu(x), lambda m, x: F.silu(x, inplace=True)),
+    nn.Tanh: (lambda m, x: torch.tanh(x), lambda m, x: torch.tanh_(x)),
+    nn.Sigmoid: (lambda m, x: torch.sigmoid(x), lambda m, x: torch.sigmoid_(x)),
 }
 """Each stock activation's forward as a functional of its input, and that functional in place
-where the public API has one (the operator the forward runs either way)."""
+(written over ``x``) where the public API has one: the operator the forward runs either way."""
 
-IN_PLACE = frozenset({nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid})
+IN_PLACE = frozenset(cls for cls, (_, in_place) in _FORMS.items() if in_place is not None)
 """The activations whose refill may write over an input regenerated for it alone."""
 
 
@@ -61,6 +61,7 @@ def refill(module: nn.Module, x: torch.Tensor, in_place: bool = False) -> torch.
     """``module``'s output for ``x`` (Note [Activation refills]); ``in_place``: written over ``x``,
     which the caller owns alone, where the output has ``x``'s dtype (an integer input's sigmoid
     is a float tensor). Exact only where ``refills.exact_refill_seconds`` said so."""
-    own = in_place and type(module) in IN_PLACE and x.is_floating_point()
+    out_of_place, over = _FORMS[type(module)]
+    form = over if in_place and over is not None and x.is_floating_point() else out_of_place
     with torch.no_grad():
-        return _FORMS[type(module)](module, x, own)
+        return form(module, x)

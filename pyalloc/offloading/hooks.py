@@ -31,6 +31,10 @@ import torch
 
 __all__ = ["DetachedHook", "StepHook", "foreign_hooks", "saves_are_ours"]
 
+_PICKLED_AS = (getattr, (None, "__init__"))
+"""What either hook pickles as: ``None.__init__``, a builtin that takes any arguments and returns
+None (Note [Session hooks])."""
+
 
 class StepHook:
     """One of the session's module hooks (``fn``: the step's bound method; ``pre``: a forward
@@ -48,7 +52,7 @@ class StepHook:
         return DetachedHook(self.pre)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[None, str]]:
-        return (getattr, (None, "__init__"))
+        return _PICKLED_AS
 
 
 class DetachedHook:
@@ -74,7 +78,7 @@ class DetachedHook:
                     extra.pop(hook_id, None)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[None, str]]:
-        return (getattr, (None, "__init__"))
+        return _PICKLED_AS
 
 
 def foreign_hooks(module: torch.nn.Module) -> bool:

@@ -490,19 +490,20 @@ class Output(_Rerun):
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
-        owned = [False]  # an input regenerated for this use alone, by a refill: no one else holds it
+        owned = False  # an input regenerated for this use alone, by a refill: no one else holds it
 
         def resolve(x: Any) -> Any:
+            nonlocal owned
             if isinstance(x, _Link):
                 t = x.record.output()
-                owned[0] = x.record.pending <= 0 and x.record.owned  # (output() did not cache it)
+                owned = x.record.pending <= 0 and x.record.owned  # (output() did not cache it)
                 return t.detach().requires_grad_(True) if x.requires_grad else t
             return x
 
         args, kwargs = self.args, self.kwargs
         if self.links:
             args, kwargs = _substitute(args, resolve), _substitute(kwargs, resolve)
-        out = self._refill(args, kwargs, owned[0] and len(self.links) == 1)
+        out = self._refill(args, kwargs, owned and len(self.links) == 1)
         self.owned = out is not None
         if out is None:
             out = self.run(args, kwargs, None)

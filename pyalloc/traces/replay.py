@@ -48,7 +48,7 @@ from .trace import ALLOC, FREE, Trace, TraceError, load_any
 MiB = 1 << 20
 CAPACITY_STEP = 2 * MiB
 DEFAULT_CAPACITY = 80 << 30
-MIN_CAPACITY = 2 * MiB  # one granule: the library refuses less (every allocation would fail)
+MIN_CAPACITY = CAPACITY_STEP  # one granule: the library refuses less (every allocation would fail)
 
 POLICIES = {
     "pyalloc": "the pyalloc allocator, its defaults (one arena for every size, stitching, shared granules, moving slivers; vmm=auto)",
