@@ -141,6 +141,7 @@ def test_the_cli_writes_a_trace_that_validates(tmp_path: Path) -> None:
     (["mlp", "--batch", "4"], "--batch goes with --meta, not MODEL"),
     # options the way of recording does not read are refused, not ignored (a review's finding)
     (["--from-snapshot", "x.pickle", "--steps", "3"], "--steps goes with --meta and MODEL, not --from-snapshot"),
+    (["--from-snapshot", "x.pickle", "--seed", "0"], "--seed goes with --meta and MODEL, not --from-snapshot"),
     (["--from-snapshot", "x.pickle", "--device", "cuda"], "--device goes with MODEL, not --from-snapshot"),
     (["mlp", "--snapshot-device", "1"], "--snapshot-device goes with --from-snapshot, not MODEL"),
     (["mlp", "--allocator", "pyalloc"], "--allocator goes with --device cuda"),

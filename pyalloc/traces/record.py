@@ -468,7 +468,7 @@ def _check_options(args: argparse.Namespace) -> None:
     from ..command import UsageError
 
     way = "--meta" if args.meta else "--from-snapshot" if args.from_snapshot is not None else "MODEL"
-    given = [name for name, default in _OPTIONS.items() if getattr(args, name) not in (None, False)]
+    given = [name for name in _OPTIONS if getattr(args, name) is not None and getattr(args, name) is not False]
     for name in given:
         flag = "--" + name.replace("_", "-")
         if name not in _READS[way]:
