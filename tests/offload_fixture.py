@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyalloc.offloading.plan import Profile, is_activation
+from pyalloc.offloading.plan import MadeInStep, Profile, is_activation
 from pyalloc.offloading.regions import KeptSave, SavedBytes
 
 
@@ -34,8 +34,9 @@ def session_steps(session: Any, model: nn.Module, x: torch.Tensor, steps: int) -
 def saved_bytes_peak(model: nn.Module, x: torch.Tensor) -> int:
     """The baseline's peak of saved-activation bytes, counted as the session counts them."""
     counter = SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: KeptSave(counter, t) if is_activation(t) else t,
+    made = MadeInStep()  # a leaf the step made counts (Note [Step-made leaves] in plan.py)
+    with made, torch.autograd.graph.saved_tensors_hooks(
+            lambda t: KeptSave(counter, t) if is_activation(t, made.made) else t,
             lambda h: h.tensor if isinstance(h, KeptSave) else h):
         step(model, x, seed=0)
     return counter.peak

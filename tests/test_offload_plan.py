@@ -322,14 +322,16 @@ def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
     for p in products:
         p.product = dataclasses.replace(p.product, seconds=cost["Dropout"])
     _whole_forwards(profile)
-    half = make_plan(profile, _saved_bytes_peak(model, x) // 2)
+    # whole re-runs, outputs and products only: selective variants are costed by the operators'
+    # measured times, which the test does not set
+    half = make_plan(profile, _saved_bytes_peak(model, x) // 2, selective=False)
     assert half.estimate_bytes <= _saved_bytes_peak(model, x) // 2
     assert any(c.name == "GELU" for c in half.outputs.values())
     assert half.products
     blocks = [c for c in half.regions.values() if c.name == "_Block"]
     assert len(blocks) <= 1
     assert half.recompute_seconds < sum(c.seconds for c in profile.calls if c.name == "_Block")
-    floor = make_plan(profile, 0)
+    floor = make_plan(profile, 0, selective=False)
     assert floor.estimate_bytes == floor.floor_bytes < half.estimate_bytes
     assert floor.recompute_seconds > half.recompute_seconds
 
@@ -681,7 +683,11 @@ def test_a_region_call_cut_short_leaves_the_trace_mode_to_the_session(error, bas
         _assert_bitwise_equal(expected, got)
     st = session.stats()
     assert st["profile_steps_total"] == 2 and st["replays_stale_total"] == 0
-    assert session._search is not None and session._search.plan.traces
+    # the second profile traced its calls (whether its plan, chosen on measured times, takes a
+    # selective region whose trace a planned step checks, depends on the machine)
+    search = session._search
+    assert search is not None and search.profile.trace
+    assert all(key in search.plan.traces for key in search.plan.recipes)
 
 
 def test_selective_false_plans_whole_module_re_runs_only(baselines) -> None:
@@ -716,13 +722,14 @@ def test_a_chain_of_regenerated_outputs_re_runs_each_call_once(baselines) -> Non
     search = session._search
     assert search is not None
     profile = search.profile
-    cost = {"GELU": 0.1, "LayerNorm": 0.1, "Dropout": 0.1, "Linear": 0.5, "MultiheadAttention": 30.0}
+    # the attention and the MLP (a Sequential) dear to re-run whole: the outputs in them cheap
+    cost = {"GELU": 0.1, "LayerNorm": 0.1, "Dropout": 0.1, "Linear": 0.5, "MultiheadAttention": 30.0,
+            "Sequential": 30.0}
     for call in reversed(profile.calls):
         children = [c for c in profile.calls if c.parent == call.index]
         call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
     _whole_forwards(profile)
-    # 30% of the saved bytes: at half, the plan drops a Linear's or a LayerNorm's output, not both
-    search.plan = make_plan(profile, peak * 3 // 10, selective=False)
+    search.plan = make_plan(profile, peak // 2, selective=False)
     search.settled = True
     names = [c.name for c in search.plan.outputs.values()]
     assert {"LayerNorm", "Linear", "GELU"} <= set(names), names

@@ -70,7 +70,9 @@ if __name__ == "__main__":
 '''
 
 STEPS = 4
-BUDGET = 640 << 10  # half the script's saved activations (5 of 128 x 512 float32)
+# 65% of the script's saved activations: 5 of 128 x 512 float32 and the dropout's mask, 1.5 MiB
+# (Note [Step-made leaves]); the floor is 773 KiB
+BUDGET = 832 << 10
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -344,7 +346,7 @@ def test_process_session_traces_selective_regions_and_catches_a_changed_constant
     Python float the model's code passes to torch, changed between steps, has the next step
     profiled again, the step that saw it exact."""
     from pyalloc.offloading import session as session_module
-    from pyalloc.offloading.plan import make_plan
+    from pyalloc.offloading.plan import MadeInStep, is_activation, make_plan
 
     scale = [1.0]
 
@@ -372,19 +374,23 @@ def test_process_session_traces_selective_regions_and_catches_a_changed_constant
     reference, model = make(), make()
     saved: dict[int, int] = {}
 
+    made = MadeInStep()
+
     def count(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_leaf:
+        if is_activation(t, made.made):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+    with made, torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         loss = make()(x).square().mean()
     del loss
     expected = step(reference)  # before the session: every backward under it ends one of its steps
     scale[0] = 0.5
     expected_scaled = step(reference)
     scale[0] = 1.0
-    session = offload_process.start(sum(saved.values()) // 2, swap=False, pressure_callback=False)
+    # 60%: at half the plan needs whole re-runs of two blocks (a selective one cannot drop the
+    # input of the layer norm, x * scale, which the step makes: Note [Step-made leaves])
+    session = offload_process.start(sum(saved.values()) * 3 // 5, swap=False, pressure_callback=False)
     step(model)  # profiled
     search = session._search
     assert search is not None

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .plan import is_activation, storage_key, tensor_leaves
+from .plan import MadeInStep, is_activation, storage_key, tensor_leaves
 from .regions import KeptSave, SavedBytes
 from .session import ActivationOffload, OffloadFloorWarning
 
@@ -213,13 +213,14 @@ def probed(model: nn.Module, x: torch.Tensor) -> tuple[int, list[int], list[int]
     (parameters and leaves excluded, each storage once), and per block (in forward order, first
     call only) the bytes held when it started and the bytes it saved."""
     counter = SavedBytes()
+    made = MadeInStep()  # a leaf the step made counts (Note [Step-made leaves] in plan.py)
     blocks = list(model.blocks)  # type: ignore[arg-type]
     at_start = [-1] * len(blocks)
     saved: list[dict[Any, int]] = [{} for _ in blocks]
     open_blocks: list[int] = []
 
     def pack(t: torch.Tensor) -> Any:
-        if not is_activation(t):
+        if not is_activation(t, made.made):
             return t
         for i in open_blocks:
             saved[i][storage_key(t)] = t.untyped_storage().nbytes()
@@ -245,7 +246,7 @@ def probed(model: nn.Module, x: torch.Tensor) -> tuple[int, list[int], list[int]
                for h in (b.register_forward_pre_hook(pre(i)), b.register_forward_hook(post(i)))]
     CheckpointProbe.counter, CheckpointProbe.pins = counter, []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with made, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             train_step(model, x)
     finally:
         CheckpointProbe.counter, CheckpointProbe.pins = None, []

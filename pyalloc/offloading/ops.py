@@ -54,6 +54,12 @@ Note [Operator replay]
     replay's (what a trace cannot see: state a torch function reads itself); a difference is
     exact in that step (it computed from the live arguments) and has the next step profiled
     again (``replays_stale_total``).
+
+    An operator may leave an output out under ``no_grad`` that it makes with grad on: the CPU
+    LSTM layer (``mkldnn_rnn_layer``) returns no workspace, which autograd saves and a region
+    drops (Note [Step-made leaves] in plan.py). The replay then finds a dropped save missing,
+    and the region's recipe refills through :class:`SelectiveRerun` (grad on, under the module's
+    own forward) from then on.
 """
 
 from __future__ import annotations
@@ -168,6 +174,9 @@ class OpRecorder(TorchDispatchMode):
         # draw again from where that generator stands then (Note [State a re-run reads] in plan.py)
         self._private_generator = private_generator
         self.ops: list[OpInfo] = []
+        # the storages the recorded operators made (outputs that are none of their inputs): a
+        # leaf save among them is an activation (Note [Step-made leaves] in plan.py)
+        self.made: set[ProfileKey] = set()
         self.overhead_s = 0.0  # this mode's own time, not the model's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -198,6 +207,7 @@ class OpRecorder(TorchDispatchMode):
             if k not in reads:
                 view = False
                 writes.append(k)
+                self.made.add(k)
         if not outs:
             view = False
         self.ops.append(OpInfo(func, reads, tuple(dict.fromkeys(writes)), outputs, mutated,
@@ -430,8 +440,9 @@ def _nbytes(g: Geometry) -> int:
 
 
 def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[torch.Tensor],
-               attr: Callable[[str], torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Runs a recipe's replay (Note [Operator replay]); returns the dropped saves by index."""
+               attr: Callable[[str], torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    """Runs a recipe's replay (Note [Operator replay]); returns the dropped saves by index, or
+    None when an operator left one of them out."""
     assert recipe.replay is not None
     # a storage, by the key of what made it, and the tensor it came as (a source, an output)
     tensors: dict[ProfileKey, torch.Tensor] = {}
@@ -482,6 +493,8 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
             for key, o in zip(step.outputs, outs):
                 if key is not None and isinstance(o, torch.Tensor):
                     tensors[key] = o
+        if any(key not in tensors for key, _ in recipe.drops.values()):
+            return None  # an operator that left an output out with grad off (Note [Operator replay])
         return {i: _as(tensors[key], g) for i, (key, g) in recipe.drops.items()}
 
 

@@ -73,6 +73,28 @@ Note [State a re-run reads]
     attribute) or in a container attribute; ``check=True`` compares re-runs with what they
     replace (Note [Recompute check] in check.py).
 
+Note [Step-made leaves]
+    Autograd saves tensors without history too: a dropout's mask, a layer norm's mean and
+    reciprocal deviation, the CPU LSTM's workspace (cuDNN's reserve space on a GPU), a fused
+    attention's log-sum-exp, ``x * 0.5`` of an input that needs no grad. They are leaves (no
+    grad_fn), as the parameters and the input batch are, but the step made them and backward
+    frees them: they are activation memory. Until 2026-11-28 every leaf was left out
+    (``is_activation`` said no): the budget did not see them, and a region kept them while
+    ``torch.utils.checkpoint`` frees them. On the offload benchmark's models (CPU, batch 16) that
+    was 62.7 MiB of LSTM workspaces and 4.1 MiB of masks beside the 13.1 MiB counted, 30.1 MiB
+    beside the BERT-like encoder's 78.5 and 6.1 beside the GPT-like decoder's 49.0.
+
+    Now a leaf without grad whose storage an operator of the step made is an activation: the
+    profiled step's operator recorder notes the storages that each operator it records makes
+    (``OpRecorder.made``: outputs that are none of its inputs), a save is noted as such a leaf
+    (``PackInfo.leaf``), and it counts and is dropped like any other save. A planned step sees
+    only the tensor, so the plan says which saves of the step those are (``Plan.leaves``, by
+    place in the step). A parameter, a buffer, the input batch, a view of any of them or a
+    tensor made before the step is none of these. Not seen: a leaf made with grad off, or
+    outside every module call (the recorder records neither), which stays out of the count as
+    before. :class:`MadeInStep` notes the same storages for a step counted without a session
+    (the benchmark's columns, the tests).
+
 Note [Idle steps]
     A budget that the profiled step never reached gives a plan that drops nothing. A planned step
     would still count every save (a saved-tensor hook call each) to check the budget; an idle
@@ -95,9 +117,11 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Container, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .dropout import exact_product_seconds
 from .hooks import StepHook
@@ -106,7 +130,7 @@ from .calls import CallTracker, autocast_state
 from .guard import CallTrace, push_at, remove
 from .ops import CallOps, OpRecorder, Recipe, geometry
 
-__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "PRODUCT", "REGION", "CallInfo", "PackInfo", "Plan", "PlanSearch", "Profile",
+__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "PRODUCT", "REGION", "CallInfo", "MadeInStep", "PackInfo", "Plan", "PlanSearch", "Profile",
            "is_activation", "make_plan", "storage_key", "tensor_leaves"]
 
 MAX_CHAIN = 3
@@ -140,13 +164,34 @@ def storage_key(t: torch.Tensor) -> StorageKey:
     return (t.untyped_storage().data_ptr(), str(t.device))
 
 
-def is_activation(t: torch.Tensor) -> bool:
-    """A tensor the step made with history: not a parameter, a leaf (input batch, a mask made
-    without grad) or a view of one. Only these count against the budget: the rest exists anyway."""
+def is_activation(t: torch.Tensor, made: "Container[StorageKey] | None" = None) -> bool:
+    """A tensor the step made: one with history (not a parameter, a leaf or a view of one), or a
+    leaf without grad whose storage is in ``made``, the storages the step's operators made (Note
+    [Step-made leaves]). Only these count against the budget: the rest exists anyway."""
     if t.is_leaf:  # parameters are leaves: tested first, isinstance(t, Parameter) costs more
-        return False
+        return made is not None and not t.requires_grad and storage_key(t) in made
     base = t._base
     return not (base is not None and base.is_leaf)
+
+
+class MadeInStep(TorchDispatchMode):
+    """Notes the storages that operators make with grad on while it is entered (outputs that are
+    none of their inputs): ``is_activation(t, mode.made)`` then counts a leaf save the step made
+    (Note [Step-made leaves]). For counting a step without a session (the offload benchmark's
+    columns, the tests); a profiled step reads its operator recorder's instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[StorageKey] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            inputs = {storage_key(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor) and (k := storage_key(o)) not in inputs:
+                    self.made.add(k)
+        return out
 
 
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
@@ -231,6 +276,7 @@ class PackInfo:
     offset: int = 0
     at: float = 0.0  # the profile's clock when it was saved
     product: "ProductInfo | None" = None  # a dropout product, refilled exact (Note [Dropout products])
+    leaf: bool = False  # a leaf the step made (activation too: Note [Step-made leaves])
 
 
 @dataclass(frozen=True)
@@ -522,10 +568,13 @@ class Profile:
             return -1
         return entry[0]
 
-    def saving(self) -> "contextlib.AbstractContextManager[None]":
-        """Saved-tensor hooks that note each save and keep it: a profile run without a session
-        (the session packs through its own hooks, which call :meth:`note_pack`)."""
-        return torch.autograd.graph.saved_tensors_hooks(self._noted, _kept)
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The operator recorder and saved-tensor hooks that note each save and keep it: a profile
+        run without a session (the session packs through its own hooks, which call
+        :meth:`note_pack`)."""
+        with self.recorder, torch.autograd.graph.saved_tensors_hooks(self._noted, _kept):
+            yield
 
     def _noted(self, t: torch.Tensor) -> torch.Tensor:
         self.note_pack(t)
@@ -537,10 +586,11 @@ class Profile:
             return
         key = self._key(t)
         inner = self._open[-1][0].index if self._open else -1
-        activation = is_activation(t)
+        leaf = t.is_leaf and not t.requires_grad and key in self.recorder.made
+        activation = leaf or is_activation(t)
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), activation, inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
-                                   tuple(t.stride()), int(t.storage_offset()), self._clock()))
+                                   tuple(t.stride()), int(t.storage_offset()), self._clock(), leaf=leaf))
         if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
                 and not autocast_state():
             with self._own_check(self._probe):
@@ -570,6 +620,9 @@ class Plan:
     # selective regions: key -> the profiled call's trace, what a planned step's call must match
     # for its replay to be the profile's (Note [Call traces] in guard.py)
     traces: dict[tuple[int, int], list[tuple[Any, ...]]] = field(default_factory=dict)
+    # the pack sequence numbers of leaves the step made, which a kept save counts too (Note
+    # [Step-made leaves]): what a planned step cannot tell from the tensor it is given
+    leaves: frozenset[int] = frozenset()
 
     @property
     def empty(self) -> bool:
@@ -1036,7 +1089,7 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
             modules[id(m())] = m
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
                 list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
-                planner.seconds(), products, traces)
+                planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf))
 
 
 def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int,

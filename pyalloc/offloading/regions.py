@@ -333,6 +333,9 @@ class Region(_Rerun):
             st["replays_total"] += 1
             st["recompute_seconds_total"] += seconds
             step.selective_seconds[self.key] = step.selective_seconds.get(self.key, 0.0) + seconds
+        if filled is None:  # a save the replay cannot make: the selective re-run from now on
+            recipe.replay = None
+            return False
         for index, ref in self.wanted.items():
             slot = ref()
             if slot is not None:
@@ -874,10 +877,12 @@ class PlannedStep:
                 return self._hand(ProductSlot(self, found[1], found[2], t, seq))
             self._diverge()
         kept: Any
-        if t.is_leaf:
+        if t.is_leaf and (self.diverged or seq not in plan.leaves):  # a parameter, an input
             kept = t
-        elif self.counted:
-            kept = self._hand(KeptSave(self.bytes, t)) if is_activation(t) else t
+        elif self.counted:  # (a leaf the step made counts: Note [Step-made leaves] in plan.py)
+            kept = self._hand(KeptSave(self.bytes, t)) if t.is_leaf or is_activation(t) else t
+        elif t.is_leaf:
+            kept = t
         else:  # a detached alias, as KeptSave holds: a node that saves its own output would
             kept = t.detach()  # otherwise keep itself alive through it (a cycle through C++)
         region = self._regions[-1] if self._regions else None

@@ -278,8 +278,10 @@ class ActivationOffload:
                     self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe)
                     self._profile.start()
                     stack.callback(self._profile.stop)
-                    if self.selective:  # only selective regions read the operators
-                        stack.enter_context(self._profile.recorder)
+                    # the operators: what selective regions replay, which calls draw from a
+                    # generator of their own, which leaf saves the step made (plan.py's Notes
+                    # [Selective re-runs], [State a re-run reads], [Step-made leaves])
+                    stack.enter_context(self._profile.recorder)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
                 self._recording = self.recompute
                 if self.recompute and self._mode_stack is None:

@@ -1,0 +1,138 @@
+"""Leaves the step made (Note [Step-made leaves] in pyalloc/offloading/plan.py): a saved tensor
+without history that an operator of the step made (a dropout's mask, a layer norm's statistics,
+the CPU LSTM's workspace) is activation memory: it counts against the budget, and a region drops
+it and its re-run makes it again, exactly."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from pyalloc.offloading.ops import CallOps, run_replay
+from pyalloc.offloading.plan import KEEP, REGION, MadeInStep, Profile, is_activation, storage_key
+from pyalloc.offloading.session import OffloadFloorWarning, offload
+
+from offload_fixture import assert_bitwise_equal, profiled, saved_bytes_peak, session_steps, step
+
+STEPS = 5  # one profiled step, then the plan search and settled steps
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(d, d, batch_first=True)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lstm(x)[0])
+
+
+def _lstm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Block(32) for _ in range(4)], nn.Linear(32, 8))
+
+
+def _input() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(8, 16, 32)
+
+
+def _with_history_only(model: nn.Module, x: torch.Tensor) -> int:
+    """What the count was before leaves the step made counted: saves with history alone."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if is_activation(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(model, x, 0)
+    return sum(seen.values())
+
+
+def test_only_leaves_an_operator_of_the_step_made_count() -> None:
+    weight = nn.Parameter(torch.randn(4, 4))
+    batch = torch.randn(4, 4)  # made before the step
+    made = MadeInStep()
+    with made:
+        mask = torch.rand(4, 4) > 0.5  # a leaf the step made (no grad)
+        view = batch.view(16)  # a view of the input: its storage is not made here
+        y = batch @ weight  # history
+    assert is_activation(mask, made.made) and not is_activation(mask)
+    assert not is_activation(weight, made.made) and not is_activation(batch, made.made)
+    assert not is_activation(view, made.made)
+    assert is_activation(y, made.made) and is_activation(y)
+
+
+def test_the_lstm_workspace_counts_against_the_budget() -> None:
+    model, x = _lstm(), _input()
+    total = saved_bytes_peak(model, x)
+    history = _with_history_only(model, x)
+    # four workspaces of the CPU LSTM (uint8 leaves) and four dropout masks besides the saves with
+    # history: several times what those hold
+    assert total > 3 * history
+    profile = profiled(model, x)
+    leaves = [p for p in profile.packs if p.leaf]
+    assert {p.signature[1] for p in leaves} >= {torch.uint8}
+    assert all(p.activation for p in leaves)
+    assert sum(p.nbytes for p in leaves) > 2 * history
+
+
+def test_a_region_drops_the_leaves_it_made_and_keeps_the_budget_exactly() -> None:
+    model, x = _lstm(), _input()
+    total = saved_bytes_peak(model, x)
+    expected = [step(_lstm(), x, seed) for seed in range(STEPS)]
+    budget = total // 2
+    session = offload(budget=budget, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadFloorWarning)  # half is above this model's floor
+        got = session_steps(session, model, x, STEPS)
+    for e, g in zip(expected, got):
+        assert_bitwise_equal(e, g)
+    st = session.stats()
+    assert st["plan_settled"] == 1 and st["step_saved_bytes_peak"] <= budget * 1.05
+    search = session._search
+    assert search is not None
+    plan = search.plan
+    assert plan.leaves and any(plan.actions[seq] == REGION for seq in plan.leaves)
+    # the peak counted the workspaces the plan keeps: above what saves with history alone hold
+    kept = [seq for seq in plan.leaves if plan.actions[seq] == KEEP]
+    if kept:
+        assert st["step_saved_bytes_peak"] > _with_history_only(model, x) // 2
+
+
+def test_a_replay_that_cannot_make_a_dropped_save_gives_nothing() -> None:
+    """The CPU LSTM layer makes its workspace with grad on only: replayed under no_grad it leaves
+    it out, and the replay says so (Note [Operator replay] in ops.py) instead of a KeyError."""
+    block, x = _Block(32), _input()
+    profile, saves = Profile(), []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        profile.note_pack(t)
+        saves.append(t)
+        return t
+
+    profile.start()
+    with profile.recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    profile.stop()
+    call = profile.roots()[0]
+    ops = profile.ops[call.first_op:call.end_op]
+    packs = profile.packs[call.first_pack:call.end_pack]
+    workspace = next(p for p in packs if p.leaf and p.signature[1] is torch.uint8)
+    first: dict = {}
+    for j, op in enumerate(ops):
+        for k in op.writes:
+            first.setdefault(k, j)
+    geometry = [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device("cpu")) for p in packs]
+    params = {storage_key(t): "p:" + name for name, t in block.named_parameters()}
+    table = CallOps(ops, [p.key for p in packs], lambda k: k in first, {k: i for i, k in enumerate(call.input_keys)},
+                    params, geometry, call.input_geometry)
+    recipe = table.recipe({workspace.key})
+    assert recipe is not None and recipe.replay is not None
+    attrs = dict(block.named_parameters())
+    sources = {i: saves[call.first_pack + i] for i in recipe.source_keys}
+    assert run_replay(recipe, sources, [x], lambda name: attrs[name[2:]]) is None
