@@ -729,10 +729,16 @@ def test_a_chain_of_regenerated_outputs_re_runs_each_call_once(baselines) -> Non
         children = [c for c in profile.calls if c.parent == call.index]
         call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
     _whole_forwards(profile)
-    search.plan = make_plan(profile, peak // 2, selective=False)
+    # the first budget, from 30% of the saved bytes up, at which the greedy takes such a chain
+    # (where it does moves with what the step counts: Note [Step-made leaves], [Packed noise])
+    for percent in range(30, 65, 5):
+        search.plan = make_plan(profile, peak * percent // 100, selective=False)
+        names = [c.name for c in search.plan.outputs.values()]
+        if {"LayerNorm", "Linear", "GELU"} <= set(names):
+            break
+    else:
+        pytest.fail("no budget from 30% to 60% of the saved bytes gave a chain of outputs")
     search.settled = True
-    names = [c.name for c in search.plan.outputs.values()]
-    assert {"LayerNorm", "Linear", "GELU"} <= set(names), names
     expected = {seed: g for seed, g in enumerate(baselines["gpt"][0])}
     for seed in (1, 2):
         # each call re-run or refilled (the GELU: Note [Activation refills]) once
