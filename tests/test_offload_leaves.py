@@ -1,8 +1,7 @@
 """Leaves the step made (Note [Step-made leaves] in pyalloc/offloading/plan.py): a saved tensor
 without history that an operator of the step made (a dropout's mask, a layer norm's statistics,
 the CPU LSTM's workspace) is activation memory: it counts against the budget, and a region drops
-it and its re-run makes it again, exactly. Dropout noise a plan keeps is held as a mask (Note
-[Packed noise] in pyalloc/offloading/dropout.py)."""
+it and its re-run makes it again, exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import warnings
 import torch
 from torch import nn
 
-from pyalloc.offloading.dropout import pack_noise, packable_noise, unpack_noise
 from pyalloc.offloading.ops import CallOps, run_replay
 from pyalloc.offloading.plan import KEEP, REGION, MadeInStep, Profile, is_activation, storage_key
 from pyalloc.offloading.session import OffloadFloorWarning, offload
@@ -138,49 +136,3 @@ def test_a_replay_that_cannot_make_a_dropped_save_gives_nothing() -> None:
     attrs = dict(block.named_parameters())
     sources = {i: saves[call.first_pack + i] for i in recipe.source_keys}
     assert run_replay(recipe, sources, [x], lambda name: attrs[name[2:]]) is None
-
-
-# ---- dropout noise kept as a mask (Note [Packed noise] in dropout.py) ------------------------
-
-
-def test_noise_packs_to_a_mask_and_back_bit_for_bit_and_nothing_else_packs() -> None:
-    torch.manual_seed(0)
-    noise = torch.empty(64, 128).bernoulli_(0.9).div_(0.9)
-    assert packable_noise(noise)
-    packed = pack_noise(noise)
-    assert packed is not None
-    mask, scale = packed
-    assert mask.dtype is torch.bool and mask.untyped_storage().nbytes() * 4 == noise.untyped_storage().nbytes()
-    back = unpack_noise(mask, scale)
-    assert back.dtype == noise.dtype and back.stride() == noise.stride()
-    assert torch.equal(back.view(torch.int32), noise.view(torch.int32))  # the bits, not only the values
-    assert pack_noise(torch.randn(64, 128)) is None  # more than one nonzero value
-    negative_zero = noise.clone()
-    negative_zero[0, 0] = -0.0
-    assert not packable_noise(negative_zero)  # the mask would give +0.0
-    assert packable_noise(noise.t())  # dense in another order: the mask keeps it
-    assert not packable_noise(noise[:, ::2])  # not all of its storage
-
-
-def test_planned_steps_keep_dropout_noise_packed_within_the_budget_exactly() -> None:
-    model, x = _lstm(), _input()
-    total = saved_bytes_peak(model, x)
-    expected = [step(_lstm(), x, seed) for seed in range(STEPS)]
-    budget = total * 3 // 4
-    session = offload(budget=budget, pressure_callback=False)
-    got = session_steps(session, model, x, STEPS)
-    for e, g in zip(expected, got):
-        assert_bitwise_equal(e, g)
-    st = session.stats()
-    assert st["noise_packed_total"] > 0 and st["plan_settled"] == 1 and st["step_saved_bytes_peak"] <= budget * 1.05
-    search = session._search
-    assert search is not None and search.plan.noise
-    assert all(search.profile.packs[seq].packed for seq in search.plan.noise)
-
-
-def test_a_budget_never_reached_packs_nothing() -> None:
-    model, x = _lstm(), _input()
-    session = offload(budget=saved_bytes_peak(model, x) * 10, pressure_callback=False)
-    session_steps(session, model, x, STEPS)
-    st = session.stats()
-    assert st["noise_packed_total"] == 0 and st["idle_steps_total"] > 0

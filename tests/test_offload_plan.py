@@ -730,7 +730,7 @@ def test_a_chain_of_regenerated_outputs_re_runs_each_call_once(baselines) -> Non
         call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
     _whole_forwards(profile)
     # the first budget, from 30% of the saved bytes up, at which the greedy takes such a chain
-    # (where it does moves with what the step counts: Note [Step-made leaves], [Packed noise])
+    # (where it does moves with what the step counts: Note [Step-made leaves])
     for percent in range(30, 65, 5):
         search.plan = make_plan(profile, peak * percent // 100, selective=False)
         names = [c.name for c in search.plan.outputs.values()]

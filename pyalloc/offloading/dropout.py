@@ -40,23 +40,6 @@ Note [Dropout products]
     save (another graph: the step diverges and keeps its saves), and reads both operands from
     the nodes in backward. The refill runs before either node's backward (the save's reader
     comes later in forward, so earlier in backward), while both still hold their saves.
-
-Note [Packed noise]
-    Since the noise counts against the budget (Note [Step-made leaves] in plan.py) it is most of
-    what a plan keeps on CPU: 28 of the 54 MiB the BERT-like model of the offload benchmark held
-    at half its saved bytes, every element a float32 that is +0.0 or the scale ``1 / (1 - p)``.
-    Drawing it again in backward (a region's re-run) costs a Bernoulli draw, ~6 ms for 2 MiB on
-    the development machine. A planned step keeps such a save as a boolean mask and the scale
-    instead (:func:`pack_noise`: the scale is its largest element, the mask its nonzero ones; a
-    quarter of the bytes of float32) and gives autograd ``mask * scale`` when it asks
-    (:func:`unpack_noise`): the same bits, as every nonzero element is the scale. Packing is
-    checked every time (the mask times the scale equals the save, or it is kept as it is), which
-    with the two passes that pack and the one that unpacks comes to ~0.3 ms for 2 MiB. The
-    profiled step notes which saves are such noise (:func:`packable_noise`: a leaf the step made,
-    floating point, all of its storage (dense, in any order of dimensions: the noise takes its
-    input's, a transposed one after an LSTM), unpacked with its strides, ``refills.MIN_ELEMENTS``
-    or more elements, no ``-0.0``, which the mask would turn into ``+0.0``); the planner counts
-    them at their packed bytes. CUDA's fused dropout saves a boolean mask already: nothing to pack there.
 """
 
 from __future__ import annotations
@@ -69,8 +52,8 @@ from torch import nn
 
 from .ops import View, as_view, view_of
 
-__all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "pack_noise", "packable_noise", "product_nodes",
-           "product_refill", "refill", "refillable", "saved_noise", "unpack_noise"]
+__all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "product_nodes", "product_refill", "refill", "refillable",
+           "saved_noise"]
 
 _FORWARDS = (nn.Dropout.forward, nn.Dropout1d.forward, nn.Dropout2d.forward, nn.Dropout3d.forward)
 """The stock forwards: each is ``F.dropout`` (or a feature form of it) with the module's ``p``."""
@@ -99,41 +82,6 @@ def refill(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return torch.mul(x, noise)
 
-
-
-# ---- noise kept as a mask ------------------------------------------------------------------
-
-
-def pack_noise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``t`` as a boolean mask and its scale, when ``mask * scale`` gives ``t`` again (Note
-    [Packed noise]); None otherwise."""
-    with torch.no_grad():
-        scale = t.amax()
-        mask = t.bool()
-        if not torch.equal(torch.mul(mask, scale), t):
-            return None
-    return mask, scale
-
-
-def unpack_noise(mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The noise :func:`pack_noise` packed, bit for bit (Note [Packed noise])."""
-    with torch.no_grad():
-        return torch.mul(mask, scale)
-
-
-def packable_noise(t: torch.Tensor) -> bool:
-    """In the profiled step, for a leaf save the step made: whether it is noise a planned step may
-    keep packed (Note [Packed noise])."""
-    from .refills import MIN_ELEMENTS  # (refills imports this module)
-
-    if not t.dtype.is_floating_point or t.numel() < MIN_ELEMENTS \
-            or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return False
-    with torch.no_grad():
-        if bool(torch.signbit(t).any()):
-            return False
-        packed = pack_noise(t)
-        return packed is not None and unpack_noise(*packed).stride() == t.stride()
 
 
 # ---- a dropout inside an operator: its product, saved by a later operator ------------------

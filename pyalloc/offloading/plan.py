@@ -123,7 +123,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .dropout import exact_product_seconds, packable_noise
+from .dropout import exact_product_seconds
 from .hooks import StepHook
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
 from .calls import CallTracker, autocast_state
@@ -277,7 +277,6 @@ class PackInfo:
     at: float = 0.0  # the profile's clock when it was saved
     product: "ProductInfo | None" = None  # a dropout product, refilled exact (Note [Dropout products])
     leaf: bool = False  # a leaf the step made (activation too: Note [Step-made leaves])
-    packed: int = 0  # dropout noise a planned step keeps as a mask: the mask's bytes (Note [Packed noise])
 
 
 @dataclass(frozen=True)
@@ -589,14 +588,9 @@ class Profile:
         inner = self._open[-1][0].index if self._open else -1
         leaf = t.is_leaf and not t.requires_grad and key in self.recorder.made
         activation = leaf or is_activation(t)
-        packed = 0
-        if leaf and not autocast_state():
-            with self._own_check(self._peek):
-                packed = t.numel() if packable_noise(t) else 0  # a boolean a element
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), activation, inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
-                                   tuple(t.stride()), int(t.storage_offset()), self._clock(), leaf=leaf,
-                                   packed=packed))
+                                   tuple(t.stride()), int(t.storage_offset()), self._clock(), leaf=leaf))
         if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
                 and not autocast_state():
             with self._own_check(self._probe):
@@ -629,12 +623,10 @@ class Plan:
     # the pack sequence numbers of leaves the step made, which a kept save counts too (Note
     # [Step-made leaves]): what a planned step cannot tell from the tensor it is given
     leaves: frozenset[int] = frozenset()
-    # the pack sequence numbers of dropout noise a kept save holds packed (Note [Packed noise])
-    noise: frozenset[int] = frozenset()
 
     @property
     def empty(self) -> bool:
-        return not self.regions and not self.outputs and not self.products and not self.noise
+        return not self.regions and not self.outputs and not self.products
 
 
 @dataclass(eq=False)
@@ -684,8 +676,8 @@ class _Planner:
         self.nbytes = {}
         self.saves = {}
         for seq, p in enumerate(self.packs):
-            if p.activation:  # kept dropout noise is held packed (Note [Packed noise] in dropout.py)
-                self.nbytes[p.key] = p.packed or p.nbytes
+            if p.activation:
+                self.nbytes[p.key] = p.nbytes
                 self.saves.setdefault(p.key, []).append(seq)
         self.total = sum(self.nbytes.values())  # bytes held: saved and not dropped, or pinned
         self.order = sorted(self.nbytes, key=lambda k: self.saves[k][0])  # by first save
@@ -1095,15 +1087,9 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
         for i in c.chain:
             m = profile.calls[i].module
             modules[id(m())] = m
-    baseline = sum({p.key: p.nbytes for p in profile.packs if p.activation}.values())
-    # noise packed only where the profiled step held more than the budget (else the plan is empty
-    # and its steps run idle: Note [Idle steps])
-    noise = frozenset(seq for seq, p in enumerate(profile.packs) if p.packed and actions[seq] == KEEP) \
-        if baseline > budget else frozenset()
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
-                list(modules.values()), baseline, planner.estimate(), min(floor_bytes, planner.estimate()),
-                planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf),
-                noise)
+                list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
+                planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf))
 
 
 def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int,
