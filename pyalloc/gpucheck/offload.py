@@ -73,10 +73,12 @@ its figures are the targets'.
 What that comes to on a GPU, estimated from the models (nothing here was measured on one):
 
 - GPT-like (GPU sizes): 98.0 M parameters, 0.37 GiB, and as much again in gradients. Saved
-  activations: 0.62 GiB a sample counted on the CPU (``bench_models.probed``), where attention
-  takes PyTorch's math path and saves its 12x512x512 scores and probabilities; on CUDA (float32,
+  activations: 0.77 GiB a sample counted on the CPU (``bench_models.probed``), where attention
+  takes PyTorch's math path and saves its 12x512x512 scores and probabilities, and its dropout
+  noise as floats (a leaf the step made, which counts: Note [Step-made leaves]); on CUDA (float32,
   a float mask, dropout) ``scaled_dot_product_attention`` should take the memory-efficient
-  kernel, which saves neither: by count about 25 MiB a block, 0.31 GiB a sample with the logits. With
+  kernel, which saves neither: by count about 25 MiB a block (and under 1 MiB of boolean dropout
+  masks), 0.31 GiB a sample with the logits. With
   about 50 MiB a sample more at the loss, the plain step's largest batch under 4 GiB is about
   (4 - 0.4) / 0.36, 10 (5 if attention saved its matrices), the common batch 9. A sample-step
   (one sample, forward and backward) is about 0.3 TFLOP: 6 x 85 M weights x 512 tokens, and

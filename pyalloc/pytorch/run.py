@@ -37,12 +37,13 @@ offload (--offload[=BUDGET]):
   - a budget never reached: about 1% over the plain step here (the recording
     mode stays on the main thread; none with pyalloc.offload in the program:
     no hook runs once the plan has settled);
-    at half the saved bytes 1.12-1.17x the plain step with pyalloc.offload on
-    transformer-like and ResNet-like models (selective re-runs of the cheap
-    operators, each step's region calls checked against the profiled ones;
-    measured in the program, not under this command); at the bytes that
-    torch.utils.checkpoint on every block reaches, less time than the
-    checkpointing (1.10-1.40x against 1.35-1.57x on four models).
+    at half the saved bytes (dropout noise and other leaves the step made
+    counted) 1.15-1.26x the plain step with pyalloc.offload on transformer-like,
+    ResNet-like and LSTM models (selective re-runs of the cheap operators, each
+    step's region calls checked against the profiled ones; measured in the
+    program, not under this command); at the bytes that torch.utils.checkpoint
+    on every block reaches, less time than the checkpointing (1.11-1.53x
+    against 1.33-1.66x on four models).
   Limits:
   - main thread only: activations saved by other threads are not managed;
   - a step ends when the outermost backward() or torch.autograd.grad() returns;
