@@ -16,7 +16,9 @@ from pyalloc.offloading.session import OffloadFloorWarning, offload
 
 from offload_fixture import assert_bitwise_equal, profiled, saved_bytes_peak, session_steps, step
 
-STEPS = 5  # one profiled step, then the plan search and settled steps
+# one profiled step, then the plan search (here up to four steps: a plan of two regions is tried,
+# over the budget, before three) and settled steps, the first of which is counted
+STEPS = 8
 
 
 class _Block(nn.Module):
@@ -136,3 +138,35 @@ def test_a_replay_that_cannot_make_a_dropped_save_gives_nothing() -> None:
     attrs = dict(block.named_parameters())
     sources = {i: saves[call.first_pack + i] for i in recipe.source_keys}
     assert run_replay(recipe, sources, [x], lambda name: attrs[name[2:]]) is None
+
+
+class _CachedTable(nn.Module):
+    """Builds a table on its first call and keeps it (as rotary tables and cached masks are): the
+    profiled step, the first, makes it; the steps after it do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.linspace(1.0, 2.0, x.shape[-2] * x.shape[-1]).view(x.shape[-2], x.shape[-1])
+        return self.lin(x) * self.table  # the product saves the table
+
+
+def test_a_leaf_the_first_step_made_and_kept_is_not_counted_after_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_CachedTable(), nn.GELU(), nn.Linear(32, 8))
+    x = _input()
+    session = offload(budget=1 << 30, pressure_callback=False)
+    with session:
+        step(model, x, 0)
+    search = session._search
+    assert search is not None
+    table = model[0].table
+    assert table is not None
+    kept = [p for p in search.profile.packs if p.signature == (tuple(table.shape), table.dtype)]
+    assert kept and not any(p.leaf or p.activation for p in kept)
+    # what the plan counts is what a later step saves, the table no longer made there
+    assert search.plan.baseline_bytes == saved_bytes_peak(model, x)

@@ -90,7 +90,10 @@ Note [Step-made leaves]
     (``PackInfo.leaf``), and it counts and is dropped like any other save. A planned step sees
     only the tensor, so the plan says which saves of the step those are (``Plan.leaves``, by
     place in the step). A parameter, a buffer, the input batch, a view of any of them or a
-    tensor made before the step is none of these. Not seen: a leaf made with grad off, or
+    tensor made before the step is none of these, nor is one that outlives the step: a table a
+    module builds on its first call and keeps (rotary tables, a cached causal mask) is made in
+    the profiled step, the first, and kept; at the step's end the profile takes back every such
+    leaf whose storage is still alive (``Profile.drop_kept_leaves``). Not seen: a leaf made with grad off, or
     outside every module call (the recorder records neither), which stays out of the count as
     before. :class:`MadeInStep` notes the same storages for a step counted without a session
     (the benchmark's columns, the tests).
@@ -357,6 +360,8 @@ class Profile:
         self._suspended: torch.nn.Module | None = None  # a compiled module running without the recorder
         self._recorder_suspended = False  # the recorder was on the dispatch stack when it began
         self._modes_suspended: list[tuple[int, Any]] = []  # the session's torch-function modes taken off: (height, mode)
+        # leaf saves the step made: (pack sequence number, its storage), until drop_kept_leaves
+        self._leaves: list[tuple[int, "weakref.ref[torch.UntypedStorage]"]] = []
         self._checks_s = 0.0  # time spent checking refills (not the model's)
         self._checking = 0  # inside such a check (its operators run with grad off, not the model's)
         # measured re-run times of selective regions: (call index, dropped storages) -> seconds
@@ -423,6 +428,15 @@ class Profile:
             self._close(self._open[-1][0], None)
         self._seen.clear()  # the plan keeps the calls and saves, not these lookups
         self._outputs.clear()
+
+    def drop_kept_leaves(self) -> None:
+        """After the step: a leaf it made whose storage outlived it (a table a module builds on its
+        first call and keeps, which the profiled step, the first, made) is no activation of the
+        steps to come (Note [Step-made leaves])."""
+        leaves, self._leaves = self._leaves, []
+        for seq, storage in leaves:
+            if storage() is not None:
+                self.packs[seq].leaf = self.packs[seq].activation = False
 
     def _suspend(self, module: torch.nn.Module) -> None:
         """Takes the operator recorder off the dispatch stack, and the session's torch-function
@@ -587,6 +601,8 @@ class Profile:
         key = self._key(t)
         inner = self._open[-1][0].index if self._open else -1
         leaf = t.is_leaf and not t.requires_grad and key in self.recorder.made
+        if leaf:
+            self._leaves.append((len(self.packs), weakref.ref(t.untyped_storage())))
         activation = leaf or is_activation(t)
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), activation, inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),

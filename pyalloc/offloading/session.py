@@ -306,6 +306,7 @@ class ActivationOffload:
         profile, self._profile = self._profile, None
         if profile is not None:
             profile.stop()
+            profile.drop_kept_leaves()
             st["profile_steps_total"] += 1
             if profile.packs:
                 self._search = PlanSearch(profile, self.budget, self.selective)
