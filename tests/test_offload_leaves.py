@@ -10,6 +10,7 @@ import warnings
 import torch
 from torch import nn
 
+from pyalloc.offloading.bench_models import _LSTMBlock as _Block  # an LSTM and a dropout
 from pyalloc.offloading.ops import CallOps, run_replay
 from pyalloc.offloading.plan import KEEP, REGION, MadeInStep, Profile, is_activation, storage_key
 from pyalloc.offloading.session import OffloadFloorWarning, offload
@@ -19,16 +20,6 @@ from offload_fixture import assert_bitwise_equal, profiled, saved_bytes_peak, se
 # one profiled step, then the plan search (here up to four steps: a plan of two regions is tried,
 # over the budget, before three) and settled steps, the first of which is counted
 STEPS = 8
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(d, d, batch_first=True)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.lstm(x)[0])
 
 
 def _lstm() -> nn.Module:
