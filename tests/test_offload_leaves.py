@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pyalloc.offloading.bench_models import _LSTMBlock as _Block  # an LSTM and a dropout
+from pyalloc.offloading import rng
 from pyalloc.offloading.ops import CallOps, run_replay
 from pyalloc.offloading.plan import KEEP, REGION, MadeInStep, Profile, is_activation, storage_key
 from pyalloc.offloading.session import OffloadFloorWarning, offload
@@ -161,3 +162,89 @@ def test_a_leaf_the_first_step_made_and_kept_is_not_counted_after_it() -> None:
     assert kept and not any(p.leaf or p.activation for p in kept)
     # what the plan counts is what a later step saves, the table no longer made there
     assert search.plan.baseline_bytes == saved_bytes_peak(model, x)
+
+
+class _TwoDropouts(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+        self.d1, self.d2 = nn.Dropout(0.3), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.d2(torch.tanh(self.l1(self.d1(x)))))
+
+
+def test_a_replay_of_the_second_dropout_noise_draws_the_first_one_before_it() -> None:
+    """The noise is a leaf the step made, so a selective recipe may drop the second dropout's
+    alone; its replay starts from the generator state of the call's start, so the first
+    dropout's draw runs first (a second reviewer's finding: it was left out, and the replayed
+    mask was another one)."""
+    torch.manual_seed(0)
+    block, x = _TwoDropouts(), torch.randn(32, 64, requires_grad=True)
+    profile, saves = Profile(), []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        profile.note_pack(t)
+        saves.append(t)
+        return t
+
+    profile.start()
+    state = torch.default_generator.get_state()
+    with profile.recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    profile.stop()
+    call = profile.roots()[0]
+    ops = profile.ops[call.first_op:call.end_op]
+    packs = profile.packs[call.first_pack:call.end_pack]
+    second = [i for i, p in enumerate(packs) if p.leaf][-1]
+    first: dict = {}
+    for j, op in enumerate(ops):
+        for k in op.writes:
+            first.setdefault(k, j)
+    geometry = [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device("cpu")) for p in packs]
+    params = {storage_key(t): "p:" + name for name, t in block.named_parameters()}
+    table = CallOps(ops, [p.key for p in packs], lambda k: k in first, {k: i for i, k in enumerate(call.input_keys)},
+                    params, geometry, call.input_geometry)
+    recipe = table.recipe({packs[second].key})
+    assert recipe is not None and recipe.replay is not None and recipe.random
+    attrs = dict(block.named_parameters())
+    sources = {i: saves[call.first_pack + i] for i in recipe.source_keys}
+    with rng.replayed(state, []):  # the region's generator state: as at the call's start
+        filled = run_replay(recipe, sources, [x], lambda name: attrs[name[2:]])
+    assert filled is not None and torch.equal(filled[second], saves[call.first_pack + second])
+
+
+class _MakesAMask(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = torch.sigmoid(x.repeat(1, 4) * 2)  # x needs no grad: a leaf the step made
+        return self.lin(m), m  # the linear saves it
+
+
+class _TakesTheMask(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(torch.tanh(h)))) + m.sum(-1, keepdim=True)  # m not saved here
+
+
+def test_a_leaf_the_step_made_counts_as_a_region_input_too() -> None:
+    """A region keeps its inputs until backward; one that is a leaf the step made is held there
+    even where the call that saved it dropped it (a second reviewer's finding: it was counted as
+    freed, and a step held 7.3 MB at a budget of 5.35 MB with no warning)."""
+    torch.manual_seed(0)
+    made, takes = _MakesAMask(64), _TakesTheMask(64)
+    x = torch.randn(32, 64)
+    profile = Profile()
+    profile.start()
+    with profile.saving():
+        h, m = made(x)
+        takes(h, m).square().mean().backward()
+    profile.stop()
+    call = next(c for c in profile.calls if c.name == "_TakesTheMask")
+    assert call.input_activation == [True, True]  # h has history; m is a leaf the step made

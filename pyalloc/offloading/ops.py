@@ -336,7 +336,10 @@ class CallOps:
         forced: set[ProfileKey] = set()  # storages random operators write: computed, not taken
         for _ in range(8):
             available = self.keepable - drops - forced
-            need = set(drops)
+            # forced storages are computed: their random operators draw in the forward's order
+            # (until 2026-11-28 they were only kept from being taken, and a dropout's noise
+            # dropped after one left out came out of the generator at the wrong place)
+            need = set(drops) | forced
             needed: set[int] = set()
             for j in range(n - 1, -1, -1):
                 op = ops[j]

@@ -508,7 +508,9 @@ class Profile:
         for t in inputs:
             key = self._key(t)
             call.input_keys.append(key)
-            call.input_activation.append(is_activation(t))
+            # (a leaf the step made counts: Note [Step-made leaves])
+            call.input_activation.append(is_activation(t) or (t.is_leaf and not t.requires_grad
+                                                              and key in self.recorder.made))
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
         call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)

@@ -127,11 +127,14 @@ class _Rerun:
     key: tuple[int, int]  # the planned call: (id of the module, how many calls of it came before)
 
     def __init__(self, step: "PlannedStep", module: torch.nn.Module, args: tuple, kwargs: dict,
-                 received: list[torch.Tensor] | None = None, leaves: list[torch.Tensor] | None = None) -> None:
+                 received: list[torch.Tensor] | None = None, leaves: list[torch.Tensor] | None = None,
+                 made: list[bool] | None = None) -> None:
         """``received``: the tensors the call was given, where ``args`` and ``kwargs`` hold
         placeholders for some (an output call's linked inputs); their devices say which CUDA
         generators to replay (Note [Generator states] in rng.py). ``leaves``: the tensors in
-        ``args`` and ``kwargs``, when the caller has them already."""
+        ``args`` and ``kwargs``, when the caller has them already. ``made``: per tensor of
+        ``args``, whether the profiled call's was an activation (a leaf the step made, which
+        the tensor alone does not tell: Note [Step-made leaves] in plan.py)."""
         self.step = step
         self.module = module
         self.args = args
@@ -146,8 +149,10 @@ class _Rerun:
         self.input_layouts = [recompute_check.geometry(t) for t in received] if step.check is not None else None
         self.rerun_layouts: list[dict[str, Any]] | None = None
         self.pins: list[StorageKey] = []
-        for t in leaves:
-            if is_activation(t) and (key := step.bytes.hold(t)) is not None:
+        for i, t in enumerate(leaves):
+            counts = is_activation(t) or (made is not None and i < len(made) and made[i] and t.is_leaf
+                                          and not t.requires_grad)
+            if counts and (key := step.bytes.hold(t)) is not None:
                 self.pins.append(key)
         self.versions = [(t, t._version) for t in leaves]
         # autocast as the call ran (backward, where the re-run happens, usually runs without it)
@@ -228,7 +233,7 @@ class Region(_Rerun):
 
     def __init__(self, step: "PlannedStep", key: tuple[int, int], module: torch.nn.Module, args: tuple,
                  kwargs: dict, recipe: "Recipe | None" = None) -> None:
-        super().__init__(step, module, args, kwargs)
+        super().__init__(step, module, args, kwargs, made=step.plan.regions[key].input_activation)
         self.key = key
         self.first_seq = step.seq
         self.wanted: dict[int, weakref.ref[RegionSlot]] = {}
