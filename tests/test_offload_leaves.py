@@ -6,6 +6,7 @@ it and its re-run makes it again, exactly."""
 from __future__ import annotations
 
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -98,10 +99,11 @@ def test_a_region_drops_the_leaves_it_made_and_keeps_the_budget_exactly() -> Non
         assert st["step_saved_bytes_peak"] > _with_history_only(model, x) // 2
 
 
-def test_a_replay_that_cannot_make_a_dropped_save_gives_nothing() -> None:
-    """The CPU LSTM layer makes its workspace with grad on only: replayed under no_grad it leaves
-    it out, and the replay says so (Note [Operator replay] in ops.py) instead of a KeyError."""
-    block, x = _Block(32), _input()
+def _replayable(block: nn.Module, x: torch.Tensor) -> tuple[list, list[torch.Tensor], CallOps, Callable]:
+    """One profiled forward of ``block`` on ``x``, its saves kept: the call's saves as profiled
+    and as tensors, its operator table (as the planner makes it for a selective region), and a
+    function that runs a recipe's replay from the kept saves, the generator as at the call's start
+    (as a region's re-run has it)."""
     profile, saves = Profile(), []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -110,26 +112,36 @@ def test_a_replay_that_cannot_make_a_dropped_save_gives_nothing() -> None:
         return t
 
     profile.start()
+    state = torch.default_generator.get_state()
     with profile.recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
     profile.stop()
     call = profile.roots()[0]
     ops = profile.ops[call.first_op:call.end_op]
     packs = profile.packs[call.first_pack:call.end_pack]
-    workspace = next(p for p in packs if p.leaf and p.signature[1] is torch.uint8)
-    first: dict = {}
-    for j, op in enumerate(ops):
-        for k in op.writes:
-            first.setdefault(k, j)
+    made = {k for op in ops for k in op.writes}
     geometry = [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device("cpu")) for p in packs]
     params = {storage_key(t): "p:" + name for name, t in block.named_parameters()}
-    table = CallOps(ops, [p.key for p in packs], lambda k: k in first, {k: i for i, k in enumerate(call.input_keys)},
+    table = CallOps(ops, [p.key for p in packs], made.__contains__, {k: i for i, k in enumerate(call.input_keys)},
                     params, geometry, call.input_geometry)
+    attrs = dict(block.named_parameters())
+    saved = saves[call.first_pack:call.end_pack]
+
+    def replay(recipe: Any) -> dict[int, torch.Tensor] | None:
+        with rng.replayed(state, ()):
+            return run_replay(recipe, {i: saved[i] for i in recipe.source_keys}, [x], lambda name: attrs[name[2:]])
+
+    return packs, saved, table, replay
+
+
+def test_a_replay_that_cannot_make_a_dropped_save_gives_nothing() -> None:
+    """The CPU LSTM layer makes its workspace with grad on only: replayed under no_grad it leaves
+    it out, and the replay says so (Note [Operator replay] in ops.py) instead of a KeyError."""
+    packs, _, table, replay = _replayable(_Block(32), _input())
+    workspace = next(p for p in packs if p.leaf and p.signature[1] is torch.uint8)
     recipe = table.recipe({workspace.key})
     assert recipe is not None and recipe.replay is not None
-    attrs = dict(block.named_parameters())
-    sources = {i: saves[call.first_pack + i] for i in recipe.source_keys}
-    assert run_replay(recipe, sources, [x], lambda name: attrs[name[2:]]) is None
+    assert replay(recipe) is None
 
 
 class _CachedTable(nn.Module):
@@ -180,38 +192,12 @@ def test_a_replay_of_the_second_dropout_noise_draws_the_first_one_before_it() ->
     dropout's draw runs first (a second reviewer's finding: it was left out, and the replayed
     mask was another one)."""
     torch.manual_seed(0)
-    block, x = _TwoDropouts(), torch.randn(32, 64, requires_grad=True)
-    profile, saves = Profile(), []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        profile.note_pack(t)
-        saves.append(t)
-        return t
-
-    profile.start()
-    state = torch.default_generator.get_state()
-    with profile.recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    profile.stop()
-    call = profile.roots()[0]
-    ops = profile.ops[call.first_op:call.end_op]
-    packs = profile.packs[call.first_pack:call.end_pack]
+    packs, saved, table, replay = _replayable(_TwoDropouts(), torch.randn(32, 64, requires_grad=True))
     second = [i for i, p in enumerate(packs) if p.leaf][-1]
-    first: dict = {}
-    for j, op in enumerate(ops):
-        for k in op.writes:
-            first.setdefault(k, j)
-    geometry = [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device("cpu")) for p in packs]
-    params = {storage_key(t): "p:" + name for name, t in block.named_parameters()}
-    table = CallOps(ops, [p.key for p in packs], lambda k: k in first, {k: i for i, k in enumerate(call.input_keys)},
-                    params, geometry, call.input_geometry)
     recipe = table.recipe({packs[second].key})
     assert recipe is not None and recipe.replay is not None and recipe.random
-    attrs = dict(block.named_parameters())
-    sources = {i: saves[call.first_pack + i] for i in recipe.source_keys}
-    with rng.replayed(state, []):  # the region's generator state: as at the call's start
-        filled = run_replay(recipe, sources, [x], lambda name: attrs[name[2:]])
-    assert filled is not None and torch.equal(filled[second], saves[call.first_pack + second])
+    filled = replay(recipe)
+    assert filled is not None and torch.equal(filled[second], saved[second])
 
 
 class _MakesAMask(nn.Module):

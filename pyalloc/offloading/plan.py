@@ -133,8 +133,8 @@ from .calls import CallTracker, autocast_state
 from .guard import CallTrace, push_at, remove
 from .ops import CallOps, OpRecorder, Recipe, geometry
 
-__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "PRODUCT", "REGION", "CallInfo", "MadeInStep", "PackInfo", "Plan", "PlanSearch", "Profile",
-           "is_activation", "make_plan", "storage_key", "tensor_leaves"]
+__all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "PRODUCT", "REGION", "CallInfo", "MadeInStep", "PackInfo",
+           "Plan", "PlanSearch", "Profile", "is_activation", "make_plan", "storage_key", "tensor_leaves"]
 
 MAX_CHAIN = 3
 """How many module calls back an output's recompute may go to regenerate its inputs."""
@@ -508,9 +508,7 @@ class Profile:
         for t in inputs:
             key = self._key(t)
             call.input_keys.append(key)
-            # (a leaf the step made counts: Note [Step-made leaves])
-            call.input_activation.append(is_activation(t) or (t.is_leaf and not t.requires_grad
-                                                              and key in self.recorder.made))
+            call.input_activation.append(self._made_leaf(t, key) or is_activation(t))
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
         call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
@@ -578,6 +576,11 @@ class Profile:
         self._seen[base] = (gen, weakref.ref(storage))
         return (*base, gen)
 
+    def _made_leaf(self, t: torch.Tensor, key: ProfileKey) -> bool:
+        """Whether ``t`` is a leaf the step made (Note [Step-made leaves]): an activation, though
+        ``is_activation(t)`` alone cannot tell."""
+        return t.is_leaf and not t.requires_grad and key in self.recorder.made
+
     def _producer(self, t: torch.Tensor, key: ProfileKey) -> int:
         entry = self._outputs.get(key)
         if entry is None or entry[1]() is None:
@@ -602,7 +605,7 @@ class Profile:
             return
         key = self._key(t)
         inner = self._open[-1][0].index if self._open else -1
-        leaf = t.is_leaf and not t.requires_grad and key in self.recorder.made
+        leaf = self._made_leaf(t, key)
         if leaf:
             self._leaves.append((len(self.packs), weakref.ref(t.untyped_storage())))
         activation = leaf or is_activation(t)

@@ -882,12 +882,11 @@ class PlannedStep:
                 return self._hand(ProductSlot(self, found[1], found[2], t, seq))
             self._diverge()
         kept: Any
-        if t.is_leaf and (self.diverged or seq not in plan.leaves):  # a parameter, an input
-            kept = t
-        elif self.counted:  # (a leaf the step made counts: Note [Step-made leaves] in plan.py)
-            kept = self._hand(KeptSave(self.bytes, t)) if t.is_leaf or is_activation(t) else t
-        elif t.is_leaf:
-            kept = t
+        if t.is_leaf:  # a parameter, an input; counted where the step made it (Note [Step-made leaves])
+            made = self.counted and not self.diverged and seq in plan.leaves
+            kept = self._hand(KeptSave(self.bytes, t)) if made else t
+        elif self.counted:
+            kept = self._hand(KeptSave(self.bytes, t)) if is_activation(t) else t
         else:  # a detached alias, as KeptSave holds: a node that saves its own output would
             kept = t.detach()  # otherwise keep itself alive through it (a cycle through C++)
         region = self._regions[-1] if self._regions else None
