@@ -353,6 +353,11 @@ def test_stress_without_min_capacity_and_with_explicit_paths(tmp_path: Path) -> 
     assert set(figures) == {"native"}
     assert figures["native"]["min_capacity_bytes"] is None
     assert plot_path.read_bytes().startswith(PNG_MAGIC)
+    # the table shows what was measured (reserved / live), not a column of dashes
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("two_stream"))
+    reserved = figures["native"]["peak_reserved_bytes"] / json.loads(report_path.read_text())[
+        "workloads"]["two_stream"]["peak_live_bytes"]
+    assert row[-1] == f"{reserved:.2f}" and "peak reserved / peak live" in done.stdout
 
 
 def test_stress_refuses_an_unknown_workload_in_one_line_with_exit_1(tmp_path: Path) -> None:

@@ -317,7 +317,12 @@ def _ratio(pr: PolicyRun, live: int) -> str:
     return "-" if pr.min_capacity_bytes is None or not live else f"{pr.min_capacity_bytes / live:.2f}"
 
 
+def _reserved_ratio(pr: PolicyRun, live: int) -> str:
+    return "-" if not live else f"{pr.result.peak_reserved_bytes / live:.2f}"
+
+
 def _format_narrow_table(runs: list[WorkloadRun], policies: list[str]) -> str:
+    searched = any(r.runs[p].min_capacity_bytes is not None for r in runs for p in policies)
     heads = [_two_lines(policy_label(p)) for p in policies]
     widths = [max(5, len(a), len(b)) for a, b in heads]
     head_w = max([len("workload")] + [len(r.workload.name) for r in runs])
@@ -327,10 +332,15 @@ def _format_narrow_table(runs: list[WorkloadRun], policies: list[str]) -> str:
     for run in runs:
         live = run.workload.flat.peak_live_bytes
         row = f"{run.workload.name:<{head_w}}  {_mib(live):>9}"
-        row += "".join(f"  {_ratio(run.runs[p], live):>{w}}" for p, w in zip(policies, widths))
+        cells = [_ratio(run.runs[p], live) if searched else _reserved_ratio(run.runs[p], live) for p in policies]
+        row += "".join(f"  {c:>{w}}" for c, w in zip(cells, widths))
         lines.append(row)
-    lines.append("each policy: min cap / peak live, where min cap is the smallest capacity (2 MiB steps) with")
-    lines.append("no failed allocation (lower is better); --wide adds reserved, min cap in MiB and ns/op")
+    if searched:
+        lines.append("each policy: min cap / peak live, where min cap is the smallest capacity (2 MiB steps) with")
+        lines.append("no failed allocation (lower is better); --wide adds reserved, min cap in MiB and ns/op")
+    else:  # --no-min-capacity: what was measured, not a column of dashes
+        lines.append("each policy: peak reserved / peak live with no capacity limit (lower is better; no min")
+        lines.append("capacity search: --no-min-capacity); --wide adds reserved in MiB and ns/op")
     lines += _model_notes(policies)
     return "\n".join(lines)
 
