@@ -25,7 +25,7 @@ UNITS: dict[str, int] = {
     "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }  # fmt: skip
-# The C++ parser's bound: sizes are size_t, and a double is exact only so far.
+# The bound of every reader: sizes are size_t (and far larger than any memory).
 MAX_SIZE = 9 * 10**18
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", re.ASCII)
 
@@ -40,7 +40,9 @@ def parse_size(text: str) -> int:
     if unit not in UNITS:
         raise ValueError(f"bad size {text!r}: unknown unit {m.group(2)!r}; use B, KiB, MiB, GiB, TiB "
                          "(or K, M, G, T for the same), or KB, MB, GB, TB for powers of 10")
-    value = float(m.group(1)) * UNITS[unit]
+    number = m.group(1)
+    # a whole number is read exactly; one with a fraction through a double, as the C++ parser does
+    value = int(number) * UNITS[unit] if "." not in number else float(number) * UNITS[unit]
     if not math.isfinite(value) or value >= MAX_SIZE:
         raise ValueError(f"bad size {text!r}: larger than any memory")
     if value != math.floor(value):

@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <sstream>
@@ -179,6 +180,9 @@ const char* backend_name(BackendKind kind) {
   return "?";
 }
 
+// Sizes from this one up are refused (no device is near it; pyalloc/sizes.py's MAX_SIZE).
+constexpr uint64_t kMaxSize = 9'000'000'000'000'000'000ull;
+
 bool parse_size(const std::string& raw, size_t* out) {
   const std::string text = trim(raw);
   size_t i = 0;
@@ -186,21 +190,32 @@ bool parse_size(const std::string& raw, size_t* out) {
   const std::string number = text.substr(0, i);
   const std::string unit = lower(trim(text.substr(i)));
   if (number.empty() || number == "." ) return false;
-  double multiplier;
+  uint64_t multiplier;
   if (unit.empty() || unit == "b") multiplier = 1;
-  else if (unit == "kib" || unit == "k") multiplier = 1024.0;
-  else if (unit == "mib" || unit == "m") multiplier = 1024.0 * 1024;
-  else if (unit == "gib" || unit == "g") multiplier = 1024.0 * 1024 * 1024;
-  else if (unit == "tib" || unit == "t") multiplier = 1024.0 * 1024 * 1024 * 1024;
-  else if (unit == "kb") multiplier = 1e3;
-  else if (unit == "mb") multiplier = 1e6;
-  else if (unit == "gb") multiplier = 1e9;
-  else if (unit == "tb") multiplier = 1e12;
+  else if (unit == "kib" || unit == "k") multiplier = uint64_t{1} << 10;
+  else if (unit == "mib" || unit == "m") multiplier = uint64_t{1} << 20;
+  else if (unit == "gib" || unit == "g") multiplier = uint64_t{1} << 30;
+  else if (unit == "tib" || unit == "t") multiplier = uint64_t{1} << 40;
+  else if (unit == "kb") multiplier = 1000;
+  else if (unit == "mb") multiplier = 1000 * 1000;
+  else if (unit == "gb") multiplier = 1000 * 1000 * 1000;
+  else if (unit == "tb") multiplier = uint64_t{1000} * 1000 * 1000 * 1000;
   else return false;
+  if (number.find('.') == std::string::npos) {  // a whole number: exact, not through a double
+    uint64_t n = 0;
+    for (const char c : number) {
+      const uint64_t digit = static_cast<uint64_t>(c - '0');
+      if (n > (kMaxSize - digit) / 10) return false;
+      n = n * 10 + digit;
+    }
+    if (n != 0 && multiplier > (kMaxSize - 1) / n) return false;
+    *out = static_cast<size_t>(n * multiplier);
+    return true;
+  }
   char* end = nullptr;
-  const double value = std::strtod(number.c_str(), &end) * multiplier;
+  const double value = std::strtod(number.c_str(), &end) * static_cast<double>(multiplier);
   if (end != number.c_str() + number.size() || !std::isfinite(value) || value < 0 ||
-      value >= 9.0e18 || value != std::floor(value)) {
+      value >= static_cast<double>(kMaxSize) || value != std::floor(value)) {
     return false;
   }
   *out = static_cast<size_t>(value);
