@@ -1148,6 +1148,15 @@ class PlanSearch:
     plan whose step re-ran least among those that kept the budget (+5%), or failing that the
     one that held the least: then the budget is below the floor, and ``floor_bytes`` is that
     least.
+
+    Note [Settling]
+        The step at which the search settles ran a trial, and the plan it settles on may be
+        another, earlier one: that step's peak (``step_saved_bytes_peak``) can then be over the
+        budget while the plan in force kept it (gradient accumulation on an LSTM at half its
+        saved bytes: the sixth trial held 690,176 bytes against a limit of 681,676, the plan
+        chosen 536,576, and so did every step after it). ``settled_peak``
+        (``plan_saved_bytes_peak`` in the session's stats) is the settled plan's own measured
+        peak, which the promise of the budget is about.
     """
 
     def __init__(self, profile: Profile, budget: int, selective: bool = True) -> None:
@@ -1167,6 +1176,9 @@ class PlanSearch:
         self.fitted: int | None = None  # the largest target whose plan kept the budget
         self.overshot: int | None = None  # the smallest target whose plan did not
         self.settled = False
+        # the settled plan's measured peak: its trial's, then each counted step's under it (-1
+        # while searching; Note [Settling])
+        self.settled_peak = -1
 
     @property
     def limit(self) -> int:
@@ -1181,6 +1193,7 @@ class PlanSearch:
         save); returns whether the plan changed."""
         self.last_peak = peak
         if self.settled:
+            self.settled_peak = peak
             return False
         reruns, refills, regions = reruns or {}, refills or {}, regions or {}
         seconds = sum(reruns.values()) + sum((selective or {}).values()) + sum(refills.values()) \
@@ -1294,7 +1307,7 @@ class PlanSearch:
         fitting = [(self.rerun_seconds[i], i) for i, (p, peak) in enumerate(self.trials) if peak <= self.limit]
         best = min(fitting)[1] if fitting else min(range(len(self.trials)), key=lambda i: self.trials[i][1])
         changed = self.trials[best][0] is not self.plan
-        self.plan = self.trials[best][0]
+        self.plan, self.settled_peak = self.trials[best]
         return changed
 
     @property

@@ -489,6 +489,7 @@ class ActivationOffload:
                    plan_estimate_bytes=plan.estimate_bytes if plan else -1,
                    plan_floor_bytes=search.floor_bytes if search else -1,
                    plan_settled=1 if search is not None and search.settled else 0,
+                   plan_saved_bytes_peak=search.settled_peak if search is not None else -1,
                    plan_regions=len(plan.regions) if plan else 0,
                    plan_selective_regions=len(plan.recipes) if plan else 0,
                    plan_outputs=len({o for o, a in zip(plan.owners, plan.actions) if a == OUTPUT}) if plan else 0,
