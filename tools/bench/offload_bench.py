@@ -17,7 +17,10 @@ saved-tensor hook; checkpoint's add the block inputs it keeps, and are a lower b
 (its re-run's saves in backward are not visible to an outer hook). pyalloc's are the session's
 own count, which includes its re-runs' saves. Step times are medians of interleaved repetitions
 (baseline, checkpoint, pyalloc, ..., then the same turned by one column, ...), as ratios to the
-baseline's median in the same run; one CPU thread. ``exact`` says whether every gradient equals the baseline's bit for bit.
+baseline's median in the same run; one CPU thread. ``time_ratio_min`` is the same ratio of the
+fastest repetitions: a shared machine's interference only adds time, so the fastest step is the
+column's own cost with the least of it (the plain step itself, run as ``pyalloc@never``, read
+0.95-1.12 by medians and 0.99-1.03 by minima on one afternoon's 2-core machine). ``exact`` says whether every gradient equals the baseline's bit for bit.
 On CPU there is nothing to gain from swapping to host memory (it is the same memory), so the
 sessions here only drop and recompute.
 
@@ -117,7 +120,7 @@ def bench_model(name: str, workload: Workload, batch: int, reps: int) -> list[di
         # one that holds less memory pays for the difference: ~4% seen on the ResNet-like model)
         for c in configs[rep % len(configs):] + configs[:rep % len(configs)]:
             c.timed()
-    base_t = statistics.median(configs[0].times)
+    base_t, base_min = statistics.median(configs[0].times), min(configs[0].times)
     rows = []
     for c in configs:
         t = statistics.median(c.times)
@@ -126,6 +129,7 @@ def bench_model(name: str, workload: Workload, batch: int, reps: int) -> list[di
         st = c.session.stats() if c.session is not None else {}
         rows.append({
             "model": name, "config": c.name, "step_ms": round(t * 1e3, 2), "time_ratio": round(t / base_t, 3),
+            "time_ratio_min": round(min(c.times) / base_min, 3),
             "saved_MiB": round(peak / 2**20, 2),
             "saved_end_of_forward_MiB": round(ckpt_eof / 2**20, 2) if c.name == "checkpoint" else None, "saved_vs_baseline": round(peak / base_bytes, 3),
             "budget_MiB": round(budget / 2**20, 2) if budget is not None else None,
