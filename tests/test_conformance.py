@@ -325,6 +325,19 @@ def test_memory_fraction_caps_reserved_memory(allocator: Allocator) -> None:
         allocator.malloc(12 * MiB)
 
 
+def test_memory_fraction_takes_what_torch_takes(allocator: Allocator) -> None:
+    # [0, 1], as torch.cuda.set_per_process_memory_fraction: 0 was refused, and through
+    # PyTorch (which checks the range itself and reads no error back) no cap was set at all
+    pyalloc.set_memory_fraction(0.0, 0)
+    with pytest.raises(pyalloc.PyallocError, match="memory_fraction limit 0 B"):
+        allocator.malloc(1 * MiB)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(pyalloc.PyallocError, match=r"is not in \[0, 1\]"):
+            pyalloc.set_memory_fraction(bad, 0)
+    pyalloc.set_memory_fraction(1.0, 0)
+    allocator.free(allocator.malloc(1 * MiB))
+
+
 @pytest.mark.parametrize("allocator", PLAIN, indirect=True)  # plain-segment geometry
 def test_max_cached_releases_the_oldest_free_segments_first(allocator: Allocator) -> None:
     pyalloc.configure(allocator.conf("max_cached=24MiB"))

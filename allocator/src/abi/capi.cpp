@@ -229,8 +229,10 @@ void pyalloc_set_memory_fraction(double fraction, int device) {
   guarded<int>(0, [&] {
     DeviceAllocator* d = device_or_error(pyalloc::current_runtime(), device, "pyalloc_set_memory_fraction");
     if (d == nullptr) return 0;
-    if (!(fraction > 0.0 && fraction <= 1.0)) {
-      set_error("pyalloc_set_memory_fraction: fraction " + std::to_string(fraction) + " is not in (0, 1]");
+    // [0, 1], as torch.cuda.set_per_process_memory_fraction takes it: 0 lets nothing be
+    // reserved (refused, PyTorch's 0 reached us as an error nobody read, and no cap was set)
+    if (!(fraction >= 0.0 && fraction <= 1.0)) {
+      set_error("pyalloc_set_memory_fraction: fraction " + std::to_string(fraction) + " is not in [0, 1]");
       return 0;
     }
     d->set_memory_fraction(fraction);
