@@ -68,13 +68,28 @@ def version() -> str:
     return lib().pyalloc_version().decode()
 
 
+_WORD_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
+_INT_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
+def _c_args(call: str, **args: int) -> None:
+    """Refuses an integer argument the C type would not hold: ctypes passes ``2**64 + 4096`` as
+    4096 and device ``2**32`` as 0, silently. Sizes, pointers and streams are words; devices and
+    pool ids C ints."""
+    for name, value in args.items():
+        lo, hi = _INT_RANGE if name in ("device", "pool_id") else (0, _WORD_MAX)
+        if isinstance(value, int) and not lo <= value <= hi:  # (others: as ctypes takes them)
+            raise PyallocError(f"{call}: {name} {value} is out of range ({lo} to {hi})")
+
+
 def malloc(size: int, device: int = 0, stream: int = 0) -> int:
     """Allocates ``size`` bytes; returns the address, raises PyallocError on failure.
 
     ``malloc(0)`` returns 0 (NULL), as the C ABI does.
     """
-    if size < 0:
+    if isinstance(size, int) and size < 0:
         raise PyallocError(f"pyalloc_malloc: size {size} is negative")
+    _c_args("pyalloc_malloc", size=size, device=device, stream=stream)
     ptr = lib().pyalloc_malloc(size, device, stream)
     if not ptr:
         if size == 0:
@@ -92,12 +107,14 @@ def free(ptr: int, size: int, device: int = 0, stream: int | None = None) -> Non
     ``stream`` is the stream the block was allocated on; a different one is refused (a use on
     another stream is declared with ``record_stream``). None: not checked.
     """
+    _c_args("pyalloc_free", ptr=ptr, size=size, device=device, stream=ANY_STREAM if stream is None else stream)
     lib().pyalloc_clear_last_error()
     lib().pyalloc_free(ptr, size, device, ANY_STREAM if stream is None else stream)
     _raise_if_error()
 
 
 def record_stream(ptr: int, stream: int) -> None:
+    _c_args("pyalloc_record_stream", ptr=ptr, stream=stream)
     lib().pyalloc_clear_last_error()
     lib().pyalloc_record_stream(ptr, stream)
     _raise_if_error()
@@ -107,6 +124,7 @@ def free_neighbours(ptr: int) -> tuple[int, int]:
     """Bytes of the free blocks just below and above the live allocation at ``ptr`` (0 where the
     neighbour is not free): the contiguous space freeing it would open. Raises for a pointer
     pyalloc did not allocate."""
+    _c_args("pyalloc_free_neighbours", ptr=ptr)
     below, above = ctypes.c_size_t(0), ctypes.c_size_t(0)
     check_status(lib().pyalloc_free_neighbours(ptr, ctypes.byref(below), ctypes.byref(above)),
                  "pyalloc_free_neighbours")
@@ -126,6 +144,7 @@ def empty_cache() -> None:
 
 
 def set_memory_fraction(fraction: float, device: int = 0) -> None:
+    _c_args("pyalloc_set_memory_fraction", device=device)
     lib().pyalloc_clear_last_error()
     lib().pyalloc_set_memory_fraction(fraction, device)
     _raise_if_error()
@@ -133,6 +152,7 @@ def set_memory_fraction(fraction: float, device: int = 0) -> None:
 
 def release_cached(device: int = 0, nbytes: int = 0) -> int:
     """Releases cached free segments (oldest first) until ``nbytes`` (0 = all); returns bytes."""
+    _c_args("pyalloc_release_cached", device=device, nbytes=nbytes)
     released = ctypes.c_size_t(0)
     check_status(
         lib().pyalloc_release_cached(device, nbytes, ctypes.byref(released)),
@@ -143,6 +163,7 @@ def release_cached(device: int = 0, nbytes: int = 0) -> int:
 
 def check(device: int = 0) -> None:
     """Walks every invariant of ``device``; raises PyallocError on the first violation."""
+    _c_args("pyalloc_check", device=device)
     check_status(lib().pyalloc_check(device), "pyalloc_check")
 
 
@@ -157,6 +178,7 @@ def memory_info(device: int = 0) -> dict[str, int]:
     """pyalloc_memory_info: the device's total and free bytes, what this allocator reserves,
     allocates and may reserve (``limit``), its largest cached block and largest request it can
     serve without releasing anything. Raises PyallocError when the allocator is not running."""
+    _c_args("pyalloc_memory_info", device=device)
     info = _MemoryInfo()
     check_status(lib().pyalloc_memory_info(device, ctypes.addressof(info)), "pyalloc_memory_info")
     return {name: int(getattr(info, name)) for name in _MEMORY_INFO}
@@ -197,10 +219,12 @@ def extra_stats() -> dict[str, float]:
 
 
 def reset_peak_memory_stats(device: int = 0) -> None:
+    _c_args("pyalloc_reset_peak_stats", device=device)
     check_status(lib().pyalloc_reset_peak_stats(device), "pyalloc_reset_peak_stats")
 
 
 def reset_accumulated_memory_stats(device: int = 0) -> None:
+    _c_args("pyalloc_reset_accumulated_stats", device=device)
     check_status(
         lib().pyalloc_reset_accumulated_stats(device), "pyalloc_reset_accumulated_stats"
     )
@@ -245,12 +269,14 @@ def hold_pool(pool_id: int, held: bool = True) -> None:
     """Holds (or lets go) a user pool: its memory stays where it is, in plain segments, and only
     :func:`empty_pool` releases its free memory (what a CUDA graph's private pool needs; Note
     [Held pools]). Hold a pool before its first allocation."""
+    _c_args("pyalloc_pool_hold", pool_id=pool_id)
     check_status(lib().pyalloc_pool_hold(pool_id, int(held)), "pyalloc_pool_hold")
 
 
 def empty_pool(pool_id: int) -> tuple[int, int]:
     """Releases the wholly free memory of user pool ``pool_id`` on every device, held or not;
     returns (bytes released, bytes the pool still reserves)."""
+    _c_args("pyalloc_pool_empty_cache", pool_id=pool_id)
     released = ctypes.c_size_t(0)
     still = ctypes.c_size_t(0)
     check_status(lib().pyalloc_pool_empty_cache(pool_id, ctypes.byref(released), ctypes.byref(still)),
@@ -264,6 +290,7 @@ def capturing(device: int = 0) -> Iterator[None]:
     then serves from its cache and by growing only, and defers frees that would need the driver
     (Note [Capture]). For code that captures graphs itself (CuPy); under PyTorch the torch-facing
     layer does this."""
+    _c_args("pyalloc_capture_begin", device=device)
     check_status(lib().pyalloc_capture_begin(device), "pyalloc_capture_begin")
     try:
         yield
@@ -275,6 +302,7 @@ def ipc_export(ptr: int) -> tuple[bytes, int]:
     """A handle another process of this machine maps the live block at ``ptr`` with
     (:func:`ipc_import`), and the block's offset in what it maps (Note [Sharing blocks]). The
     block must stay allocated while the other process uses it."""
+    _c_args("pyalloc_ipc_export", ptr=ptr)
     length = ctypes.c_size_t(0)
     offset = ctypes.c_size_t(0)
     size = 4096  # a handle is 40 bytes and a few per granule: one call, almost always
@@ -290,12 +318,14 @@ def ipc_export(ptr: int) -> tuple[bytes, int]:
 def ipc_import(handle: bytes, device: int = 0) -> int:
     """Maps another process's block (a handle from :func:`ipc_export`) on ``device``; returns the
     base address (the block is at base + the exporter's offset) until :func:`ipc_close`."""
+    _c_args("pyalloc_ipc_import", device=device)
     base = ctypes.c_void_p(0)
     check_status(lib().pyalloc_ipc_import(device, handle, len(handle), ctypes.byref(base)), "pyalloc_ipc_import")
     return int(base.value or 0)
 
 
 def ipc_close(base: int, device: int = 0) -> None:
+    _c_args("pyalloc_ipc_close", device=device, base=base)
     check_status(lib().pyalloc_ipc_close(device, base), "pyalloc_ipc_close")
 
 

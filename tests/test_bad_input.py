@@ -348,3 +348,30 @@ def test_stress_refuses_report_paths_it_cannot_write_before_it_runs() -> None:
                                "--policies", "pyalloc", "--no-progress", flag, path], capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 1 and done.stdout == "" and "cannot write in /proc" in done.stderr, done.stderr
+
+
+_METADATA_OOM = """
+import resource, pyalloc
+pyalloc.configure("backend=sim,capacity=1TiB,oom_report=0,registry=0")
+pyalloc.memory_stats()  # the library loaded, the device made, no arena yet
+with open("/proc/self/statm") as f:
+    vm = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (32 << 20), resource.RLIM_INFINITY))  # < the arena's ~128 MiB
+try:
+    pyalloc.malloc(1 << 20)
+    print("allocated")
+except pyalloc.PyallocError as e:
+    print(e)
+pyalloc.check()
+s = pyalloc.memory_stats()
+print(s["segment.all.current"], s["reserved_bytes.all.current"])
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/statm and RLIMIT_AS")
+def test_host_memory_running_out_for_an_arenas_metadata_leaves_the_device_as_it_was() -> None:
+    # the arena was filed before its per-granule metadata was made: a bad_alloc there left a
+    # segment of no granules, and pyalloc_check failed (I9) after only valid calls
+    done = subprocess.run([sys.executable, "-c", _METADATA_OOM], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["pyalloc: out of host memory for allocator metadata", "0 0"], done.stdout

@@ -201,6 +201,36 @@ def test_free_neighbours_report_the_space_a_free_would_open(allocator: Allocator
         pyalloc.free_neighbours(a)  # freed: no longer live
 
 
+def test_a_null_pointer_is_not_a_live_allocation(allocator: Allocator) -> None:
+    # key 0 marks an empty slot of the live-block map, and NULL matched one (a segfault)
+    allocator.free(allocator.malloc(64 * KiB))  # (the map's slots as a program leaves them)
+    with pytest.raises(pyalloc.PyallocError, match="not a live allocation"):
+        pyalloc.free_neighbours(0)
+    with pytest.raises(pyalloc.PyallocError, match="not the start of a live allocation"):
+        pyalloc.ipc_export(0)
+    pyalloc.check()
+
+
+def test_integers_the_c_types_cannot_hold_are_refused_not_wrapped(allocator: Allocator) -> None:
+    # ctypes passes 2**64 + 4096 as 4096 and device 2**32 as device 0
+    for call, match in ((lambda: pyalloc.malloc(2**64 + 4096), "size 18446744073709555712 is out of range"),
+                        (lambda: pyalloc.malloc(100, device=2**32), "device 4294967296 is out of range"),
+                        (lambda: pyalloc.malloc(2**64), "size 18446744073709551616 is out of range"),
+                        (lambda: pyalloc.free(2**64 + 4096, 4096), "ptr .* is out of range"),
+                        (lambda: pyalloc.core.memory_info(-2**31 - 1), "device .* is out of range")):
+        with pytest.raises(pyalloc.PyallocError, match=match):
+            call()
+    assert allocator.stats()["allocated_bytes.all.current"] == 0
+
+
+def test_a_user_pool_cannot_take_a_built_in_pools_name(allocator: Allocator) -> None:
+    # its figures would have shared the stats' pool.large.* keys with the built-in pool's
+    for name in ("small", "large", "plan", "long"):
+        with pytest.raises(pyalloc.PyallocError, match=f"'{name}' is the name of a built-in pool"):
+            pyalloc.create_pool(name)
+    assert pyalloc.create_pool("large-activations") > 0
+
+
 def test_record_stream_on_the_allocation_stream_frees_at_once(allocator: Allocator) -> None:
     pyalloc.configure(allocator.conf("event_delay=1000"))
     a = allocator.malloc(64 * KiB, stream=1)
@@ -517,6 +547,7 @@ def test_an_unknown_key_is_an_error_naming_it_and_the_known_keys(allocator: Allo
     ("conf", "form"),
     [
         ("capacity=lots", "a size such as 8GiB"),
+        ("capacity=1025GiB", "at most 1TiB"),  # metadata per granule; sim devices 4 PiB apart
         ("memory_fraction=1.5", r"a number in \(0, 1\]"),
         ("round_power2=3", "power of two"),
         ("backend=tpu", "one of cuda, host, sim"),

@@ -232,7 +232,9 @@ void pyalloc_set_memory_fraction(double fraction, int device) {
     // [0, 1], as torch.cuda.set_per_process_memory_fraction takes it: 0 lets nothing be
     // reserved (refused, PyTorch's 0 reached us as an error nobody read, and no cap was set)
     if (!(fraction >= 0.0 && fraction <= 1.0)) {
-      set_error("pyalloc_set_memory_fraction: fraction " + std::to_string(fraction) + " is not in [0, 1]");
+      char text[32];
+      std::snprintf(text, sizeof text, "%.17g", fraction);  // (to_string printed 1.0000001 as 1.000000)
+      set_error(std::string("pyalloc_set_memory_fraction: fraction ") + text + " is not in [0, 1]");
       return 0;
     }
     d->set_memory_fraction(fraction);

@@ -234,6 +234,12 @@ int pool_create(const std::string& name, int* id, std::string* error) {
     *error = "pyalloc_pool_create: the pool name is empty";
     return PYALLOC_EINVAL;
   }
+  for (const char* builtin : {"small", "large", "plan", "long"}) {  // the devices' own pools
+    if (name == builtin) {  // (their figures share the stats' pool.<name>.* keys)
+      *error = "pyalloc_pool_create: '" + name + "' is the name of a built-in pool (small, large, plan, long)";
+      return PYALLOC_EINVAL;
+    }
+  }
   Process& p = process();
   std::lock_guard<std::mutex> lock(p.pools_mutex);
   for (size_t i = 0; i < p.pool_names.size(); ++i) {

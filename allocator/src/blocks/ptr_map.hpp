@@ -25,7 +25,10 @@ class PtrMap {
 
   PtrMap() { rehash(1024); }
 
+  // nullptr when absent; key 0 (a NULL pointer) is never present, though its
+  // home slot may be empty, which would otherwise match it.
   Entry* find(uintptr_t key) const {
+    if (__builtin_expect(key == 0, 0)) return nullptr;
     Entry* e = home(key);
     while (__builtin_expect(e->key != key, 0)) {
       if (e->key == 0) return nullptr;

@@ -164,15 +164,21 @@ Segment* DeviceAllocator::arena_for(Pool& pool, StreamId stream) {
   // [Reuse before growing]).
   const size_t size = round_up_to(kArenaSpan * device_total(), g);
   uintptr_t va = 0;
+  pool.arenas.reserve(pool.arenas.size() + 1);  // (the push below cannot throw)
   if (!succeeded(backend_->reserve(device_, size, &va))) return nullptr;
   Segment* arena = add_segment(pool, stream, va, size, BlockState::kHole);
   arena->arena = true;
-  arena->holes.start(va, size, g);
-  arena->holes.insert(arena->head);
-  arena->phys.resize(size / g);
-  arena->twinned.resize(size / g);
   pool.arenas.push_back(arena);
-  if (divert_ & kDivertSlivers) index_arena(arena);  // every arena is, while any is
+  try {  // its per-granule metadata: host memory in proportion to the device
+    arena->holes.start(va, size, g);
+    arena->holes.insert(arena->head);
+    arena->phys.resize(size / g);
+    arena->twinned.resize(size / g);
+    if (divert_ & kDivertSlivers) index_arena(arena);  // every arena is, while any is
+  } catch (...) {  // (std::bad_alloc) the device as it was before, then the caller's error
+    release_arena(arena);
+    throw;
+  }
   arena->counted = whole_counted_;  // and counted (Note [Whole-granule count]): it holds no free block yet
   return arena;
 }

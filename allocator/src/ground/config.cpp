@@ -75,8 +75,16 @@ const std::vector<KeySpec>& key_specs() {
          c->devices = static_cast<int>(n);
          return true;
        }},
-      {"capacity", "a size such as 8GiB (host and sim backends; 0 = backend default)",
-       [](const std::string& v, Config* c) { return parse_size(v, &c->capacity); }},
+      // At most 1 TiB: an arena keeps metadata per granule of 8x the device (1 TiB: ~128 MiB of
+      // host memory; 512 TiB ran the host out of it), and the sim backend's devices lie 4 PiB
+      // apart (above that, two devices handed out the same addresses).
+      {"capacity", "a size such as 8GiB, at most 1TiB (host and sim backends; 0 = backend default)",
+       [](const std::string& v, Config* c) {
+         size_t s;
+         if (!parse_size(v, &s) || s > (size_t{1} << 40)) return false;
+         c->capacity = s;
+         return true;
+       }},
       {"memory_fraction", "a number in (0, 1]",
        [](const std::string& v, Config* c) {
          char* end = nullptr;
