@@ -12,6 +12,8 @@
 #include "node/gpumemd_client.hpp"
 #include "node/registry.hpp"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
@@ -58,9 +60,53 @@ struct Process {
   int callbacks_in_flight = 0;
 };
 
+// Note [Fork]
+//   fork() copies one thread and every lock as it is: a lock another thread
+//   held stays held in the child, whose first allocation then waits forever
+//   (a review saw 1 child in 50 hang while a second thread allocated). So the
+//   process takes every lock before fork() and lets go in both processes
+//   after it, in the order the allocator takes them: configuration, each
+//   device of every runtime (a retired runtime's too: late callers use it),
+//   then the pool names and the callbacks, which a device's lock may be held
+//   over. What fork() copies is then between calls. (CUDA itself cannot be
+//   used in a forked child; the host and sim backends, and a child that only
+//   frees what it inherited, can.)
+void for_each_fork_device(Process& p, void (*fn)(DeviceAllocator&));
+void before_fork();
+void after_fork();
+
 Process& process() {
-  static Process* p = new Process;  // leaked: see Note [Shutdown]
+  static Process* p = [] {
+    Process* made = new Process;  // leaked: see Note [Shutdown]
+    pthread_atfork(before_fork, after_fork, after_fork);
+    return made;
+  }();
   return *p;
+}
+
+void for_each_fork_device(Process& p, void (*fn)(DeviceAllocator&)) {
+  for (Runtime* r : p.retired) {
+    for (auto& d : r->devices) fn(*d);
+  }
+  if (Runtime* r = g_current_runtime.load(std::memory_order_acquire)) {
+    for (auto& d : r->devices) fn(*d);
+  }
+}
+
+void before_fork() {
+  Process& p = process();
+  p.configure_mutex.lock();
+  for_each_fork_device(p, [](DeviceAllocator& d) { d.lock(); });
+  p.pools_mutex.lock();
+  p.callbacks_mutex.lock();
+}
+
+void after_fork() {  // in the parent and in the child
+  Process& p = process();
+  p.callbacks_mutex.unlock();
+  p.pools_mutex.unlock();
+  for_each_fork_device(p, [](DeviceAllocator& d) { d.unlock(); });
+  p.configure_mutex.unlock();
 }
 
 thread_local bool t_in_pressure_callback = false;

@@ -111,6 +111,8 @@ class DeviceAllocator {
   // still held (it unlocks and goes to malloc() / free()).
   bool try_lock() { return mutex_.try_lock(); }
   void unlock() { mutex_.unlock(); }
+  // Held across fork() by the process's handlers (Note [Fork] in abi/runtime.cpp).
+  void lock() { mutex_.lock(); }
   template <typename Otherwise>
   void* malloc_cached(size_t size, StreamId stream, Otherwise otherwise);
   template <typename Otherwise>
