@@ -49,7 +49,7 @@ void DeviceAllocator::apply_settings(const Config& config) {
   round_power2_ = config.round_power2;
   oom_report_ = config.oom_report;
   sharing_ = config.share;
-  moving_ = config.move;
+  moving_ = config.moving();
   reusing_ = config.reuse;
   extent_bytes_ = config.extent;
   update_share_from();

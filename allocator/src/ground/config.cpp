@@ -162,8 +162,14 @@ const std::vector<KeySpec>& key_specs() {
        [](const std::string& v, Config* c) { return parse_bool(v, &c->lifetime); }},
       {"share", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->share); }},
-      {"move", "0 or 1",
-       [](const std::string& v, Config* c) { return parse_bool(v, &c->move); }},
+      {"move", "0, 1 or auto (auto: 1 but for the host backend)",
+       [](const std::string& v, Config* c) {
+         if (lower(v) == "auto") return c->move = -1, true;
+         bool on;
+         if (!parse_bool(v, &on)) return false;
+         c->move = on ? 1 : 0;
+         return true;
+       }},
       {"reuse", "0 or 1",
        [](const std::string& v, Config* c) { return parse_bool(v, &c->reuse); }},
       {"extent", "a power of two from 2MiB to 1GiB (2MiB: every granule its own chunk)",
@@ -320,7 +326,8 @@ std::string Config::to_json() const {
   w.key("plan").value(plan);
   w.key("lifetime").value(lifetime);
   w.key("share").value(share);
-  w.key("move").value(move);
+  if (move < 0) w.key("move").value("auto");
+  else w.key("move").value(move != 0);
   w.key("extent").value(static_cast<uint64_t>(extent));
   w.key("reuse").value(reuse);
   w.end_object();

@@ -51,7 +51,11 @@ struct Config {
   bool plan = false;                // iteration plans (Note [Iteration plans]); off: see README
   bool lifetime = false;            // lifetime-aware placement (Note [Lifetime-aware placement]); off: see README
   bool share = true;                // near a full device, map used granules' free ends twice (Note [Shared granules])
-  bool move = true;                 // before an OOM, copy granules' live ends together and give granules back (Note [Moving slivers])
+  // before an OOM, copy granules' live ends together and give granules back (Note [Moving slivers]):
+  // 1, 0, or -1 (auto): on, but for the host backend, where the program's own threads read and
+  // write its blocks while one is moved (a review's eight threads: a segfault in 1 run of 4)
+  int move = -1;
+  bool moving() const { return move < 0 ? backend != BackendKind::kHost : move != 0; }
   bool reuse = true;                // an arena takes cached free granules before new ones (Note [Reuse before growing])
   size_t extent = size_t{32} << 20; // the largest physical chunk an arena's growth creates (Note [Extents])
 
