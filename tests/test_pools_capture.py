@@ -104,6 +104,21 @@ def test_a_pool_let_go_is_released_like_any_other(allocator: Allocator) -> None:
     allocator.free(b)
 
 
+def test_emptying_a_pool_not_held_releases_its_free_memory_in_arenas_too(allocator: Allocator) -> None:
+    # the emptying skipped arena segments (the default with vmm): nothing released, every byte
+    # said to be "still reserved" with no block live; empty_cache then released them
+    pool_id = fresh_pool()
+    a = malloc_in(allocator, pool_id, 3 * MiB)
+    b = malloc_in(allocator, pool_id, 100)
+    before = allocator.stats()["reserved_bytes.all.current"]
+    allocator.free(a)
+    allocator.free(b)
+    released, still = pyalloc.empty_pool(pool_id)
+    pyalloc.check(0)
+    assert released > 0 and still == 0
+    assert allocator.stats()["reserved_bytes.all.current"] == before - released == 0
+
+
 def test_holding_a_pool_that_already_has_arenas_is_refused(allocator: Allocator) -> None:
     if allocator.vmm == "vmm=off":
         pytest.skip("user pools have no arenas with vmm=off")

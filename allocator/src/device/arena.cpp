@@ -283,9 +283,10 @@ bool DeviceAllocator::synchronize_stream(const Segment* arena) {
 // Returns the granules unmapped. An arena's sliver index, when on, lists
 // those blocks (roomy); else its blocks are walked.
 size_t DeviceAllocator::unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi,
-                                            std::vector<PhysHandle>* spares) {
+                                            std::vector<PhysHandle>* spares, const Pool* only) {
   size_t done = 0;
   for_each_arena([&](Segment* arena) {
+    if (only != nullptr && arena->pool != only) return;  // one pool's (release_pool)
     if (!arena->twins.empty() && !untwin_free(arena, skip_lo, skip_hi)) return;
     bool synchronized = false;
     // Unmaps what it needs of the whole chunks inside free block b's

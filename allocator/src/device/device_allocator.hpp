@@ -319,7 +319,8 @@ class DeviceAllocator {
   template <typename F>
   void for_each_arena(F fn);
   uintptr_t chunks_holding(const Segment* arena, uintptr_t lo, uintptr_t hi, size_t granules) const;
-  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* spares);
+  size_t unmap_free_granules(size_t wanted, uintptr_t skip_lo, uintptr_t skip_hi, std::vector<PhysHandle>* spares,
+                             const Pool* only = nullptr);
   size_t reservable_granules();
   size_t granules_lacking(size_t granules);
   bool new_granules(size_t n, std::vector<PhysHandle>* handles);

@@ -77,7 +77,16 @@ size_t DeviceAllocator::release_pool(int pool_id, size_t* still_reserved) {
   Lock lock(mutex_);
   *still_reserved = 0;
   if (pool_id < 1 || static_cast<size_t>(pool_id) > user_pools_.size() || !user_pools_[pool_id - 1]) return 0;
-  const Pool* pool = user_pools_[pool_id - 1].get();
+  Pool* pool = user_pools_[pool_id - 1].get();
+  size_t released = 0;
+  if (!capturing_ && !pool->arenas.empty()) {  // its free granules, then arenas left with none mapped
+    released = unmap_free_granules(SIZE_MAX, 0, 0, nullptr, pool) * granule_;
+    std::vector<Segment*> empty;
+    for (Segment* a : pool->arenas) {
+      if (a->mapped == 0) empty.push_back(a);
+    }
+    for (Segment* a : empty) release_arena(a);
+  }
   std::vector<Segment*> releasable;
   for (auto& entry : segments_) {
     Segment* seg = entry.second;
@@ -88,7 +97,6 @@ size_t DeviceAllocator::release_pool(int pool_id, size_t* still_reserved) {
       *still_reserved += seg->reserved_bytes();  // an arena: mapped bytes less what its twins map twice
     }
   }
-  size_t released = 0;
   for (Segment* seg : releasable) {
     released += seg->size;
     release_segment(seg);
