@@ -204,10 +204,20 @@ def test_sizes_take_ascii_digits_only_as_pyalloc_conf_does() -> None:
         parse_size("\u0661\u0662GiB")  # Arabic-Indic digits: Python's \\d took them, the C parser does not
 
 
+def test_a_fifo_or_a_device_given_as_a_trace_is_named_as_such(tmp_path: Path) -> None:
+    # it was "no such file", for a path that exists
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/null")):
+        done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(path)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1 and done.stderr.strip().endswith(f"{path}: is not a regular file"), done.stderr
+
+
 def test_a_folder_given_as_a_trace_or_an_output_is_named_as_such(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(tmp_path)], capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 1 and f"{tmp_path}:0: is a folder, not a trace file" in done.stderr, done.stderr
+    assert done.returncode == 1 and f"{tmp_path}: is a folder, not a trace file" in done.stderr, done.stderr
     import pickle
 
     snapshot = tmp_path / "snapshot.pickle"

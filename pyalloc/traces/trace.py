@@ -20,10 +20,10 @@ _OPS = {"alloc": ALLOC, "free": FREE, "mark": MARK}
 
 
 class TraceError(ValueError):
-    """A trace line that breaks the format; ``line`` is 1-based."""
+    """A trace line that breaks the format; ``line`` is 1-based, 0 for the file as a whole."""
 
     def __init__(self, path: str, line: int, reason: str) -> None:
-        super().__init__(f"{path}:{line}: {reason}")
+        super().__init__(f"{path}:{line}: {reason}" if line > 0 else f"{path}: {reason}")
         self.path = path
         self.line = line
         self.reason = reason
@@ -163,8 +163,10 @@ def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Trace:
 def _check_file(p: Path) -> None:
     if p.is_dir():
         raise TraceError(str(p), 0, "is a folder, not a trace file")
-    if not p.is_file():
+    if not p.exists():
         raise TraceError(str(p), 0, "no such file")
+    if not p.is_file():  # a FIFO, a device: read to the end, it may never end or never begin
+        raise TraceError(str(p), 0, "is not a regular file")
 
 
 def load(path: str | Path) -> Trace:
