@@ -287,7 +287,7 @@ def test_corrupt_gzip_and_snapshot_values_that_no_trace_holds_are_one_line(tmp_p
     cases = [(corrupt, "cannot read the file")]
     for name, entry, message in (
             ("bool", {"action": "alloc", "addr": 4096, "size": True}, "'size' must be an integer, got True"),
-            ("huge", {"action": "alloc", "addr": 4096, "size": 512, "stream": 1 << 70}, "'stream' 1180591620717411303424 does not fit in 64 bits")):
+            ("huge", {"action": "alloc", "addr": 4096, "size": 512, "stream": 1 << 70}, "'stream' 1180591620717411303424 does not fit in a signed 64-bit integer")):
         path = tmp_path / f"{name}.pickle"
         path.write_bytes(pickle.dumps({"device_traces": [[entry]]}))
         cases.append((path, message))

@@ -83,7 +83,7 @@ def _int_field(event: dict[str, Any], key: str, default: int | None = None) -> i
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"'{key}' must be an integer, got {value!r}")
     if not -_MAX_INT - 1 <= value <= _MAX_INT:
-        raise ValueError(f"'{key}' {value} does not fit in 64 bits")
+        raise ValueError(f"'{key}' {value} does not fit in a signed 64-bit integer (at most {_MAX_INT})")
     return value
 
 

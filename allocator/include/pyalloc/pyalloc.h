@@ -57,9 +57,10 @@ enum pyalloc_status {
 PYALLOC_API void* pyalloc_malloc(size_t size, int device, void* stream);
 /* `size` must be the size passed to pyalloc_malloc and `stream` its stream
  * (PyTorch passes both), or PYALLOC_ANY_STREAM when the caller does not know
- * it; a mismatch is reported and the block is NOT freed (it may belong to
- * someone else, and a use on another stream is declared with
- * pyalloc_record_stream, not at the free). */
+ * it (and SIZE_MAX for a size it does not know: not checked); a mismatch is
+ * reported and the block is NOT freed (it may belong to someone else, and a
+ * use on another stream is declared with pyalloc_record_stream, not at the
+ * free). */
 #define PYALLOC_ANY_STREAM ((void*)~(uintptr_t)0)
 PYALLOC_API void pyalloc_free(void* ptr, size_t size, int device, void* stream);
 /* Marks `ptr` as used on `stream`: its memory is not reused until work queued
