@@ -1014,13 +1014,7 @@ class _Planner:
             tried = self._try(max(variants, key=lambda v: len(v.drops)))
             if tried is not None:
                 self._take((tried[2], tried[3]))
-                while self.estimate() > budget:
-                    move = self._densest(selective, density)
-                    if move is None:
-                        break
-                    self._take(move)
-            if self.estimate() > budget or self.seconds() >= spent:
-                self._take((list(self.chosen), before))
+            self._close_or_undo(budget, selective, density, before, spent)
 
     def _prune(self, budget: int) -> None:
         """Once the plan fits: each chosen candidate, costliest first, is let go when the plan
@@ -1037,23 +1031,29 @@ class _Planner:
     def _swap(self, budget: int, by_density: list[_Candidate], density: dict[int, float]) -> None:
         """Once the plan fits: each of the ``SWAPS`` costliest chosen candidates is tried let go
         and the gap it leaves closed with the densest of the candidates that re-run for less
-        time than it; kept when that fits and re-runs less. The greedy takes the densest move while the plan is over, and the last such move
-        can be a large one when a few small ones would do: the benchmark's LSTM at half its saved
-        bytes re-ran three of its four layers (30 of a 40 MiB budget) where two, its output
-        layer and a few dropout outputs fit."""
+        time than it; kept when that fits and re-runs less. The greedy takes the densest move
+        while the plan is over, and the last such move can be a large one where a few small ones
+        would do (the benchmark's GPT-like model with selective regions at 60% of its saved
+        bytes: 11.2 ms of predicted re-runs a step without the swap, 9.0 with it)."""
         for c in sorted(self.chosen, key=lambda c: -c.seconds)[:SWAPS]:
             if c not in self.chosen:
                 continue
             before, spent = list(self.chosen), self.seconds()
             self._take(([c], []))
-            others = [o for o in by_density if o.seconds < c.seconds]  # smaller pieces only
-            while self.estimate() > budget and self.seconds() < spent:
-                move = self._densest(others, density)
-                if move is None:
-                    break
-                self._take(move)
-            if self.estimate() > budget or self.seconds() >= spent:
-                self._take((list(self.chosen), before))
+            smaller = [o for o in by_density if o.seconds < c.seconds]
+            self._close_or_undo(budget, smaller, density, before, spent)
+
+    def _close_or_undo(self, budget: int, candidates: list[_Candidate], density: dict[int, float],
+                       before: list[_Candidate], spent: float) -> None:
+        """Takes the densest of ``candidates`` until the plan fits; goes back to ``before`` unless
+        the plan then fits and re-runs for less than ``spent``."""
+        while self.estimate() > budget:
+            move = self._densest(candidates, density)
+            if move is None:
+                break
+            self._take(move)
+        if self.estimate() > budget or self.seconds() >= spent:
+            self._take((list(self.chosen), before))
 
     Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
 
