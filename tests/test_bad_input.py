@@ -209,9 +209,12 @@ def test_a_fifo_or_a_device_given_as_a_trace_is_named_as_such(tmp_path: Path) ->
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     for path in (fifo, Path("/dev/null")):
-        done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(path)], capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 1 and done.stderr.strip().endswith(f"{path}: is not a regular file"), done.stderr
+        for command in (["replay", str(path)], ["record", "--from-snapshot", str(path), "-o", str(tmp_path / "t")]):
+            done = subprocess.run([sys.executable, "-m", "pyalloc.cli", *command], capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 1 and done.stderr.strip().endswith(f"{path}: is not a regular file"), \
+                (command, done.stderr)
+            assert not (tmp_path / "t").exists()
 
 
 def test_a_folder_given_as_a_trace_or_an_output_is_named_as_such(tmp_path: Path) -> None:

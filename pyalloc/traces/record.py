@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .._deps import require
 from .._lib import PyallocError
-from .trace import ALLOC, FREE, MARK, Trace, TraceError, _SnapshotUnpickler, from_snapshot
+from .trace import ALLOC, FREE, MARK, Trace, TraceError, _check_file, _SnapshotUnpickler, from_snapshot
 
 ITERATION_MARK = "iteration"
 # The record_function range each CPU step runs in; its end is the step's boundary.
@@ -497,8 +497,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("record --from-snapshot needs -o PATH")
         path = Path(args.from_snapshot)
         try:
-            if not path.is_file():
-                return _fail(f"{path}: no such file")
+            _check_file(path)  # missing, a folder, a FIFO or a device: said as such
             snapshot = _SnapshotUnpickler.load(path)
             trace = snapshot_to_trace(snapshot, str(path), args.snapshot_device,
                                       source=f"PyTorch memory snapshot {path.name}, device {args.snapshot_device}")
