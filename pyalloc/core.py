@@ -107,9 +107,10 @@ def free(ptr: int, size: int, device: int = 0, stream: int | None = None) -> Non
     ``stream`` is the stream the block was allocated on; a different one is refused (a use on
     another stream is declared with ``record_stream``). None: not checked.
     """
-    _c_args("pyalloc_free", ptr=ptr, size=size, device=device, stream=ANY_STREAM if stream is None else stream)
+    stream = ANY_STREAM if stream is None else stream
+    _c_args("pyalloc_free", ptr=ptr, size=size, device=device, stream=stream)
     lib().pyalloc_clear_last_error()
-    lib().pyalloc_free(ptr, size, device, ANY_STREAM if stream is None else stream)
+    lib().pyalloc_free(ptr, size, device, stream)
     _raise_if_error()
 
 

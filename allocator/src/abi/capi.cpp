@@ -208,6 +208,7 @@ int pyalloc_free_neighbours(void* ptr, size_t* free_below, size_t* free_above) {
     }
     *free_below = *free_above = 0;
     for (auto& d : pyalloc::current_runtime()->devices) {
+      if (ptr == nullptr) break;  // never live (and no key of the live-block map)
       if (d->free_neighbours(reinterpret_cast<uintptr_t>(ptr), free_below, free_above)) {
         return static_cast<int>(PYALLOC_OK);
       }
@@ -471,6 +472,7 @@ int pyalloc_ipc_export(void* ptr, void* buf, size_t len, size_t* handle_len, siz
       return static_cast<int>(PYALLOC_EINVAL);
     }
     for (auto& d : pyalloc::current_runtime()->devices) {
+      if (ptr == nullptr) break;  // never live (and no key of the live-block map)
       std::string handle;
       std::string error;
       if (d->ipc_export(reinterpret_cast<uintptr_t>(ptr), &handle, offset, &error)) {

@@ -71,7 +71,15 @@ struct Process {
 //   over. What fork() copies is then between calls. (CUDA itself cannot be
 //   used in a forked child; the host and sim backends, and a child that only
 //   frees what it inherited, can.)
-void for_each_fork_device(Process& p, void (*fn)(DeviceAllocator&));
+void for_each_fork_device(Process& p, void (*fn)(DeviceAllocator&)) {
+  for (Runtime* r : p.retired) {
+    for (auto& d : r->devices) fn(*d);
+  }
+  if (Runtime* r = g_current_runtime.load(std::memory_order_acquire)) {
+    for (auto& d : r->devices) fn(*d);
+  }
+}
+
 void before_fork();
 void after_fork();
 
@@ -82,15 +90,6 @@ Process& process() {
     return made;
   }();
   return *p;
-}
-
-void for_each_fork_device(Process& p, void (*fn)(DeviceAllocator&)) {
-  for (Runtime* r : p.retired) {
-    for (auto& d : r->devices) fn(*d);
-  }
-  if (Runtime* r = g_current_runtime.load(std::memory_order_acquire)) {
-    for (auto& d : r->devices) fn(*d);
-  }
 }
 
 void before_fork() {
@@ -280,8 +279,8 @@ int pool_create(const std::string& name, int* id, std::string* error) {
     *error = "pyalloc_pool_create: the pool name is empty";
     return PYALLOC_EINVAL;
   }
-  for (const char* builtin : {"small", "large", "plan", "long"}) {  // the devices' own pools
-    if (name == builtin) {  // (their figures share the stats' pool.<name>.* keys)
+  for (const char* builtin : kBuiltinPoolNames) {
+    if (name == builtin) {
       *error = "pyalloc_pool_create: '" + name + "' is the name of a built-in pool (small, large, plan, long)";
       return PYALLOC_EINVAL;
     }

@@ -6,6 +6,7 @@
 // intrusive, Note [Free sets]).
 #pragma once
 
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -25,10 +26,10 @@ class PtrMap {
 
   PtrMap() { rehash(1024); }
 
-  // nullptr when absent; key 0 (a NULL pointer) is never present, though its
-  // home slot may be empty, which would otherwise match it.
+  // nullptr when absent. `key` must not be 0 (an empty slot would match it):
+  // the C ABI turns NULL away before any lookup, off the free path's lookup.
   Entry* find(uintptr_t key) const {
-    if (__builtin_expect(key == 0, 0)) return nullptr;
+    assert(key != 0);
     Entry* e = home(key);
     while (__builtin_expect(e->key != key, 0)) {
       if (e->key == 0) return nullptr;

@@ -129,6 +129,14 @@ enum class BlockState : uint8_t { kFree, kAllocated, kPendingFree, kHole, kLent 
 // policy/lifetime.cpp).
 enum class PoolKind : uint8_t { kSmall, kLarge, kUser, kPlan, kLong };
 
+// The built-in pools' names: their stats are pool.<name>.*, so no user pool
+// may take one (pyalloc_pool_create).
+inline constexpr const char* kSmallPoolName = "small";
+inline constexpr const char* kLargePoolName = "large";
+inline constexpr const char* kPlanPoolName = "plan";
+inline constexpr const char* kLongPoolName = "long";
+inline constexpr const char* kBuiltinPoolNames[] = {kSmallPoolName, kLargePoolName, kPlanPoolName, kLongPoolName};
+
 // Stat types, as in torch.cuda.memory_stats(): all / small_pool / large_pool.
 // A segment's blocks count as small_pool when its pool is the small pool;
 // large and user pools count as large_pool.

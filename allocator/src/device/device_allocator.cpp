@@ -22,10 +22,10 @@ DeviceAllocator::DeviceAllocator(int device, const Config& config, MeteredBacken
       vmm_(config.vmm_mode()),
       planning_(config.plan),
       placing_lifetimes_(config.lifetime),
-      small_pool_(PoolKind::kSmall, 0, "small"),
-      large_pool_(PoolKind::kLarge, 0, "large"),
-      plan_pool_(PoolKind::kPlan, 0, "plan"),
-      long_pool_(PoolKind::kLong, 0, "long") {
+      small_pool_(PoolKind::kSmall, 0, kSmallPoolName),
+      large_pool_(PoolKind::kLarge, 0, kLargePoolName),
+      plan_pool_(PoolKind::kPlan, 0, kPlanPoolName),
+      long_pool_(PoolKind::kLong, 0, kLongPoolName) {
   small_pool_.in_arenas = vmm_ == VmmMode::kAll;
   large_pool_.in_arenas = vmm_ != VmmMode::kOff;
   long_pool_.in_arenas = vmm_ != VmmMode::kOff;
