@@ -225,7 +225,9 @@ class Recipe:
     actions: list[int]  # per operator: COMPUTE, SOURCE, FAKE or SKIP
     geometry: list[list[Geometry | None]]  # per operator: its outputs' geometry (SOURCE, FAKE)
     mutated: list[list[int]]  # per operator: flattened argument positions it writes (SKIP)
-    sources: dict[int, int] = field(default_factory=dict)  # operator -> the save (index in the call) whose storage it made
+    # operator -> per output, the save (index in the call) whose storage it made, or None (an
+    # output no computed operator reads: faked)
+    sources: dict[int, list[int | None]] = field(default_factory=dict)
     seconds: float = 0.0  # estimated re-run time
     op_seconds: float = 0.0  # of which the computed operators' own
     replay: "list[ReplayStep] | None" = None  # the computed operators alone (Note [Operator replay])
@@ -363,7 +365,7 @@ class CallOps:
         used_sources = {k for j in needed for k in ops[j].reads if k in available}
         last = max(needed, default=-1)
         actions = [FAKE] * n
-        sources: dict[int, int] = {}
+        sources: dict[int, list[int | None]] = {}
         op_seconds = 0.0
         transient = 0
         for j, op in enumerate(ops):
@@ -375,12 +377,13 @@ class CallOps:
             elif op.mutated:
                 actions[j] = SKIP
             else:
-                made = [o[0] for o in op.outputs if o is not None and o[0] in used_sources]
-                if made:
-                    if len(op.outputs) != 1 or self.writers[made[0]][0] != j:
-                        return None  # a source made by a multi-output operator, or in place
+                made = [o[0] if o is not None and o[0] in used_sources else None for o in op.outputs]
+                if any(k is not None for k in made):
+                    if any(k is not None and self.writers[k][0] != j for k in made):
+                        return None  # a source written in place: its first writer is not this one
+                    # (a layer norm is a source with its statistics: each output a save, or faked)
                     actions[j] = SOURCE
-                    sources[j] = self.saved_at[made[0]]
+                    sources[j] = [self.saved_at[k] if k is not None else None for k in made]
         if all(a == COMPUTE for a in actions[:last + 1]):
             return None  # every operator up to the last dropped save runs: a whole re-run does that
         replay = self._replay(sorted(needed), available)
@@ -388,7 +391,7 @@ class CallOps:
         seconds = op_seconds + (len(replay) * REPLAY_SECONDS if replay is not None else dispatched * DISPATCH_SECONDS)
         drop_saves = {i: (k, self.save_geometry[i]) for i, k in enumerate(self.saves)
                       if k in drops and self.save_geometry is not None}
-        source_keys = {i: self.saves[i] for i in sources.values()}
+        source_keys = {i: self.saves[i] for made in sources.values() for i in made if i is not None}
         source_keys.update({self.saved_at[k]: k for k in used_sources})
         return Recipe([op.func for op in ops], actions, [[o[1] if o is not None else None for o in op.outputs]
                                                          for op in ops],
@@ -569,9 +572,10 @@ class SelectiveRerun(TorchDispatchMode):
             written = [leaves[i] for i in r.mutated[j]]
             return written[0] if len(written) == 1 else tuple(written)
         geometry = r.geometry[j]
-        if action == SOURCE:
-            out = _view(self.sources[r.sources[j]].untyped_storage(), geometry[0])  # type: ignore[arg-type]
-            flat = [out]
+        if action == SOURCE:  # the saves the forward kept; an output nothing computed reads, faked
+            flat = [_view(self.sources[i].untyped_storage(), g) if i is not None  # type: ignore[arg-type]
+                    else torch.empty_strided(g[0], g[1], dtype=g[3], device=g[4])  # type: ignore[index]
+                    for i, g in zip(r.sources[j], geometry)]
         else:
             flat = [torch.empty_strided(g[0], g[1], dtype=g[3], device=g[4]) for g in geometry]  # type: ignore[index]
         # the structure of the real result: one tensor, or a tuple/list of them
