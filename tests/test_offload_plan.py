@@ -590,6 +590,65 @@ def test_an_operator_with_several_outputs_is_a_source_of_a_selective_re_run(name
     assert st["replays_stale_total"] == 0 and st["selective_fallbacks_total"] == 0
 
 
+class _BatchNormWithWrites(nn.Module):
+    """A training batch norm through ``aten._native_batch_norm_legit``, whose schema says it
+    writes the running statistics (``native_batch_norm``'s does not)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._native_batch_norm_legit(x, self.weight, self.bias, self.running_mean,
+                                                       self.running_var, True, 0.1, 1e-5)[0]
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_source_made_by_an_operator_that_writes_its_arguments_is_taken_not_skipped(checked,
+                                                                                    monkeypatch) -> None:
+    """An operator not re-run that makes a source and writes an argument (the running statistics)
+    is a source, not an in-place operator to skip: the dispatch re-run (checked) gave the
+    skipped operator's written arguments as its outputs, and the convolution after it ran on the
+    running mean (a shape error in backward). Gradients and statistics bit for bit."""
+    from pyalloc.offloading import session as session_module
+    from pyalloc.offloading.ops import SOURCE
+
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1 if checked else 1000)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), _BatchNormWithWrites(16),
+                                           nn.ReLU(inplace=True), nn.Conv2d(16, 16, 3, padding=1),
+                                           _BatchNormWithWrites(16), nn.ReLU()),
+                             nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+
+    torch.manual_seed(123)
+    x = torch.randn(16, 3, 16, 16)
+    base = make()
+    grads = [_step(base, x, seed) for seed in range(STEPS)]
+    model = make()
+    session = offload(budget=_saved_bytes_peak(make(), x) // 2, pressure_callback=False, selective=True)
+    with session:
+        _step(model, x, 0)
+    search = session._search
+    _convolutions_cheapest(search.profile)
+    search.plan = make_plan(search.profile, search.budget, selective=True)
+    search.selective, search.settled = True, True
+    recipes = [r for r, _ in search.plan.recipes.values()]
+    assert any(a == SOURCE and "_native_batch_norm_legit" in str(r.funcs[j])
+               for r in recipes for j, a in enumerate(r.actions)), [r.actions for r in recipes]
+    for seed in range(1, STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+    _assert_bitwise_equal({k: v.clone() for k, v in base.state_dict().items()},
+                          {k: v.clone() for k, v in model.state_dict().items()})
+    st = session.stats()
+    assert st["recomputed_tensors_total"] > 0
+    assert st["replays_stale_total"] == 0 and st["selective_fallbacks_total"] == 0
+
+
 def test_replay_steps_pass_tensors_by_position_keyword_and_in_lists() -> None:
     """A replay step calls its operator with the arguments it was recorded with, tensors found
     again: by position and by keyword without unflattening the recorded leaves, in a list (``cat``)

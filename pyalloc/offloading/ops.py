@@ -26,7 +26,9 @@ Note [Selective re-runs]
     - the replay (Note [Operator replay]), the default: the needed operators alone;
     - :class:`SelectiveRerun`, the module's forward run again under a ``TorchDispatchMode`` that
       goes operator by operator: COMPUTE what is needed (and every view), take a SOURCE's storage
-      from the forward instead of computing it, FAKE the rest (an uninitialised tensor of the
+      from the forward instead of computing it (each output of the operator that made it: a save,
+      or faked; the operator is not run, so an argument it writes, a batch norm's running
+      statistics, is not written twice), FAKE the rest (an uninitialised tensor of the
       same geometry, never read by a computed operator), SKIP in-place operators on sources or
       on what nothing needs; it stops (an exception the region catches) once the last dropped
       save is captured. Every operator costs a trip through Python (~20 us on CPU), so this is
@@ -374,16 +376,19 @@ class CallOps:
                 if not op.view:
                     op_seconds += op.seconds
                     transient += sum(_nbytes(o[1]) for o in op.outputs if o is not None and o[0] in op.writes)
-            elif op.mutated:
-                actions[j] = SKIP
             else:
-                made = [o[0] if o is not None and o[0] in used_sources else None for o in op.outputs]
+                # the sources it made first: an operator with several outputs is one (a layer norm
+                # with its statistics: each output a save, or faked), and so is one that also
+                # writes an argument (a batch norm's running statistics: not written again)
+                made = [o[0] if o is not None and o[0] in used_sources and self.writers[o[0]][0] == j else None
+                        for o in op.outputs]
                 if any(k is not None for k in made):
-                    if any(k is not None and self.writers[k][0] != j for k in made):
-                        return None  # a source written in place: its first writer is not this one
-                    # (a layer norm is a source with its statistics: each output a save, or faked)
                     actions[j] = SOURCE
                     sources[j] = [self.saved_at[k] if k is not None else None for k in made]
+                elif op.mutated:
+                    actions[j] = SKIP  # in place over a source, or over what nothing needs
+                elif any(o is not None and o[0] in used_sources for o in op.outputs):
+                    return None  # a source it made that an earlier operator wrote: not one to fake
         if all(a == COMPUTE for a in actions[:last + 1]):
             return None  # every operator up to the last dropped save runs: a whole re-run does that
         replay = self._replay(sorted(needed), available)
