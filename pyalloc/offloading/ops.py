@@ -197,6 +197,14 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         t2 = time.thread_time()
         outs, _ = tree_flatten(out)
+        if mutated and torch.Tag.inplace_view in func.tags \
+                and all(isinstance(o, torch.Tensor) and self._key(o) in reads for o in outs):
+            # ``unsqueeze_``, ``transpose_``, ``t_``: the schema writes the tensor, but only its
+            # shape and strides change, not its storage or data. A view, then: a re-run runs it
+            # (skipped, the module's code saw the tensor as it was: a shape error in backward, or
+            # with square dimensions silently wrong gradients: a review, 2026-11-28) and a replay
+            # leaves it out (what reads the tensor after it is given the recorded geometry)
+            mutated = []
         writes = [recorded[i].key for i in mutated]  # mutated positions hold tensors
         outputs: list[tuple[ProfileKey, Geometry] | None] = []
         view = not mutated

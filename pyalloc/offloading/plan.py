@@ -133,7 +133,7 @@ from .hooks import StepHook
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
 from .calls import CallTracker, autocast_state
 from .guard import CallTrace, push_at, remove
-from .ops import CallOps, OpRecorder, Recipe, geometry
+from .ops import CallOps, OpInfo, OpRecorder, Recipe, geometry
 
 __all__ = ["BUDGET_SLACK", "KEEP", "OUTPUT", "PRODUCT", "REGION", "CallInfo", "MadeInStep", "PackInfo",
            "Plan", "PlanSearch", "Profile", "is_activation", "make_plan", "storage_key", "tensor_leaves"]
@@ -166,6 +166,31 @@ KEEP, REGION, OUTPUT, PRODUCT = 0, 1, 2, 3
 
 StorageKey = tuple[int, str]
 ProfileKey = tuple[int, str, int]  # storage_key and a generation: the address used again
+
+
+VALUE_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__complex__",
+                         "__index__", "__array__"})
+"""Torch calls that hand a tensor's values to Python (Note [Values read in Python])."""
+
+
+def reads_values(ops: list[OpInfo], trace: list[tuple[Any, ...]]) -> bool:
+    """Whether a module call's code read tensor values into Python: an aten operator that returned
+    something other than tensors (``aten._local_scalar_dense``, ``aten.equal``), or a torch call
+    that hands values over (``tolist``, ``numpy``, ``bool(t)``, ``int(t)``).
+
+    Note [Values read in Python]
+        A replay (Note [Operator replay] in ops.py) gives its operators the constants of the
+        profiled step, and a dispatch re-run fakes what nothing it computes reads. Neither holds
+        for a value the module's code read from a tensor: an index given as a 0-dim tensor
+        (``h[:, i]``, ``torch.roll(h, k)``: torch reads it with ``_local_scalar_dense``) sets
+        the offset of the view that is saved, which the replay takes as profiled (gradients off
+        by 1e-2 from the second step on, with nothing stale: a review, 2026-11-28), and a value
+        read with ``tolist`` or ``numpy`` reaches no operator at all, so the dispatch re-run fakes
+        the tensor it came from and the module computes on garbage. Such a call gets no selective
+        variants: it is re-run whole, through its own code, or not at all."""
+    if any(op.opaque for op in ops):
+        return True
+    return any(getattr(e[0], "__name__", None) in VALUE_READS for e in trace)
 
 
 def storage_key(t: torch.Tensor) -> StorageKey:
@@ -763,7 +788,8 @@ class _Planner:
         that order, each with the recipe that remakes it."""
         call = full.call
         ops = profile.ops[call.first_op:call.end_op]
-        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS or call.grad_off_ops or call.compiled_inside:
+        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS or call.grad_off_ops or call.compiled_inside \
+                or reads_values(ops, profile.trace[call.first_trace:call.end_trace]):
             return []
         first_op = call.first_op
 
