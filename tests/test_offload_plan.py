@@ -774,6 +774,46 @@ def test_an_in_place_view_of_a_source_is_run_again_not_skipped(how, checked, mon
     assert st["recomputed_tensors_total"] > 0 and st["replays_stale_total"] == 0
 
 
+def test_a_checked_re_run_inside_the_forward_s_autocast_casts_as_the_forward_did(monkeypatch) -> None:
+    """Backward run inside the autocast its forward ran in: the re-run's autocast does not take
+    the forward's cached casts of the parameters, so it runs the operators the profile saw (every
+    checked step fell back to a whole re-run and had the next step profiled again)."""
+    from pyalloc.offloading import session as session_module
+
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(_Block(32), _Block(32), nn.Flatten(), nn.Linear(32 * 16, 4))
+
+    def step(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(1))
+    base = make()
+    grads = [step(base, x, seed) for seed in range(STEPS)]
+    model = make()
+    session = offload(budget=_saved_bytes_peak(make(), x) // 2, pressure_callback=False, selective=True)
+    with session:
+        step(model, x, 0)
+    search = session._search
+    _matrix_products_cheapest(search.profile)
+    search.plan = make_plan(search.profile, search.budget, selective=True)
+    search.selective, search.settled = True, True
+    assert search.plan.recipes
+    for seed in range(1, STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], step(model, x, seed))
+    st = session.stats()
+    assert st["recomputed_tensors_total"] > 0
+    assert st["selective_fallbacks_total"] == 0 and st["replays_stale_total"] == 0 and st["profile_steps_total"] == 1
+
+
 def test_replay_steps_pass_tensors_by_position_keyword_and_in_lists() -> None:
     """A replay step calls its operator with the arguments it was recorded with, tensors found
     again: by position and by keyword without unflattening the recorded leaves, in a list (``cat``)

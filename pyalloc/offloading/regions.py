@@ -199,7 +199,12 @@ class _Rerun:
             with contextlib.ExitStack() as modes:
                 modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
                 for dev, dtype in self.autocast:
-                    modes.enter_context(torch.autocast(dev, dtype=dtype))
+                    # inside the forward's own autocast (backward run inside it), its cache holds
+                    # the forward's casts of the parameters, and a re-run with it would cast none:
+                    # not the operators the profile saw (every checked step of a selective region
+                    # fell back to a whole re-run: a review, 2026-11-28). Casts are exact either way.
+                    nested = torch.is_autocast_enabled(dev)
+                    modes.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=not nested))
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
                 modes.enter_context(torch.enable_grad())
                 if mode is not None:
