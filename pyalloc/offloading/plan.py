@@ -613,8 +613,22 @@ class Profile:
         return t.is_leaf and not t.requires_grad and key in self.recorder.made
 
     def _producer(self, t: torch.Tensor, key: ProfileKey) -> int:
+        """The call whose output ``t`` is (a view of), as it returned it, or -1.
+
+        Note [Changed since made]
+            An output written in place after its call returned (a residual block's
+            ``out = bn2(conv2(h)); out += identity; relu(out)``) is not what re-running or
+            refilling that call gives. Until 2026-11-28 the storage alone linked a call's input to
+            its producer, and a plan regenerated the ReLU's input through the batch norm's refill,
+            without the identity: gradients off by up to 0.03 on every planned step of a stack of
+            torchvision-style basic blocks, nothing stale (a review). Such an input has no
+            producer now: an output candidate keeps it (a pin), and a planned step links an input
+            to the output call of its step only at the version it returned
+            (``PlannedStep._links``)."""
         entry = self._outputs.get(key)
         if entry is None or entry[1]() is None:
+            return -1
+        if t._version != self.calls[entry[0]].out_version:
             return -1
         return entry[0]
 

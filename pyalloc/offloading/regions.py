@@ -668,7 +668,8 @@ class PlannedStep:
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []
         self._outputs: dict[tuple[int, int], Output] = {}
-        self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output]] = {}
+        # storage -> (the output, the call that made it, the output's version when it returned)
+        self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output, int]] = {}
         self._handed: list[weakref.ref[_Counted]] = []  # what pack gave autograd, for abandon()
         self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
 
@@ -807,7 +808,9 @@ class PlannedStep:
         links = {}
         for t in tensors:
             entry = self._made.get(storage_key(t))
-            if entry is not None and entry[0]() is t:
+            # not when it was written in place since (``out += identity``): a re-run would give
+            # it as it was before (Note [Changed since made] in plan.py)
+            if entry is not None and entry[0]() is t and t._version == entry[2]:
                 links[id(t)] = _Link(entry[1], t.requires_grad)
         return links
 
@@ -839,7 +842,7 @@ class PlannedStep:
             record.returned(output)
             if isinstance(output, torch.Tensor):
                 assert record.out_key is not None and record.out_ref is not None  # (returned() found them)
-                self._made[record.out_key] = (record.out_ref, record)
+                self._made[record.out_key] = (record.out_ref, record, output._version)
 
     # -- saved-tensor hooks ----------------------------------------------------------------
 
