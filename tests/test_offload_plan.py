@@ -869,6 +869,66 @@ def test_an_input_written_in_place_after_its_call_returned_is_not_regenerated_th
     assert session.stats()["recomputed_tensors_total"] > 0
 
 
+class _NormInsideBlock(nn.Module):
+    """A block that calls a batch norm (or a dropout) and saves more after it returned."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.conv, self.conv2 = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(16) if kind == "batchnorm" else nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.norm(self.conv(x)), self.conv2(x).sin()
+
+
+class _NormOutsideUse(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.block, self.act = _NormInsideBlock(kind), nn.ReLU()
+        self.conv, self.head = nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, z = self.block(x)
+        return self.head(self.conv(self.act(y) + z).flatten(1))
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "dropout"])
+def test_a_refill_whose_saves_a_region_dropped_re_runs_instead(kind) -> None:
+    """A block re-run as a region drops what its batch norm (dropout) saved; the ReLU outside
+    has its output regenerated through that call. The refill read the dropped statistics (noise)
+    when the call returned, which refilled the region in forward, and a save the block made after
+    it failed in backward (AssertionError, every planned step). The call is re-run instead."""
+    from pyalloc.offloading.plan import OUTPUT, REGION, _Planner, plan_of
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return _NormOutsideUse(kind)
+
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    base = make()
+    grads = [_step(base, x, seed) for seed in range(STEPS)]
+    model = make()
+    session = offload(budget=1, pressure_callback=False, selective=False)
+    with session:
+        _step(model, x, 0)
+    search = session._search
+    profile = search.profile
+    planner = _Planner(profile, selective=False)
+    region = next(c for c in planner.candidates if c.kind == REGION and c.call.name == "_NormInsideBlock")
+    relu = next(c for c in planner.candidates if c.kind == OUTPUT and c.call.name == "ReLU" and len(c.chain) >= 2)
+    assert any(profile.calls[i].refill_seconds >= 0 and profile.calls[i].name in ("BatchNorm2d", "Dropout")
+               for i in relu.chain)  # the batch norm (dropout) is a refill
+    planner._take(([], [region, relu]))
+    search.plan = plan_of(profile, planner, planner.estimate())
+    search.selective, search.settled = False, True
+    for seed in range(1, STEPS):
+        with session:
+            _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+    _assert_bitwise_equal({k: v.clone() for k, v in base.state_dict().items()},
+                          {k: v.clone() for k, v in model.state_dict().items()})
+    assert session.stats()["recomputed_tensors_total"] > 0
+
+
 def test_replay_steps_pass_tensors_by_position_keyword_and_in_lists() -> None:
     """A replay step calls its operator with the arguments it was recorded with, tensors found
     again: by position and by keyword without unflattening the recorded leaves, in a list (``cat``)

@@ -1145,6 +1145,11 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
     fitting = [p for p in tried if p.estimate() <= budget]
     planner = min(fitting, key=lambda p: p.seconds()) if fitting \
         else min(tried, key=lambda p: (p.estimate(), p.seconds()))
+    return plan_of(profile, planner, min(floor_bytes, planner.estimate()))
+
+
+def plan_of(profile: Profile, planner: _Planner, floor_bytes: int) -> Plan:
+    """The plan of the candidates ``planner`` chose (tests choose their own)."""
     n = len(profile.packs)
     actions = [KEEP] * n
     owners: list[tuple[int, int] | None] = [None] * n
@@ -1177,7 +1182,7 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
             m = profile.calls[i].module
             modules[id(m())] = m
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
-                list(modules.values()), base.total, planner.estimate(), min(floor_bytes, planner.estimate()),
+                list(modules.values()), sum(planner.nbytes.values()), planner.estimate(), floor_bytes,
                 planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf))
 
 

@@ -499,7 +499,7 @@ class Output(_Rerun):
         self.out_key = key
         self.out_ref = weakref.ref(output)
         if self.refill_geometry is not None:
-            self.refiller = refills.refiller(self.module, output)
+            self.refiller = self.step.peek(lambda: refills.refiller(self.module, output))
 
     def regenerate(self) -> torch.Tensor:
         """The output again, bit for bit (inputs made by linked calls regenerated first)."""
@@ -664,6 +664,7 @@ class PlannedStep:
         self._traced_open = 0  # selective region calls running now
         self._height = 0  # the torch-function mode stack's height when the step began
         self._in_hook = False  # the module hooks' own torch calls are not the module's
+        self._peeking = False  # a refill looking at what its call saved: a dropped save is not refilled for it
         self._ordinals: dict[int, int] = {}
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []
@@ -907,9 +908,29 @@ class PlannedStep:
             self._handed.append(weakref.ref(h))
         return h
 
+    def peek(self, look: Callable[[], Any]) -> Any:
+        """``look()``, reading saves of the step's graph during forward (a refill taking the
+        statistics or the noise its call saved), or None when one of them was dropped.
+
+        A refill's call may run inside a region that drops what the call saved (a batch norm, a
+        dropout inside a planned block, the block's output regenerated outside it): reading such
+        a save refilled it at once, re-running the region in forward, which then held every save
+        it had dropped, and a save the region made after it failed in backward (an
+        AssertionError on every planned step: a review, 2026-11-28). Such a call is re-run
+        instead of refilled."""
+        peeking, self._peeking = self._peeking, True
+        try:
+            return look()
+        except _DroppedSave:
+            return None
+        finally:
+            self._peeking = peeking
+
     def unpack(self, h: Any) -> torch.Tensor:
         if not isinstance(h, _Counted):
             return h  # kept uncounted, or not an activation
+        if self._peeking and isinstance(h, (RegionSlot, OutputSlot, ProductSlot)):
+            raise _DroppedSave()
         if h.abandoned:
             from .session import OffloadError  # session.py imports this module
 
@@ -927,6 +948,10 @@ class PlannedStep:
     def _diverge(self) -> None:
         """The step no longer matches the profile: keep every save from here on."""
         self.diverged = True
+
+
+class _DroppedSave(Exception):
+    """A save read by :meth:`PlannedStep.peek` was dropped."""
 
 
 class IdleStep:
