@@ -929,6 +929,27 @@ def test_a_refill_whose_saves_a_region_dropped_re_runs_instead(kind) -> None:
     assert session.stats()["recomputed_tensors_total"] > 0
 
 
+def test_a_tiny_budget_with_an_in_place_activation_profiles_and_steps_exactly() -> None:
+    """The profiled step runs DTR under the budget: at ``budget=1`` it dropped the copy of its
+    input an in-place SiLU saves while the SiLU ran, before the call was found to write its input,
+    and could not replay it ("cannot replay silu"). A call that says it writes its input is
+    never replayed; every step bit for bit."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.SiLU(inplace=True), nn.Dropout(0.1), nn.Linear(256, 10))
+
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    base = make()
+    grads = [_step(base, x, seed) for seed in range(STEPS)]
+    model = make()
+    session = offload(budget=1, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for seed in range(STEPS):
+            with session:
+                _assert_bitwise_equal(grads[seed], _step(model, x, seed))
+
+
 def test_replay_steps_pass_tensors_by_position_keyword_and_in_lists() -> None:
     """A replay step calls its operator with the arguments it was recorded with, tensors found
     again: by position and by keyword without unflattening the recorded leaves, in a list (``cat``)

@@ -89,6 +89,20 @@ def _call_kind(func: Any) -> int:
     return kind
 
 
+def _writes_input(func: Any, kwargs: dict) -> bool:
+    """Whether a torch call says it writes its arguments: ``inplace=True``, ``out=``, or an
+    in-place name (``add_``, ``__iadd__``). A call that writes one without saying so is found
+    after it returns (its inputs' versions)."""
+    if kwargs.get("inplace") is True or kwargs.get("out") is not None:
+        return True
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
+
+
+_IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv",
+                                                        "mod", "pow", "and", "or", "xor", "lshift", "rshift"))
+
+
 @dataclass
 class Kept:
     """A leaf argument (parameter, input batch): held as is; its version must not change."""
@@ -233,8 +247,12 @@ class CallRecorder:
         if not tensors and not getattr(func, "__name__", "").startswith(("rand", "normal", "bernoulli")):
             return run(*args, **kwargs)
         refs: list[Any] = []
-        # a generator given to the call has moved on since: a re-run would draw other numbers
-        replayable = not any(isinstance(x, torch.Generator) for x in leaves)
+        # a generator given to the call has moved on since: a re-run would draw other numbers;
+        # and a call that writes its input (``F.silu(x, inplace=True)``, ``x.add_(y)``) would find
+        # it written: known before it runs, since DTR may drop what it saves while it runs (an
+        # in-place SiLU saves a copy of its input, which the profiled step of ``budget=1`` dropped
+        # at once and then could not regenerate: a review, 2026-11-28)
+        replayable = not any(isinstance(x, torch.Generator) for x in leaves) and not _writes_input(func, kwargs)
         seen: dict[int, Any] = {}  # one ref per tensor object: `query is key` must hold on replay
         for x in leaves:
             if not isinstance(x, torch.Tensor):
