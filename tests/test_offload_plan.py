@@ -626,17 +626,11 @@ def test_a_source_made_by_an_operator_that_writes_its_arguments_is_taken_not_ski
 
     torch.manual_seed(123)
     x = torch.randn(16, 3, 16, 16)
+    grads, session, model = _forced_selective(make, [x] * STEPS, 0.5, _convolutions_cheapest)
     base = make()
-    grads = [_step(base, x, seed) for seed in range(STEPS)]
-    model = make()
-    session = offload(budget=_saved_bytes_peak(make(), x) // 2, pressure_callback=False, selective=True)
-    with session:
-        _step(model, x, 0)
-    search = session._search
-    _convolutions_cheapest(search.profile)
-    search.plan = make_plan(search.profile, search.budget, selective=True)
-    search.selective, search.settled = True, True
-    recipes = [r for r, _ in search.plan.recipes.values()]
+    for seed in range(STEPS):  # the plain run's statistics
+        _step(base, x, seed)
+    recipes = [r for r, _ in session._search.plan.recipes.values()]
     assert any(a == SOURCE and "_native_batch_norm_legit" in str(r.funcs[j])
                for r in recipes for j, a in enumerate(r.actions)), [r.actions for r in recipes]
     for seed in range(1, STEPS):
@@ -650,17 +644,18 @@ def test_a_source_made_by_an_operator_that_writes_its_arguments_is_taken_not_ski
 
 
 def _forced_selective(make: Callable[[], nn.Module], xs: list[torch.Tensor], fraction: float,
-                      prepare: Callable[[Profile], None]) -> tuple[list[dict[str, torch.Tensor]], ActivationOffload,
-                                                                 nn.Module]:
+                      prepare: Callable[[Profile], None],
+                      step: Callable[[nn.Module, torch.Tensor, int], dict[str, torch.Tensor]] = _step,
+                      ) -> tuple[list[dict[str, torch.Tensor]], ActivationOffload, nn.Module]:
     """The plain run's gradients for inputs ``xs`` (one a step), and a session profiled on the
     first whose plan is the planner's with selective regions under the times ``prepare`` sets."""
     base = make()
-    grads = [_step(base, x, seed) for seed, x in enumerate(xs)]
+    grads = [step(base, x, seed) for seed, x in enumerate(xs)]
     model = make()
     session = offload(budget=int(_saved_bytes_peak(make(), xs[0]) * fraction), pressure_callback=False,
                       selective=True)
     with session:
-        _step(model, xs[0], 0)
+        step(model, xs[0], 0)
     search = session._search
     prepare(search.profile)
     search.plan = make_plan(search.profile, search.budget, selective=True)
@@ -795,17 +790,8 @@ def test_a_checked_re_run_inside_the_forward_s_autocast_casts_as_the_forward_did
         return grads
 
     x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(1))
-    base = make()
-    grads = [step(base, x, seed) for seed in range(STEPS)]
-    model = make()
-    session = offload(budget=_saved_bytes_peak(make(), x) // 2, pressure_callback=False, selective=True)
-    with session:
-        step(model, x, 0)
-    search = session._search
-    _matrix_products_cheapest(search.profile)
-    search.plan = make_plan(search.profile, search.budget, selective=True)
-    search.selective, search.settled = True, True
-    assert search.plan.recipes
+    grads, session, model = _forced_selective(make, [x] * STEPS, 0.5, _matrix_products_cheapest, step)
+    assert session._search.plan.recipes
     for seed in range(1, STEPS):
         with session:
             _assert_bitwise_equal(grads[seed], step(model, x, seed))
