@@ -56,8 +56,13 @@ _HIDDEN_EFFECTS = ("batch_norm", "instance_norm", "group_norm_running")
 
 def _has_hidden_effects(name: str) -> bool:
     """Calls that update state without bumping a version counter (batch norm's running stats),
-    or in-place methods (``add_``): never replayed."""
-    return any(k in name for k in _HIDDEN_EFFECTS) or (name.endswith("_") and not name.endswith("__"))
+    or in-place methods and operators (``add_``, ``__iadd__``): never replayed."""
+    return any(k in name for k in _HIDDEN_EFFECTS) or (name.endswith("_") and not name.endswith("__")) \
+        or name in _IN_PLACE_OPERATORS
+
+
+_IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv",
+                                                        "mod", "pow", "and", "or", "xor", "lshift", "rshift"))
 
 
 _VIEW_PROPERTIES = frozenset(("T", "mT", "H", "mH", "real", "imag"))
@@ -87,20 +92,6 @@ def _call_kind(func: Any) -> int:
     with contextlib.suppress(TypeError):
         _call_kinds[func] = kind
     return kind
-
-
-def _writes_input(func: Any, kwargs: dict) -> bool:
-    """Whether a torch call says it writes its arguments: ``inplace=True``, ``out=``, or an
-    in-place name (``add_``, ``__iadd__``). A call that writes one without saying so is found
-    after it returns (its inputs' versions)."""
-    if kwargs.get("inplace") is True or kwargs.get("out") is not None:
-        return True
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
-
-
-_IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv",
-                                                        "mod", "pow", "and", "or", "xor", "lshift", "rshift"))
 
 
 @dataclass
@@ -247,12 +238,14 @@ class CallRecorder:
         if not tensors and not getattr(func, "__name__", "").startswith(("rand", "normal", "bernoulli")):
             return run(*args, **kwargs)
         refs: list[Any] = []
-        # a generator given to the call has moved on since: a re-run would draw other numbers;
-        # and a call that writes its input (``F.silu(x, inplace=True)``, ``x.add_(y)``) would find
-        # it written: known before it runs, since DTR may drop what it saves while it runs (an
-        # in-place SiLU saves a copy of its input, which the profiled step of ``budget=1`` dropped
-        # at once and then could not regenerate: a review, 2026-11-28)
-        replayable = not any(isinstance(x, torch.Generator) for x in leaves) and not _writes_input(func, kwargs)
+        # a generator given to the call has moved on since: a re-run would draw other numbers; a
+        # call with hidden effects (``x.add_(y)``) or told to write its input (``inplace=True``,
+        # ``out=``) is never replayed, known before it runs, since DTR may drop what it saves
+        # while it runs (an in-place SiLU saves a copy of its input, which the profiled step of
+        # ``budget=1`` dropped at once and then could not regenerate: a review, 2026-11-28); a
+        # call that writes an input without saying so is found when it returns (versions)
+        replayable = kind != _NO_REPLAY and kwargs.get("inplace") is not True and kwargs.get("out") is None \
+            and not any(isinstance(x, torch.Generator) for x in leaves)
         seen: dict[int, Any] = {}  # one ref per tensor object: `query is key` must hold on replay
         for x in leaves:
             if not isinstance(x, torch.Tensor):

@@ -388,14 +388,14 @@ class CallOps:
                 # the sources it made first: an operator with several outputs is one (a layer norm
                 # with its statistics: each output a save, or faked), and so is one that also
                 # writes an argument (a batch norm's running statistics: not written again)
-                made = [o[0] if o is not None and o[0] in used_sources and self.writers[o[0]][0] == j else None
-                        for o in op.outputs]
+                used = [o[0] if o is not None and o[0] in used_sources else None for o in op.outputs]
+                made = [k if k is not None and self.writers[k][0] == j else None for k in used]
                 if any(k is not None for k in made):
                     actions[j] = SOURCE
                     sources[j] = [self.saved_at[k] if k is not None else None for k in made]
                 elif op.mutated:
                     actions[j] = SKIP  # in place over a source, or over what nothing needs
-                elif any(o is not None and o[0] in used_sources for o in op.outputs):
+                elif any(k is not None for k in used):
                     return None  # a source it made that an earlier operator wrote: not one to fake
         if all(a == COMPUTE for a in actions[:last + 1]):
             return None  # every operator up to the last dropped save runs: a whole re-run does that
@@ -543,6 +543,12 @@ def _same_arguments(step: ReplayStep, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+def _fake(geometry: Geometry) -> torch.Tensor:
+    """An uninitialised tensor of ``geometry``: an output no computed operator reads."""
+    shape, stride, _, dtype, device = geometry
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
 def _view(storage: Any, geometry: Geometry) -> torch.Tensor:
     shape, stride, offset, dtype, device = geometry
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
@@ -586,11 +592,10 @@ class SelectiveRerun(TorchDispatchMode):
             return written[0] if len(written) == 1 else tuple(written)
         geometry = r.geometry[j]
         if action == SOURCE:  # the saves the forward kept; an output nothing computed reads, faked
-            flat = [_view(self.sources[i].untyped_storage(), g) if i is not None  # type: ignore[arg-type]
-                    else torch.empty_strided(g[0], g[1], dtype=g[3], device=g[4])  # type: ignore[index]
+            flat = [_view(self.sources[i].untyped_storage(), g) if i is not None else _fake(g)  # type: ignore[arg-type]
                     for i, g in zip(r.sources[j], geometry)]
         else:
-            flat = [torch.empty_strided(g[0], g[1], dtype=g[3], device=g[4]) for g in geometry]  # type: ignore[index]
+            flat = [_fake(g) for g in geometry]  # type: ignore[arg-type]
         # the structure of the real result: one tensor, or a tuple/list of them
         schema_returns = func._schema.returns
         if len(schema_returns) == 1 and str(schema_returns[0].type) == "Tensor":

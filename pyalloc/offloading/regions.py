@@ -929,8 +929,6 @@ class PlannedStep:
     def unpack(self, h: Any) -> torch.Tensor:
         if not isinstance(h, _Counted):
             return h  # kept uncounted, or not an activation
-        if self._peeking and isinstance(h, (RegionSlot, OutputSlot, ProductSlot)):
-            raise _DroppedSave()
         if h.abandoned:
             from .session import OffloadError  # session.py imports this module
 
@@ -938,6 +936,8 @@ class PlannedStep:
         if isinstance(h, KeptSave):
             return h.tensor
         if isinstance(h, (RegionSlot, OutputSlot, ProductSlot)):
+            if self._peeking:  # dropped: not refilled for a look (peek)
+                raise _DroppedSave()
             return h.get()
         return h
 
