@@ -87,3 +87,30 @@ def test_a_spent_budget_leaves_later_checks_not_run_but_keeps_tests_gpus_share(
     assert results["offload (gpt-like)"].status == "timeout"  # ran: its share was kept
     assert results["tests/gpu"].seconds == pytest.approx(run.TESTS_SHARE * 480.0, abs=1.0)
     assert sum(r.seconds for r in results.values()) == pytest.approx(480.0, abs=1.0)
+
+
+def test_checks_run_alone_share_the_whole_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--only offload --budget 200` gives each model 100 s, not the 20 s it has in the whole run;
+    checks whose shares already fill the budget keep them."""
+    calls: dict[str, tuple[dict[str, Any], float]] = {}
+
+    def child(name: str, check: str, cfg: dict[str, Any], timeout: float) -> run.CheckResult:
+        calls[name] = (cfg, timeout)
+        return run.CheckResult(name, "pass", 0.0, {"largest_batch": 8} if cfg.get("mode") == "max-batch" else {})
+
+    monkeypatch.setattr(run, "run_child", child)
+    monkeypatch.setattr(run, "run_gpu_tests", lambda timeout, out=None: run.CheckResult("tests/gpu", "pass", 0.0))
+    run.run_checks(_args(tmp_path, only="offload", budget=200.0), "cuda", lambda line: None)
+    assert calls["offload (gpt-like)"][1] == pytest.approx(100.0, abs=0.5)
+    assert calls["offload (resnet-like)"][1] == pytest.approx(100.0, abs=0.5)
+    assert calls["offload (gpt-like)"][0]["seconds"] == pytest.approx(run.OFFLOAD_SEARCH_SHARE * 100.0, abs=0.5)
+
+    calls.clear()
+    run.run_checks(_args(tmp_path, only="growth", budget=100.0), "cuda", lambda line: None)
+    assert [timeout for _, timeout in calls.values()] == pytest.approx([100.0 / 3] * 3, abs=0.5)
+
+    calls.clear()
+    run.run_checks(_args(tmp_path, budget=480.0), "cuda", lambda line: None)  # the whole run: shares as planned
+    cfg, timeout = calls["gpt2 max-batch (default)"]
+    assert timeout == pytest.approx(0.08 * 480.0, abs=0.5)
+    assert cfg["seconds"] == pytest.approx(run.MAX_BATCH_SEARCH_SHARE * timeout)

@@ -52,6 +52,7 @@ FEATURE_CHECKS = ("environment", "oom", "cudnn-benchmark", "graphs", "ipc", "sna
 OFFLOAD_MODELS = ("gpt", "resnet")  # of pyalloc.offloading.bench_models
 OFFLOAD_SHARE = 0.2  # of the budget, kept for the offload check (both models) by the checks before it
 TESTS_SHARE = 0.25  # of the budget, kept for tests/gpu, which runs last
+MAX_BATCH_SEARCH_SHARE = 0.75  # of a largest-batch check's time, for the search itself
 OFFLOAD_SEARCH_SHARE = 0.5  # of an offload check's time, for its largest-batch searches; the rest times steps
 
 
@@ -211,7 +212,7 @@ def plan(args: argparse.Namespace) -> list[Planned]:
     for model in ("gpt2", "resnet50"):
         steps += [Planned(f"{model} max-batch ({a})", model, "train",
                           {"allocator": a, "model": model, "mode": "max-batch", "start_batch": args.start_batch,
-                           "max_batch": args.max_batch, "seconds": args.budget * 0.06}, 0.08) for a in ALLOCATORS]
+                           "max_batch": args.max_batch}, 0.08) for a in ALLOCATORS]
         steps += [Planned(f"{model} step time ({a})", model, "train",
                           {"allocator": a, "model": model, "mode": "time", "steps": args.steps}, 0.05)
                   for a in ALLOCATORS]
@@ -220,8 +221,14 @@ def plan(args: argparse.Namespace) -> list[Planned]:
                       {"allocator": "default", "model": model, "start_batch": args.start_batch,
                        "max_batch": args.max_batch, "steps": args.steps}, each, each) for model in OFFLOAD_MODELS]
     steps.append(Planned("tests/gpu", "tests/gpu", "tests/gpu", {}, 1.0, TESTS_SHARE))
-    wanted = set(args.only.split(",")) if args.only else None
-    return [p for p in steps if wanted is None or p.group in wanted]
+    if not args.only:
+        return steps
+    wanted = set(args.only.split(","))
+    chosen = [p for p in steps if p.group in wanted]
+    # The shares are of the whole run's budget; checks run alone get all of it between them
+    # (`--only offload --budget 200`: 100 s a model, not the 20 s each has in the whole run).
+    scale = max(1.0, 1.0 / sum(p.share for p in chosen)) if chosen else 1.0
+    return [Planned(p.name, p.group, p.check, p.cfg, min(1.0, p.share * scale), p.reserve * scale) for p in chosen]
 
 
 def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckResult]:
@@ -247,6 +254,8 @@ def run_checks(args: argparse.Namespace, device: str, say: Any) -> list[CheckRes
         else:
             if step.check == "offload":  # the searches take half of its time, the rest times steps
                 cfg.update(seconds=OFFLOAD_SEARCH_SHARE * timeout, time_limit=timeout)
+            elif cfg.get("mode") == "max-batch":  # the search stops in time to report what it found
+                cfg["seconds"] = MAX_BATCH_SEARCH_SHARE * timeout
             result = run_child(step.name, step.check, {"device": device, **cfg}, timeout)
         if cfg.get("mode") == "max-batch" and result.status == "pass":
             largest.setdefault(cfg["model"], {})[cfg["allocator"]] = int(result.figures["largest_batch"])
