@@ -332,3 +332,74 @@ def test_what_the_budget_left_unfinished_is_named_as_the_next_command() -> None:
     report = {"date": "2026-11-27", "environment": {}, "checks": [], "targets": [],
               "unfinished": run.unfinished(args, results)}
     assert "`pyalloc gpu-check --only resnet50,tests/gpu`" in run.markdown(report)
+
+
+def test_the_other_columns_search_from_the_batch_the_plain_step_failed_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of the other columns' searches starts at the batch it is to pass (starting at the plain
+    step's largest spent pyalloc's share on a batch that shows nothing, and on an H200 its search
+    stopped by time there), and pyalloc's search gets the largest part of the searches' time.
+    The searches, the probe and the timings are recorders: what is checked is what compare asks."""
+    from pyalloc.gpucheck import offload as check
+    from pyalloc.gpucheck.batch_search import BatchSearch
+
+    asked: list[tuple[str, int, int, float]] = []
+
+    def search(self: Any, column: Any, start: int, cap: int, deadline: float) -> BatchSearch:
+        asked.append((column.name, start, cap, deadline - check.time.monotonic()))
+        return BatchSearch(8, 9, "out of memory") if column.name == "baseline" else BatchSearch(start, None, "time")
+
+    def at_common(bench: Any, columns: list[Any], batch: int, steps: int, deadline: float) -> Any:
+        return True, "strict", 1, {c.name: {} for c in columns}
+
+    monkeypatch.setattr(check.Bench, "search", search)
+    monkeypatch.setattr(check, "probed", lambda model, x: (1000, [], []))
+    monkeypatch.setattr(check, "_at_common_batch", at_common)
+    monkeypatch.setattr(check.Bench, "per_sample", lambda self, column, batch, steps, deadline: (None, 0))
+    figures = check.compare({"device": "cpu", "model": "gpt", "start_batch": 4, "max_batch": 4096, "steps": 1,
+                             "seconds": 70, "time_limit": 600})
+    assert [(name, start, cap) for name, start, cap, _ in asked] == [
+        ("baseline", 4, 4096), ("pyalloc", 9, 24), ("checkpoint", 9, 24), ("save_on_cpu", 9, 24)]
+    seconds = {name: share for name, _, _, share in asked}
+    # 70 s in parts of 2, 3, 1 and 1, each share of what is left when its search begins (these
+    # searches take no time: each leaves all of its share to the next)
+    assert seconds["baseline"] == pytest.approx(70.0 * 2 / 7, abs=0.5)
+    assert seconds["pyalloc"] == pytest.approx(70.0 * 3 / 5, abs=0.5)
+    assert seconds["checkpoint"] == pytest.approx(70.0 / 2, abs=0.5)
+    assert seconds["save_on_cpu"] == pytest.approx(70.0, abs=0.5)
+    assert figures["common_batch"] == 7 and figures["columns"]["pyalloc"]["largest_batch"] == 9
+
+
+def test_an_attempts_time_is_predicted_from_the_columns_latest_attempt_not_its_first() -> None:
+    """The first attempt of a process pays the device's warm-up: predicting from it stopped the
+    plain step's search on an H200 at batch 16 of a model that trained 32 in a tenth of a second."""
+    import time
+
+    from pyalloc.gpucheck import offload as check
+
+    class Warming:
+        name = "baseline"
+        warm = False
+
+        def start(self, x: Any) -> None:
+            if not self.warm:
+                time.sleep(0.4)  # the first attempt's warm-up
+                self.warm = True
+
+        def step(self, x: Any) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    bench = check.Bench.__new__(check.Bench)
+    bench.device, bench.rate, bench.attempts = "cpu", {}, {}
+    bench.input = lambda batch: None  # type: ignore[method-assign]
+    column = Warming()
+    assert bench.trains(column, 4) and bench.trains(column, 8)  # type: ignore[arg-type]
+    assert [batch for batch, ok, _ in bench.attempts["baseline"]] == [4, 8]
+    assert bench.attempts["baseline"][0][2] >= 0.4
+    (_, _, first), (_, _, latest) = bench.attempts["baseline"]
+    assert bench.rate["baseline"] == pytest.approx(latest / 8, abs=1e-3) and latest < first
+    # so a batch that the first attempt's rate says would not end in time is tried
+    deadline = time.monotonic() + (latest / 8 + first / 4) / 2 * 64
+    assert bench.fits(column, 64, deadline)  # type: ignore[arg-type]

@@ -35,8 +35,10 @@ Measured, in this order:
    saved-activation bytes (a counting saved-tensor hook; parameters and leaves excluded), which
    set pyalloc's budget and save_on_cpu's host-memory cap.
 3. The other columns' largest batches, the same way (pyalloc's first, after its plan settled),
-   each search starting at the baseline's largest batch (the batch they are to pass; doubling
-   from ``start_batch`` again spent pyalloc's share of the time on batches below it) and
+   each search starting at the batch they are to pass, the baseline's first that failed (or the
+   one after its largest; doubling from ``start_batch`` again spent pyalloc's share of the time
+   on batches below it, and starting at the baseline's largest spent it on a batch that shows
+   nothing) and
    stopping at :data:`SEARCH_RATIO` times the baseline's largest (``stop: "3x the plain
    step's"``): enough to show which column trains the larger batch, and it bounds the
    batches that this search and item 5 run. save_on_cpu's search also stops (``stop: "host memory"``)
@@ -62,10 +64,11 @@ Time. The parent kills this process ``time_limit`` seconds after starting it (th
 searches that share of the check's time); so that the figures come out instead, every step
 watches one end, that limit less :data:`MARGIN_FRACTION` of it and :data:`MARGIN_SECONDS`,
 counted from the process's start. The searches get ``seconds`` (at most :data:`SEARCH_SHARE` of
-what is left when they begin), split evenly among the columns in :data:`SEARCH_ORDER`, what one
-leaves over going to the next; the common batch gets half of what is left after them, the timings
-at the largest batches the rest, split evenly in the same order. An attempt or a timing that
-would pass its share (predicted from the column's slowest time per sample so far) is not started:
+what is left when they begin), split among the columns in :data:`SEARCH_ORDER` by
+:data:`SEARCH_WEIGHTS`, what one leaves over going to the next; the common batch gets half of
+what is left after them, the timings at the largest batches the rest, split evenly in the same
+order. An attempt or a timing that would pass its share (predicted from the column's latest time
+per sample: :class:`Bench`) is not started:
 a search then stops (``stop: "time"`` while it was still doubling), a median is of fewer steps,
 a time per sample may be missing. The common batch's steps always run, one repetition at least:
 its figures are the targets'.
@@ -132,6 +135,10 @@ from .batch_search import BatchSearch, largest_batch
 
 COLUMNS = ("baseline", "checkpoint", "save_on_cpu", "pyalloc")
 SEARCH_ORDER = ("baseline", "pyalloc", "checkpoint", "save_on_cpu")  # the targets' columns first: time runs out last
+SEARCH_WEIGHTS = {"baseline": 2, "pyalloc": 3, "checkpoint": 1, "save_on_cpu": 1}
+"""Each column's part of the searches' time: the targets' columns get more, pyalloc most (each of
+its attempts starts a session, whose first steps profile and plan: seconds, where a plain attempt
+at the same batch takes a fraction of one on a GPU)."""
 BUDGET_FRACTION = 0.5  # pyalloc's budget, of the baseline's saved-activation bytes at the common batch
 COMMON_FRACTION = 0.9  # the common batch, of the baseline's largest
 SEARCH_STEPS = 3  # steps a batch must run to count as training
@@ -195,9 +202,14 @@ class Column:
 class Bench:
     """The model under test, its inputs and its device: running, timing and searching columns.
 
-    ``rate`` holds, per column, the slowest seconds per sample of an attempt that trained (its
+    ``rate`` holds, per column, the seconds per sample of its latest attempt that trained (its
     start and :data:`SEARCH_STEPS` steps), from which the time of a later attempt or timing at
-    another batch is predicted, so that none starts that would end after its deadline."""
+    another batch is predicted, so that none starts that would end after its deadline. The latest,
+    not the slowest: a process's first attempt also pays the device's warm-up (the CUDA context,
+    cuBLAS and cuDNN handles), and on an H200 the slowest rate, that of batch 4, said that batch 32
+    of the ResNet-like model would take seconds where it took a tenth of one, and stopped the
+    plain step's search at 16 (docs/benchmarks/2026-11-28-gpu-check-h200-run6.md). ``attempts``
+    holds every attempt, per column: (batch, trained, seconds)."""
 
     def __init__(self, workload: Workload, device: str) -> None:
         self.device = device
@@ -205,6 +217,7 @@ class Bench:
         self.model = workload.make_model()
         self.make_input = workload.make_input
         self.rate: dict[str, float] = {}
+        self.attempts: dict[str, list[tuple[int, bool, float]]] = {}
 
     def input(self, batch: int) -> torch.Tensor:
         torch.manual_seed(batch)
@@ -248,8 +261,10 @@ class Bench:
             ok = False
         column.stop()
         self.release()
+        seconds = time.monotonic() - began
+        self.attempts.setdefault(column.name, []).append((batch, ok, round(seconds, 3)))
         if ok:
-            self.rate[column.name] = max(self.rate.get(column.name, 0.0), (time.monotonic() - began) / batch)
+            self.rate[column.name] = seconds / batch
         return ok
 
     def search(self, column: Column, start: int, cap: int, deadline: float) -> BatchSearch:
@@ -311,10 +326,10 @@ def _time_limit(cfg: dict[str, Any]) -> tuple[float, float]:
     return limit, time.monotonic() - _process_age() + limit * (1 - MARGIN_FRACTION) - MARGIN_SECONDS
 
 
-def _share(end: float, parts: int) -> float:
-    """The deadline of the first of ``parts`` even shares of the time until ``end``."""
+def _share(end: float, parts: float, weight: float = 1.0) -> float:
+    """The deadline of a share of ``weight`` parts of ``parts`` (even parts) of the time until ``end``."""
     now = time.monotonic()
-    return now + max(0.0, end - now) / parts
+    return now + max(0.0, end - now) * weight / parts
 
 
 def _cap_memory(device: str, cap: int) -> tuple[int | None, str]:
@@ -482,7 +497,8 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
     searches_end = now + min(float(cfg.get("seconds", 120)), SEARCH_SHARE * max(0.0, end - now))
 
     baseline = Column("baseline", bench.model, 0)
-    searches = {"baseline": bench.search(baseline, start, cap, _share(searches_end, len(SEARCH_ORDER)))}
+    parts = sum(SEARCH_WEIGHTS.values())
+    searches = {"baseline": bench.search(baseline, start, cap, _share(searches_end, parts, SEARCH_WEIGHTS["baseline"]))}
     if searches["baseline"].largest == 0:
         raise NothingTrains(f"the plain step did not train at batch {min(start, cap)}"
                             if searches["baseline"].stop != "time" else "no time was left to run the plain step")
@@ -494,13 +510,18 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
 
     host_cap = int(HOST_FRACTION * _host_available_bytes() * common / max(1, saved))
     ratio_cap = SEARCH_RATIO * searches["baseline"].largest
-    for done, name in enumerate(SEARCH_ORDER[1:], 1):
+    # The others start at the batch they are to pass: the plain step's first that failed (or the
+    # one after its largest, when its search stopped on time or at the cap).
+    beyond = searches["baseline"].first_failing or searches["baseline"].largest + 1
+    parts -= SEARCH_WEIGHTS["baseline"]
+    for name in SEARCH_ORDER[1:]:
         limits = [(cap, "max_batch"), (ratio_cap, f"{SEARCH_RATIO}x the plain step's")]
         if name == "save_on_cpu":
             limits.append((host_cap, "host memory"))
         column_cap, why = min(limits, key=lambda pair: pair[0])  # on a tie, max_batch
-        begin = min(column_cap, max(start, searches["baseline"].largest))
-        found = bench.search(columns[name], begin, column_cap, _share(searches_end, len(SEARCH_ORDER) - done))
+        begin = min(column_cap, max(start, beyond))
+        found = bench.search(columns[name], begin, column_cap, _share(searches_end, parts, SEARCH_WEIGHTS[name]))
+        parts -= SEARCH_WEIGHTS[name]
         searches[name] = replace(found, stop=why) if found.stop == "max_batch" else found
 
     ordered = [columns[name] for name in COLUMNS]
@@ -527,7 +548,8 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
         found = searches[name]
         per_sample, timed = at_largest[name]
         row = {"largest_batch": found.largest, "first_failing_batch": found.first_failing, "stop": found.stop,
-               "seconds_per_sample": per_sample, "steps_at_largest": timed}
+               "seconds_per_sample": per_sample, "steps_at_largest": timed,
+               "attempts": [list(a) for a in bench.attempts.get(name, [])]}
         row.update(at_common[name])
         figures["columns"][name] = row
     return figures

@@ -51,7 +51,7 @@ STEP_TIME_TARGET = 1.01
 FEATURE_CHECKS = ("environment", "oom", "cudnn-benchmark", "graphs", "ipc", "snapshot")
 OFFLOAD_MODELS = ("gpt", "resnet")  # of pyalloc.offloading.bench_models
 OFFLOAD_SHARE = 0.2  # of the budget, kept for the offload check (both models) by the checks before it
-TESTS_SHARE = 0.25  # of the budget, kept for tests/gpu, which runs last
+TESTS_SHARE = 0.35  # of the budget, kept for tests/gpu, which runs last (its 22 tests took 160-165 s on an H200)
 MAX_BATCH_SEARCH_SHARE = 0.75  # of a largest-batch check's time, for the search itself
 OFFLOAD_SEARCH_SHARE = 0.5  # of an offload check's time, for its largest-batch searches; the rest times steps
 
@@ -203,9 +203,9 @@ def plan(args: argparse.Namespace) -> list[Planned]:
     is slower); the features under pyalloc; the A/B/C of GPT-2 then ResNet-50 (a model's second
     and third largest-batch searches double from the largest batch an allocator before trained,
     not from ``--start-batch``: on an H200 ResNet-50's first search, from 4 to 2,496, took 29 s);
-    the offload check (a fifth of the budget kept for it); last, tests/gpu with a quarter kept for it, whose
-    per-test log (tests-gpu-results.log) keeps the details of every test that finished even when
-    time runs out."""
+    the offload check (a fifth of the budget kept for it); last, tests/gpu with 35% kept for it (its
+    22 tests took 160-165 s on an H200), whose per-test log (tests-gpu-results.log) keeps the
+    details of every test that finished even when time runs out."""
     steps: list[Planned] = [Planned("environment", "environment", "environment", {"allocator": "pyalloc"}, 0.04)]
     steps += [Planned(f"growth ({a})", "growth", "growth", {"allocator": a}, 0.04) for a in ALLOCATORS]
     steps += [Planned(c, c, c, {"allocator": "pyalloc"}, 0.08) for c in FEATURE_CHECKS if c != "environment"]
@@ -366,6 +366,11 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
         ratio = "-" if c["time_ratio"] is None else f"{c['time_ratio']}x"
         lines.append(f"| {column} | {c['largest_batch']} | {c['stop']} | {per_sample} | {c.get('steps_at_largest', '?')} "
                      f"| {step} | {ratio} | {exact} |")
+    searched = [f"{column} " + ", ".join(f"{batch}{'' if ok else ' (failed)'} {seconds:.2g} s"
+                                         for batch, ok, seconds in c["attempts"])
+                for column, c in figures["columns"].items() if c.get("attempts")]
+    if searched:
+        lines += ["", "The searches' attempts (batch, seconds: a fresh start and the steps): " + "; ".join(searched) + "."]
     return lines
 
 
