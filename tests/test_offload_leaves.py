@@ -1,7 +1,8 @@
 """Leaves the step made (Note [Step-made leaves] in pyalloc/offloading/plan.py): a saved tensor
 without history that an operator of the step made (a dropout's mask, a layer norm's statistics,
 the CPU LSTM's workspace) is activation memory: it counts against the budget, and a region drops
-it and its re-run makes it again, exactly."""
+it and its re-run makes it again, exactly. Dropout noise a plan keeps is held as a mask (Note
+[Packed noise] in pyalloc/offloading/dropout.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from pyalloc.offloading.bench_models import _LSTMBlock as _Block  # an LSTM and a dropout
 from pyalloc.offloading import rng
+from pyalloc.offloading.dropout import pack_noise, packable_noise, unpack_noise
 from pyalloc.offloading.ops import CallOps, run_replay
 from pyalloc.offloading.plan import KEEP, REGION, MadeInStep, Profile, is_activation, storage_key
 from pyalloc.offloading.session import OffloadFloorWarning, offload
@@ -234,3 +236,87 @@ def test_a_leaf_the_step_made_counts_as_a_region_input_too() -> None:
     profile.stop()
     call = next(c for c in profile.calls if c.name == "_TakesTheMask")
     assert call.input_activation == [True, True]  # h has history; m is a leaf the step made
+
+
+# ---- dropout noise kept as a mask (Note [Packed noise] in dropout.py) ------------------------
+
+
+def test_noise_packs_to_a_mask_and_back_bit_for_bit_and_nothing_else_packs() -> None:
+    torch.manual_seed(0)
+    noise = torch.empty(64, 128).bernoulli_(0.9).div_(0.9)
+    assert packable_noise(noise)
+    packed = pack_noise(noise)
+    assert packed is not None
+    mask, scale = packed
+    assert mask.dtype is torch.bool and mask.untyped_storage().nbytes() * 4 == noise.untyped_storage().nbytes()
+    back = unpack_noise(mask, scale)
+    assert back.dtype == noise.dtype and back.stride() == noise.stride()
+    assert torch.equal(back.view(torch.int32), noise.view(torch.int32))  # the bits, not only the values
+    assert pack_noise(torch.randn(64, 128)) is None  # more than one nonzero value
+    assert pack_noise(torch.where(noise == 0, -0.0, noise)) is None  # its bits, not its values, come back
+    negative_zero = noise.clone()
+    negative_zero[0, 0] = -0.0
+    assert not packable_noise(negative_zero)  # the mask would give +0.0
+    assert packable_noise(noise.t())  # dense in another order: the mask keeps it
+    assert not packable_noise(noise[:, ::2])  # not all of its storage
+
+
+def test_planned_steps_keep_dropout_noise_packed_within_the_budget_exactly() -> None:
+    model, x = _lstm(), _input()
+    total = saved_bytes_peak(model, x)
+    expected = [step(_lstm(), x, seed) for seed in range(STEPS)]
+    budget = total * 3 // 4
+    session = offload(budget=budget, pressure_callback=False)
+    got = session_steps(session, model, x, STEPS)
+    for e, g in zip(expected, got):
+        assert_bitwise_equal(e, g)
+    st = session.stats()
+    assert st["noise_packed_total"] > 0 and st["plan_settled"] == 1 and st["step_saved_bytes_peak"] <= budget * 1.05
+    search = session._search
+    assert search is not None and search.plan.noise
+    assert all(search.profile.packs[seq].packed for seq in search.plan.noise)
+
+
+def test_a_budget_never_reached_packs_nothing() -> None:
+    model, x = _lstm(), _input()
+    session = offload(budget=saved_bytes_peak(model, x) * 10, pressure_callback=False)
+    session_steps(session, model, x, STEPS)
+    st = session.stats()
+    assert st["noise_packed_total"] == 0 and st["idle_steps_total"] > 0
+
+
+def test_a_noise_counts_packed_while_kept_and_whole_when_a_re_run_makes_it_again() -> None:
+    """The planner holds a kept noise at its mask's bytes, but a selective region that drops it
+    makes the float noise again in backward: its refill counts the whole bytes (counting the
+    mask's made the plan's estimate low by three quarters of each such noise)."""
+    from pyalloc.offloading.bench_models import train_step, workloads
+    from pyalloc.offloading.plan import REGION as REGION_KIND, _Planner, packed_bytes
+
+    torch.manual_seed(0)
+    bert = workloads("cpu")["bert"]  # attention and feed-forward dropouts in every block
+    session = offload(budget=1, pressure_callback=False)
+    with session:
+        train_step(bert.make_model(), bert.make_input(4))
+    search = session._search
+    assert search is not None
+    profile = search.profile
+    planner = _Planner(profile)
+    whole = {p.key: p.nbytes for p in profile.packs if p.activation}
+    noise = {k for k, seqs in planner.saves.items() if packed_bytes(profile.packs, seqs)}
+    assert noise and all(planner.nbytes[k] * 4 == whole[k] for k in noise)
+    selective = [c for c in planner.candidates if c.kind == REGION_KIND and c.recipe is not None]
+    assert any(c.drops & noise for c in selective)
+    for c in selective:
+        assert c.transient == sum(whole[k] for k in c.drops)
+
+
+def test_a_storage_saved_twice_packs_only_when_every_save_can() -> None:
+    from pyalloc.offloading.plan import PackInfo, packed_bytes
+
+    def info(packed: int) -> PackInfo:
+        return PackInfo(("s", "cpu"), 4096, True, -1, None, 0, ((1024,), torch.float32), (1,), 0, leaf=True,
+                        packed=packed)
+
+    assert packed_bytes([info(1024), info(1024)], [0, 1]) == 2048  # each save holds its own mask
+    assert packed_bytes([info(1024), info(0)], [0, 1]) == 0  # one float copy is held anyway
+    assert packed_bytes([info(1024)] * 4, [0, 1, 2, 3]) == 0  # four masks hold what the float did

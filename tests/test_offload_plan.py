@@ -905,7 +905,7 @@ def test_a_refill_whose_saves_a_region_dropped_re_runs_instead(kind) -> None:
     assert any(profile.calls[i].refill_seconds >= 0 and profile.calls[i].name in ("BatchNorm2d", "Dropout")
                for i in relu.chain)  # the batch norm (dropout) is a refill
     planner._take(([], [region, relu]))
-    search.plan = plan_of(profile, planner, planner.estimate())
+    search.plan = plan_of(profile, planner, planner.estimate(), 1)
     search.selective, search.settled = False, True
     for seed in range(1, STEPS):
         with session:
@@ -1182,7 +1182,7 @@ def test_a_chain_of_regenerated_outputs_re_runs_each_call_once(baselines) -> Non
         call.seconds = cost.get(call.name, 0.0) + sum(c.seconds for c in children)
     _whole_forwards(profile)
     # the first budget, from 30% of the saved bytes up, at which the greedy takes such a chain
-    # (where it does moves with what the step counts: Note [Step-made leaves])
+    # (where it does moves with what the step counts: Note [Step-made leaves], [Packed noise])
     for percent in range(30, 65, 5):
         search.plan = make_plan(profile, peak * percent // 100, selective=False)
         names = [c.name for c in search.plan.outputs.values()]

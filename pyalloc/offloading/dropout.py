@@ -40,6 +40,30 @@ Note [Dropout products]
     save (another graph: the step diverges and keeps its saves), and reads both operands from
     the nodes in backward. The refill runs before either node's backward (the save's reader
     comes later in forward, so earlier in backward), while both still hold their saves.
+
+Note [Packed noise]
+    Since the noise counts against the budget (Note [Step-made leaves] in plan.py) it is most of
+    what a plan keeps on CPU: 28 of the 54 MiB the BERT-like model of the offload benchmark held
+    at half its saved bytes, every element a float32 that is +0.0 or the scale ``1 / (1 - p)``.
+    Drawing it again in backward (a region's re-run) costs a Bernoulli draw, ~6 ms for 2 MiB on
+    the development machine. A planned step keeps such a save as a boolean mask and the scale
+    instead (:func:`pack_noise`: the scale is its largest element, the mask its nonzero ones; a
+    quarter of the bytes of float32) and gives autograd ``mask * scale`` when it asks
+    (:func:`unpack_noise`): the same bits, as every nonzero element is the scale. Packing is
+    checked every time (the mask times the scale equals the save bit for bit, or it is kept as it
+    is). On the development machine, for 2 MiB: the mask 0.07 ms, the scale 0.05, unpacking 0.13
+    (the mask's bytes converted and multiplied in place; ``torch.mul`` of the boolean by the scale
+    took 1.04) and the check 0.11 (NumPy's comparison of the bits; ``torch.equal`` 0.58): ~0.36 ms
+    a pack and 0.13 a reader in backward (the product's node, a refill, a selective region's
+    sources; each unpacks its own copy, which goes when it is done). A first version with the
+    slower operations (b6f7ccf, reverted) cost ~50 ms a step on the BERT-like model and measured
+    slower than drawing again; this one measured 1.08-1.13x the plain step at half the saved bytes
+    against 1.14-1.28x without packing (docs/benchmarks/2026-11-28-packed-noise-cpu.md). The
+    profiled step notes which saves are such noise (:func:`packable_noise`: a leaf the step made,
+    floating point, all of its storage (dense, in any order of dimensions: the noise takes its
+    input's, a transposed one after an LSTM), unpacked with its strides, ``refills.MIN_ELEMENTS``
+    or more elements, no ``-0.0``, which the mask would turn into ``+0.0``); the planner counts
+    them at their packed bytes. CUDA's fused dropout saves a boolean mask already: nothing to pack there.
 """
 
 from __future__ import annotations
@@ -52,8 +76,13 @@ from torch import nn
 
 from .ops import View, as_view, view_of
 
-__all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "product_nodes", "product_refill", "refill", "refillable",
-           "saved_noise"]
+try:  # (matplotlib, of the torch extra, brings it; torch does not need it)
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+__all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "pack_noise", "packable_noise", "product_nodes",
+           "product_refill", "refill", "refillable", "saved_noise", "unpack_noise"]
 
 _FORWARDS = (nn.Dropout.forward, nn.Dropout1d.forward, nn.Dropout2d.forward, nn.Dropout3d.forward)
 """The stock forwards: each is ``F.dropout`` (or a feature form of it) with the module's ``p``."""
@@ -82,6 +111,57 @@ def refill(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return torch.mul(x, noise)
 
+
+
+# ---- noise kept as a mask ------------------------------------------------------------------
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one floating dtype and shape hold the same bits (``+0.0`` is not
+    ``-0.0``). On CPU through NumPy: ``torch.equal`` took 0.58 ms for 2 MiB, NumPy's comparison of
+    the same memory 0.11 (one thread, the development machine)."""
+    bits = _SAME_SIZE_INTS[a.element_size()]
+    a, b = a.view(bits), b.view(bits)
+    if a.device.type == "cpu" and np is not None:
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return torch.equal(a, b)
+
+
+def pack_noise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``t`` as a boolean mask and its scale, when the mask times the scale gives ``t`` again bit
+    for bit (Note [Packed noise]); None otherwise."""
+    with torch.no_grad():
+        scale = t.amax()
+        mask = t.bool()
+        if not _same_bits(unpack_noise(mask, scale), t):
+            return None
+    return mask, scale
+
+
+def unpack_noise(mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The noise :func:`pack_noise` packed, bit for bit, with its strides (Note [Packed noise]):
+    the mask's bytes as the scale's dtype, times the scale (``torch.mul`` of the boolean mask by
+    the scale took 1.04 ms for 2 MiB, this 0.13)."""
+    with torch.no_grad():
+        return mask.view(torch.uint8).to(scale.dtype).mul_(scale)
+
+
+def packable_noise(t: torch.Tensor) -> bool:
+    """In the profiled step, for a leaf save the step made: whether it is noise a planned step may
+    keep packed (Note [Packed noise])."""
+    from .refills import MIN_ELEMENTS  # (refills imports this module)
+
+    if not t.dtype.is_floating_point or t.numel() < MIN_ELEMENTS \
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return False
+    with torch.no_grad():
+        if bool(torch.signbit(t).any()):
+            return False
+        packed = pack_noise(t)
+        return packed is not None and unpack_noise(*packed).stride() == t.stride()
 
 
 # ---- a dropout inside an operator: its product, saved by a later operator ------------------

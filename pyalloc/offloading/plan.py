@@ -128,7 +128,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .dropout import exact_product_seconds
+from .dropout import exact_product_seconds, packable_noise
 from .hooks import StepHook
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
 from .calls import CallTracker, autocast_state
@@ -311,6 +311,7 @@ class PackInfo:
     at: float = 0.0  # the profile's clock when it was saved
     product: "ProductInfo | None" = None  # a dropout product, refilled exact (Note [Dropout products])
     leaf: bool = False  # a leaf the step made (activation too: Note [Step-made leaves])
+    packed: int = 0  # dropout noise a planned step keeps as a mask: the mask's bytes (Note [Packed noise])
 
 
 @dataclass(frozen=True)
@@ -654,9 +655,14 @@ class Profile:
         if leaf:
             self._leaves.append((len(self.packs), weakref.ref(t.untyped_storage())))
         activation = leaf or is_activation(t)
+        packed = 0
+        if leaf and not autocast_state():
+            with self._own_check(self._peek):
+                packed = t.numel() if packable_noise(t) else 0  # a boolean a element
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), activation, inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
-                                   tuple(t.stride()), int(t.storage_offset()), self._clock(), leaf=leaf))
+                                   tuple(t.stride()), int(t.storage_offset()), self._clock(), leaf=leaf,
+                                   packed=packed))
         if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
                 and not autocast_state():
             with self._own_check(self._probe):
@@ -689,10 +695,12 @@ class Plan:
     # the pack sequence numbers of leaves the step made, which a kept save counts too (Note
     # [Step-made leaves]): what a planned step cannot tell from the tensor it is given
     leaves: frozenset[int] = frozenset()
+    # the pack sequence numbers of dropout noise a kept save holds packed (Note [Packed noise])
+    noise: frozenset[int] = frozenset()
 
     @property
     def empty(self) -> bool:
-        return not self.regions and not self.outputs and not self.products
+        return not self.regions and not self.outputs and not self.products and not self.noise
 
 
 @dataclass(eq=False)
@@ -743,8 +751,9 @@ class _Planner:
         self.saves = {}
         for seq, p in enumerate(self.packs):
             if p.activation:
-                self.nbytes[p.key] = p.nbytes
                 self.saves.setdefault(p.key, []).append(seq)
+        for k, seqs in self.saves.items():  # kept noise is held packed (Note [Packed noise] in dropout.py)
+            self.nbytes[k] = packed_bytes(self.packs, seqs) or self.packs[seqs[0]].nbytes
         self.total = sum(self.nbytes.values())  # bytes held: saved and not dropped, or pinned
         self.order = sorted(self.nbytes, key=lambda k: self.saves[k][0])  # by first save
         self.first = [self.saves[k][0] for k in self.order]
@@ -821,6 +830,7 @@ class _Planner:
         for i, k in enumerate(call.input_keys):
             inputs.setdefault(k, i)
         save_geometry = [(p.signature[0], p.stride, p.offset, p.signature[1], torch.device(p.key[1])) for p in packs]
+        unpacked = {p.key: p.nbytes for p in packs}
         table = CallOps(ops, [p.key for p in packs], created, inputs, attrs, save_geometry, call.input_geometry)
         alone: dict[ProfileKey, float] = {}
         for k in full.drops:
@@ -837,9 +847,10 @@ class _Planner:
             if r is None:
                 continue
             seconds = profile.selective_seconds.get((call.index, frozenset(drops)), r.seconds)
-            # what the refill adds to the saved bytes: the dropped saves again (its temporaries
-            # are working memory, which no saved-bytes count holds, the baseline's neither)
-            refilled = sum(self.nbytes[k] for k in drops)
+            # what the refill adds to the saved bytes: the dropped saves again, unpacked (its
+            # temporaries are working memory, which no saved-bytes count holds, the baseline's
+            # neither; a refilled noise is float again: Note [Packed noise] in dropout.py)
+            refilled = sum(unpacked[k] for k in drops)
             out.append(_Candidate(call, REGION, drops, dict(full.pins), [call.index], seconds, refilled, r))
         return out
 
@@ -1132,6 +1143,16 @@ class _Planner:
         return (best[1], best[2]) if best is not None else None
 
 
+def packed_bytes(packs: list[PackInfo], seqs: list[int]) -> int:
+    """The bytes one storage's saves ``seqs`` hold packed, each its own mask (Note [Packed noise]
+    in dropout.py); 0 where one of them cannot be packed (the storage is then held as it is) or
+    packing would not hold less."""
+    if not all(packs[seq].packed for seq in seqs):
+        return 0
+    total = sum(packs[seq].packed for seq in seqs)
+    return total if total < packs[seqs[0]].nbytes else 0
+
+
 def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, selective: bool = True) -> Plan:
     """Plans a step like ``profile`` to hold at most ``budget`` saved-activation bytes, or as few
     as it can when that is below the floor. See Note [Planned recompute]. ``floor_bytes``: the
@@ -1145,11 +1166,11 @@ def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, sel
     fitting = [p for p in tried if p.estimate() <= budget]
     planner = min(fitting, key=lambda p: p.seconds()) if fitting \
         else min(tried, key=lambda p: (p.estimate(), p.seconds()))
-    return plan_of(profile, planner, min(floor_bytes, planner.estimate()))
+    return plan_of(profile, planner, min(floor_bytes, planner.estimate()), budget)
 
 
-def plan_of(profile: Profile, planner: _Planner, floor_bytes: int) -> Plan:
-    """The plan of the candidates ``planner`` chose (tests choose their own)."""
+def plan_of(profile: Profile, planner: _Planner, floor_bytes: int, budget: int) -> Plan:
+    """The plan of the candidates ``planner`` chose (tests choose their own) for ``budget``."""
     n = len(profile.packs)
     actions = [KEEP] * n
     owners: list[tuple[int, int] | None] = [None] * n
@@ -1181,9 +1202,15 @@ def plan_of(profile: Profile, planner: _Planner, floor_bytes: int) -> Plan:
         for i in c.chain:
             m = profile.calls[i].module
             modules[id(m())] = m
+    baseline = sum({p.key: p.nbytes for p in profile.packs if p.activation}.values())
+    # noise packed only where the profiled step held more than the budget (else the plan is empty
+    # and its steps run idle: Note [Idle steps])
+    noise = frozenset(seq for seqs in planner.saves.values() if packed_bytes(profile.packs, seqs)
+                      for seq in seqs if actions[seq] == KEEP) if baseline > budget else frozenset()
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
-                list(modules.values()), sum(planner.nbytes.values()), planner.estimate(), floor_bytes,
-                planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf))
+                list(modules.values()), baseline, planner.estimate(), floor_bytes,
+                planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf),
+                noise)
 
 
 def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int,

@@ -121,6 +121,21 @@ class KeptSave(_Counted):
         self.count(t)
 
 
+class PackedNoise(_Counted):
+    """Dropout noise a kept save holds as a boolean mask and its scale (Note [Packed noise] in
+    dropout.py); counted at the mask's bytes."""
+
+    __slots__ = ("mask", "scale")
+
+    def __init__(self, counter: SavedBytes, mask: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__(counter)
+        self.mask, self.scale = mask, scale
+        self.count(mask)
+
+    def get(self) -> torch.Tensor:
+        return dropout.unpack_noise(self.mask, self.scale)
+
+
 class _Rerun:
     """What re-running one module call needs: the module, its arguments, RNG states, grad mode."""
 
@@ -252,7 +267,8 @@ class Region(_Rerun):
         captured: list[torch.Tensor] = []
         mode: SelectiveRerun | None = None
         if self.recipe is not None:
-            sources = {i: h.tensor if isinstance(h, KeptSave) else h for i, h in self.sources.items()}
+            sources = {i: h.tensor if isinstance(h, KeptSave) else h.get() if isinstance(h, PackedNoise) else h
+                       for i, h in self.sources.items()}
             if len(sources) == len(self.recipe.source_keys):
                 verify = (self.step.verify or not self.traced) and self.recipe.replay is not None
                 if not verify and self._replay(sources):
@@ -891,7 +907,12 @@ class PlannedStep:
                 return self._hand(ProductSlot(self, found[1], found[2], t, seq))
             self._diverge()
         kept: Any
-        if t.is_leaf:  # a parameter, an input; counted where the step made it (Note [Step-made leaves])
+        packed = dropout.pack_noise(t) if action == KEEP and self.counted and not self.diverged \
+            and seq in plan.noise else None
+        if packed is not None:  # Note [Packed noise] in dropout.py
+            kept = self._hand(PackedNoise(self.bytes, *packed))
+            self.session._stats["noise_packed_total"] += 1
+        elif t.is_leaf:  # a parameter, an input; counted where the step made it (Note [Step-made leaves])
             made = self.counted and not self.diverged and seq in plan.leaves
             kept = self._hand(KeptSave(self.bytes, t)) if made else t
         elif self.counted:
@@ -935,6 +956,8 @@ class PlannedStep:
             raise OffloadError(ABANDONED_MESSAGE)
         if isinstance(h, KeptSave):
             return h.tensor
+        if isinstance(h, PackedNoise):
+            return h.get()
         if isinstance(h, (RegionSlot, OutputSlot, ProductSlot)):
             if self._peeking:  # dropped: not refilled for a look (peek)
                 raise _DroppedSave()
