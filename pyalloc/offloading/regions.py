@@ -907,9 +907,13 @@ class PlannedStep:
                 return self._hand(ProductSlot(self, found[1], found[2], t, seq))
             self._diverge()
         kept: Any
-        packed = dropout.pack_noise(t) if action == KEEP and self.counted and not self.diverged \
-            and seq in plan.noise else None
-        if packed is not None:  # Note [Packed noise] in dropout.py
+        packed = None
+        if action == KEEP and not self.diverged and seq in plan.noise:  # Note [Packed noise] in dropout.py
+            # on every step, counted or not: the plan holds this noise at its mask's bytes
+            packed = dropout.pack_noise(t)
+            if packed is None:  # not the two values the profile saw: the plan no longer holds
+                self._diverge()
+        if packed is not None:
             kept = self._hand(PackedNoise(self.bytes, *packed))
             self.session._stats["noise_packed_total"] += 1
         elif t.is_leaf:  # a parameter, an input; counted where the step made it (Note [Step-made leaves])
