@@ -88,8 +88,10 @@ def test_a_product_whose_noise_has_history_or_whose_operand_saved_nothing_is_not
 def test_the_plan_drops_dropout_products_and_gradients_stay_bit_identical() -> None:
     model, x = _model(), _input()
     expected = [_step(copy.deepcopy(model), x, s) for s in range(STEPS)]
-    # the products (a fifth of the saves here) and a few cheap outputs reach this budget
-    budget = saved_bytes_peak(model, x) * 85 // 100
+    # the products (a fifth of the saves here) and a few cheap outputs reach this budget (at 85%,
+    # with the noise held packed, one output could reach it alone, by measured times: the test
+    # failed in 4 of 7 runs of the offload tests)
+    budget = saved_bytes_peak(model, x) * 70 // 100
     # whole-module plans only: with selective regions allowed, the search may take the attention
     # as a selective region (its product then a save the region refills, not a product), by
     # measured times: the test would depend on them
