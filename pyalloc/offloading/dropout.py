@@ -46,24 +46,30 @@ Note [Packed noise]
     what a plan keeps on CPU: 28 of the 54 MiB the BERT-like model of the offload benchmark held
     at half its saved bytes, every element a float32 that is +0.0 or the scale ``1 / (1 - p)``.
     Drawing it again in backward (a region's re-run) costs a Bernoulli draw, ~6 ms for 2 MiB on
-    the development machine. A planned step keeps such a save as a boolean mask and the scale
-    instead (:func:`pack_noise`: the scale is its largest element, the mask its nonzero ones; a
-    quarter of the bytes of float32) and gives autograd ``mask * scale`` when it asks
-    (:func:`unpack_noise`): the same bits, as every nonzero element is the scale. Packing is
-    checked every time (the mask times the scale equals the save bit for bit, or it is kept as it
-    is). On the development machine, for 2 MiB: the mask 0.07 ms, the scale 0.05, unpacking 0.13
-    (the mask's bytes converted and multiplied in place; ``torch.mul`` of the boolean by the scale
-    took 1.04) and the check 0.11 (NumPy's comparison of the bits; ``torch.equal`` 0.58): ~0.36 ms
-    a pack and 0.13 a reader in backward (the product's node, a refill, a selective region's
-    sources; each unpacks its own copy, which goes when it is done). A first version with the
-    slower operations (b6f7ccf, reverted) cost ~50 ms a step on the BERT-like model and measured
-    slower than drawing again; this one measured 1.08-1.13x the plain step at half the saved bytes
-    against 1.14-1.28x without packing (docs/benchmarks/2026-11-28-packed-noise-cpu.md). The
-    profiled step notes which saves are such noise (:func:`packable_noise`: a leaf the step made,
-    floating point, all of its storage (dense, in any order of dimensions: the noise takes its
-    input's, a transposed one after an LSTM), unpacked with its strides, ``refills.MIN_ELEMENTS``
-    or more elements, no ``-0.0``, which the mask would turn into ``+0.0``); the planner counts
-    them at their packed bytes. CUDA's fused dropout saves a boolean mask already: nothing to pack there.
+    the development machine. A planned step can keep such a save as a boolean mask and the scale
+    instead (:func:`pack_noise`; a quarter of the bytes of float32) and give autograd
+    ``mask * scale`` when it asks (:func:`unpack_noise`): the same bits. Packing is proved every
+    time, by counting (:func:`_pack_counted`): the scale is the largest bit pattern, the mask the
+    elements that have it, and as many elements have bits other than zero as the mask holds, so
+    every element is the scale or ``+0.0``; else the save is not packed (the step diverges: the
+    plan no longer holds). A first version that unpacked and compared (b6f7ccf, reverted, then
+    3d17d3a with cheaper operations) read and wrote the noise five times a pack; counting reads
+    it three times and makes no copy: for 2 MiB, 0.42 ms against 0.51-0.57 with the caches warm, 1.2
+    against 1.5 cold (``tools/bench/noise_pack_ops.py``).
+
+    Packing is not free, and a step pays it on every kept noise: measured inside planned steps
+    of the BERT-like model (24 noises, 30 MiB), 14-22 ms of packing and 13-23 ms of unpacking a
+    step (an unpack per reader: the product's node, a refill, a selective region's sources), as
+    much as 8% of the step. So it is a candidate of the planner like a re-run (``PACK`` in
+    plan.py): it frees three quarters of the noise's bytes for what the profiled step measured
+    one pack and one unpack of it to cost (:func:`noise_pack_seconds`), and the greedy takes it
+    where it frees bytes for less than a re-run or refill would. Packing every kept noise made
+    the BERT-like model 1.08-1.19x the plain step at 95% of its saved bytes, where a refill or
+    two does (~1.0x now). The profiled step notes which saves are such noise: a leaf the step
+    made, floating point, all of its storage (dense, in any order of dimensions: the noise takes
+    its input's, a transposed one after an LSTM), unpacked with its strides,
+    ``refills.MIN_ELEMENTS`` or more elements, no ``-0.0`` (which the mask would turn into
+    ``+0.0``). CUDA's fused dropout saves a boolean mask already: nothing to pack there.
 """
 
 from __future__ import annotations
@@ -81,8 +87,8 @@ try:  # (matplotlib, of the torch extra, brings it; torch does not need it)
 except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
-__all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "pack_noise", "packable_noise", "product_nodes",
-           "product_refill", "refill", "refillable", "saved_noise", "unpack_noise"]
+__all__ = ["MAX_VIEW_STEPS", "exact_product_seconds", "noise_pack_seconds", "pack_noise", "packable_noise",
+           "product_nodes", "product_refill", "refill", "refillable", "saved_noise", "unpack_noise"]
 
 _FORWARDS = (nn.Dropout.forward, nn.Dropout1d.forward, nn.Dropout2d.forward, nn.Dropout3d.forward)
 """The stock forwards: each is ``F.dropout`` (or a feature form of it) with the module's ``p``."""
@@ -132,8 +138,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def pack_noise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``t`` as a boolean mask and its scale, when the mask times the scale gives ``t`` again bit
-    for bit (Note [Packed noise]); None otherwise."""
-    with torch.no_grad():
+    for bit (Note [Packed noise]); None otherwise. Without torch-function modes: a planned step's
+    call trace (Note [Call traces] in guard.py) stays on the mode stack through the step, and
+    each of the operations here would go through Python to it."""
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        if t.device.type == "cpu" and np is not None and t.is_contiguous():
+            return _pack_counted(t)
         scale = t.amax()
         mask = t.bool()
         if not _same_bits(unpack_noise(mask, scale), t):
@@ -141,27 +151,62 @@ def pack_noise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return mask, scale
 
 
+def _pack_counted(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`pack_noise` of a contiguous CPU tensor, proved by counting, in NumPy, over the
+    elements' bits: ``top`` the largest bit pattern (read as signed integers, a positive float's
+    are positive and order as its values), the mask the elements whose bits are ``top``; when as
+    many elements have bits other than zero as the mask holds, every element is ``+0.0`` or
+    ``top``'s value, which must be a positive finite number. Then mask times scale is ``t`` bit
+    for bit (``1 * s`` is ``s``, ``0 * s`` is ``+0.0``), with no unpacked copy made to compare:
+    three reads of ``t`` and one of the mask, where unpacking and comparing read and wrote it
+    five times (Note [Packed noise])."""
+    ints = _SAME_SIZE_INTS[t.element_size()]
+    bits = t.view(ints).numpy()
+    if bits.size == 0:
+        return None
+    top = bits.max()
+    scale = torch.tensor(int(top), dtype=ints).view(t.dtype)
+    if not (bool(torch.isfinite(scale)) and float(scale) > 0.0):
+        return None
+    mask = bits == top
+    if np.count_nonzero(mask) != np.count_nonzero(bits):
+        return None
+    return torch.from_numpy(mask), scale
+
+
 def unpack_noise(mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The noise :func:`pack_noise` packed, bit for bit, with its strides (Note [Packed noise]):
     the mask's bytes as the scale's dtype, times the scale (``torch.mul`` of the boolean mask by
     the scale took 1.04 ms for 2 MiB, this 0.13)."""
-    with torch.no_grad():
+    with torch.no_grad(), torch._C.DisableTorchFunction():
         return mask.view(torch.uint8).to(scale.dtype).mul_(scale)
 
 
 def packable_noise(t: torch.Tensor) -> bool:
     """In the profiled step, for a leaf save the step made: whether it is noise a planned step may
     keep packed (Note [Packed noise])."""
+    return noise_pack_seconds(t) is not None
+
+
+def noise_pack_seconds(t: torch.Tensor) -> float | None:
+    """:func:`packable_noise`, and if so what keeping it packed costs a step, measured on ``t``:
+    one pack and one unpack (autograd's, in backward); None when it is not such noise. The
+    planner weighs that against dropping (Note [Packed noise])."""
     from .refills import MIN_ELEMENTS  # (refills imports this module)
 
     if not t.dtype.is_floating_point or t.numel() < MIN_ELEMENTS \
             or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return False
+        return None
     with torch.no_grad():
         if bool(torch.signbit(t).any()):
-            return False
+            return None
+        start = time.perf_counter()
         packed = pack_noise(t)
-        return packed is not None and unpack_noise(*packed).stride() == t.stride()
+        if packed is None:
+            return None
+        back = unpack_noise(*packed)
+        seconds = time.perf_counter() - start
+        return seconds if back.stride() == t.stride() else None
 
 
 # ---- a dropout inside an operator: its product, saved by a later operator ------------------

@@ -37,6 +37,10 @@ Note [Planned recompute]
       re-runs] in ops.py): a transformer block's layer-norm, GELU, softmax and dropout outputs
       for a fraction of the block's re-run.
 
+    - a *pack*: a kept CPU dropout noise held as a boolean mask and its scale, a quarter of its
+      bytes, for a pack in forward and an unpack a reader in backward (Note [Packed noise] in
+      dropout.py): no re-run, weighed at what the profiled step measured those to cost.
+
     Candidates are taken greedily: each round the cheapest move that brings the estimated peak
     under the target, else the move with the most bytes freed per second of re-runs (a region
     may replace chosen candidates inside it; an output whose kept input another candidate drops
@@ -128,7 +132,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .dropout import exact_product_seconds, packable_noise
+from .dropout import exact_product_seconds, noise_pack_seconds
 from .hooks import StepHook
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
 from .calls import CallTracker, autocast_state
@@ -162,7 +166,8 @@ that took it could not refine it."""
 MAX_VARIANTS = 12
 """Selective variants per region: prefixes of its storages in order of bytes per second."""
 
-KEEP, REGION, OUTPUT, PRODUCT = 0, 1, 2, 3
+KEEP, REGION, OUTPUT, PRODUCT, PACK = 0, 1, 2, 3, 4
+"""What a plan does with a save; PACK is a candidate's kind only (a kept noise held as a mask)."""
 
 StorageKey = tuple[int, str]
 ProfileKey = tuple[int, str, int]  # storage_key and a generation: the address used again
@@ -311,7 +316,8 @@ class PackInfo:
     at: float = 0.0  # the profile's clock when it was saved
     product: "ProductInfo | None" = None  # a dropout product, refilled exact (Note [Dropout products])
     leaf: bool = False  # a leaf the step made (activation too: Note [Step-made leaves])
-    packed: int = 0  # dropout noise a planned step keeps as a mask: the mask's bytes (Note [Packed noise])
+    packed: int = 0  # dropout noise a planned step may keep as a mask: the mask's bytes (Note [Packed noise])
+    pack_seconds: float = 0.0  # what keeping it as a mask costs a step: a pack and an unpack, measured
 
 
 @dataclass(frozen=True)
@@ -655,14 +661,16 @@ class Profile:
         if leaf:
             self._leaves.append((len(self.packs), weakref.ref(t.untyped_storage())))
         activation = leaf or is_activation(t)
-        packed = 0
+        packed, pack_seconds = 0, 0.0
         if leaf and not autocast_state():
             with self._own_check(self._peek):
-                packed = t.numel() if packable_noise(t) else 0  # a boolean a element
+                seconds = noise_pack_seconds(t)
+            if seconds is not None:
+                packed, pack_seconds = t.numel(), seconds  # a boolean a element
         self.packs.append(PackInfo(key, t.untyped_storage().nbytes(), activation, inner,
                                    self._producer(t, key), t._version, (tuple(t.shape), t.dtype),
                                    tuple(t.stride()), int(t.storage_offset()), self._clock(), leaf=leaf,
-                                   packed=packed))
+                                   packed=packed, pack_seconds=pack_seconds))
         if activation and inner >= 0 and t.grad_fn is not None and t.numel() >= MIN_ELEMENTS \
                 and not autocast_state():
             with self._own_check(self._probe):
@@ -687,7 +695,7 @@ class Plan:
     baseline_bytes: int  # saved activation bytes of the profiled step, each storage once
     estimate_bytes: int  # the plan's estimated peak
     floor_bytes: int  # the estimate with every candidate taken
-    recompute_seconds: float  # forward time the plan re-runs per step (measured in the profile)
+    recompute_seconds: float  # forward time the plan re-runs per step, and its packing (measured in the profile)
     products: dict[int, ProductInfo] = field(default_factory=dict)  # PRODUCT saves: pack seq -> what was found
     # selective regions: key -> the profiled call's trace, what a planned step's call must match
     # for its replay to be the profile's (Note [Call traces] in guard.py)
@@ -713,12 +721,41 @@ class _Candidate:
     seconds: float
     transient: int
     recipe: Recipe | None = None  # a selective region's (Note [Selective re-runs]); None: re-run whole
+    packs: ProfileKey | None = None  # PACK: the noise held as masks (``call``: the call open at its first save)
 
     def contains(self, other: "_Candidate") -> bool:
+        if PACK in (self.kind, other.kind):  # packing re-runs nothing: it is in no call's way
+            return False
         return self.call.index <= other.call.index <= self.call.last_desc
 
     def overlaps(self, other: "_Candidate") -> bool:
         return self.contains(other) or other.contains(self)
+
+
+class _PrefixSums:
+    """Sums of a list's first ``i`` values, the values changing one at a time (a Fenwick tree):
+    both in O(log n), where summing the storages held before each chosen re-run was O(n) per
+    estimate, and the greedy makes tens of thousands of estimates on a transformer."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.tree = [0] + values
+        for i in range(1, len(self.tree)):
+            j = i + (i & -i)
+            if j < len(self.tree):
+                self.tree[j] += self.tree[i]
+
+    def add(self, index: int, delta: int) -> None:
+        i = index + 1
+        while i < len(self.tree):
+            self.tree[i] += delta
+            i += i & -i
+
+    def prefix(self, count: int) -> int:
+        total, i = 0, count
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
 
 
 class _Planner:
@@ -735,31 +772,43 @@ class _Planner:
         self.packs = profile.packs
         self.dropped: dict[ProfileKey, int] = {}
         self.pinned: dict[ProfileKey, int] = {}
+        self.packing: dict[ProfileKey, int] = {}  # chosen PACK candidates per storage (0 or 1)
         self.chosen: list[_Candidate] = []
-        self.nbytes: dict[ProfileKey, int]
+        self.nbytes: dict[ProfileKey, int]  # whole
+        self.packed_nbytes: dict[ProfileKey, int]  # noise that can be held as masks: the masks' bytes
         self.saves: dict[ProfileKey, list[int]]
         self.order: list[ProfileKey]
         self.first: list[int]
+        self.rank: dict[ProfileKey, int]  # place in ``order``
         self.candidates: list[_Candidate]
         self.variants: dict[int, list[_Candidate]]  # call index -> its output candidates
         if like is not None:  # the same profile: share the tables and candidates, fresh state
             self.nbytes, self.saves, self.order, self.first = like.nbytes, like.saves, like.order, like.first
+            self.packed_nbytes, self.rank = like.packed_nbytes, like.rank
             self.candidates, self.variants = like.candidates, like.variants
             self.total = sum(self.nbytes.values())
+            self._held_bytes = _PrefixSums([self.nbytes[k] for k in self.order])
             return
         self.nbytes = {}
         self.saves = {}
         for seq, p in enumerate(self.packs):
             if p.activation:
                 self.saves.setdefault(p.key, []).append(seq)
-        for k, seqs in self.saves.items():  # kept noise is held packed (Note [Packed noise] in dropout.py)
-            self.nbytes[k] = packed_bytes(self.packs, seqs) or self.packs[seqs[0]].nbytes
+        self.packed_nbytes = {}
+        for k, seqs in self.saves.items():
+            self.nbytes[k] = self.packs[seqs[0]].nbytes
+            if packed_bytes(self.packs, seqs):
+                self.packed_nbytes[k] = packed_bytes(self.packs, seqs)
         self.total = sum(self.nbytes.values())  # bytes held: saved and not dropped, or pinned
         self.order = sorted(self.nbytes, key=lambda k: self.saves[k][0])  # by first save
         self.first = [self.saves[k][0] for k in self.order]
+        self.rank = {k: i for i, k in enumerate(self.order)}
+        # the bytes each storage holds now, in that order: what estimate() sums up to a point
+        self._held_bytes = _PrefixSums([self.nbytes[k] for k in self.order])
         self.candidates = [c for call in self.calls for c in (self._region(call), *self._outputs(call))
                            if c is not None and c.drops and not (c.drops & set(c.pins))]
         self.candidates += self._products()
+        self.candidates += self._packs()
         self.first_touch: dict[ProfileKey, tuple[int, bool]] = {}  # storage -> first operator, made by it
         if selective:  # Note [Selective re-runs]: variants from the operators the profile recorded
             for j, op in enumerate(profile.ops):
@@ -867,6 +916,21 @@ class _Planner:
             out.append(_Candidate(self.calls[p.inner], PRODUCT, {key}, pins, [], info.seconds, p.nbytes))
         return out
 
+    def _packs(self) -> list[_Candidate]:
+        """Holding a dropout noise as masks where it is kept (Note [Packed noise] in dropout.py):
+        three quarters of its bytes freed for a pack and an unpack a save, weighed like a re-run
+        (a budget a little below the step's saves is met by a cheap refill, not by packing all
+        the noise: 1.08-1.19x the plain step on the BERT-like model at 95% when every kept noise
+        was packed)."""
+        out = []
+        for key in self.packed_nbytes:
+            seqs = self.saves[key]
+            inner = self.packs[seqs[0]].inner
+            if self.calls:
+                out.append(_Candidate(self.calls[max(inner, 0)], PACK, set(), {}, [],
+                                      sum(self.packs[seq].pack_seconds for seq in seqs), 0, packs=key))
+        return out
+
     def _pins(self, call: CallInfo) -> dict[ProfileKey, int]:
         return {k: n for k, n, act in zip(call.input_keys, call.input_nbytes, call.input_activation) if act}
 
@@ -919,15 +983,35 @@ class _Planner:
     def _held(self, key: ProfileKey) -> bool:
         return self.pinned.get(key, 0) > 0 or (key in self.nbytes and self.dropped.get(key, 0) == 0)
 
+    def _size(self, key: ProfileKey) -> int:
+        """The bytes a held storage holds: its masks' where a chosen PACK holds it so."""
+        return self.packed_nbytes[key] if self.packing.get(key, 0) > 0 else self.nbytes[key]
+
+    def _value(self, key: ProfileKey) -> int:
+        """What a storage saves hold adds to the bytes held now."""
+        return self._size(key) if key in self.nbytes and self._held(key) else 0
+
     def _apply(self, c: _Candidate, sign: int) -> None:
+        if c.packs is not None:
+            self._count(c.packs, self.packing, sign)
+            return
         for k in c.drops:
-            before = self._held(k)
-            self.dropped[k] = self.dropped.get(k, 0) + sign
-            self.total += (self._held(k) - before) * self.nbytes[k]
+            self._count(k, self.dropped, sign)
         for k, n in c.pins.items():
-            before = self._held(k)
-            self.pinned[k] = self.pinned.get(k, 0) + sign
-            self.total += (self._held(k) - before) * self.nbytes.get(k, n)
+            if k in self.nbytes:
+                self._count(k, self.pinned, sign)
+            else:  # a storage no save holds (a re-run's input): in the total only
+                before = self.pinned.get(k, 0) > 0
+                self.pinned[k] = self.pinned.get(k, 0) + sign
+                self.total += ((self.pinned[k] > 0) - before) * n
+
+    def _count(self, key: ProfileKey, counts: dict[ProfileKey, int], sign: int) -> None:
+        before = self._value(key)
+        counts[key] = counts.get(key, 0) + sign
+        delta = self._value(key) - before
+        if delta:
+            self.total += delta
+            self._held_bytes.add(self.rank[key], delta)
 
     def estimate(self) -> int:
         """The planned peak: the bytes held at the end of forward, or while a chosen call is re-run
@@ -938,13 +1022,14 @@ class _Planner:
         peak = self.total
         if not self.chosen:
             return peak
-        prefix = [0]
-        for k in self.order:
-            prefix.append(prefix[-1] + (self.nbytes[k] if self._held(k) else 0))
-        extra = self.total - prefix[-1]  # pins of storages no save holds
+        held = self._held_bytes
+        extra = self.total - held.prefix(len(self.order))  # pins of storages no save holds
         for c in self.chosen:
-            held = prefix[bisect.bisect_left(self.first, c.call.end_pack if c.recipe is not None else c.call.first_pack)]
-            peak = max(peak, held + extra + c.transient)
+            if c.kind == PACK:
+                continue
+            before = held.prefix(bisect.bisect_left(self.first, c.call.end_pack if c.recipe is not None
+                                                    else c.call.first_pack))
+            peak = max(peak, before + extra + c.transient)
         return peak
 
     def seconds(self) -> float:
@@ -954,7 +1039,7 @@ class _Planner:
         whole = [c for c in self.chosen if c.kind == REGION and c.recipe is None]
         outputs = {i for c in self.chosen if c.kind == OUTPUT for i in c.chain} - {c.call.index for c in whole}
         return sum(c.seconds for c in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
-            + sum(c.seconds for c in self.chosen if c.recipe is not None or c.kind == PRODUCT)
+            + sum(c.seconds for c in self.chosen if c.recipe is not None or c.kind in (PRODUCT, PACK))
 
     def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
         """The estimate and recompute time with ``c`` taken, what it replaces and what comes
@@ -1028,7 +1113,7 @@ class _Planner:
         ``TRIES_PER_ROUND``; closers in order of their own re-run time, stopping at the first
         that closes or after ``TRIES_PER_ROUND``.
         """
-        dropped = {id(c): sum(self.nbytes[k] for k in c.drops) for c in self.candidates}
+        dropped = {id(c): self._frees(c) for c in self.candidates}
         density = {id(c): dropped[id(c)] / max(c.seconds, 1e-9) for c in self.candidates}
         by_density = sorted(self.candidates, key=lambda c: -density[id(c)])
         by_seconds = sorted(self.candidates, key=lambda c: c.seconds)
@@ -1041,6 +1126,12 @@ class _Planner:
         self._refine(budget, density)
         self._prune(budget)
         self._swap(budget, by_density, density)
+
+    def _frees(self, c: _Candidate) -> int:
+        """The bytes ``c`` frees alone, by the profile's sizes (what orders the greedy's tries)."""
+        if c.packs is not None:
+            return self.nbytes[c.packs] - self.packed_nbytes[c.packs]
+        return sum(self.nbytes[k] for k in c.drops)
 
     def _take(self, move: "Move") -> None:
         for d in move[0]:
@@ -1193,7 +1284,7 @@ def plan_of(profile: Profile, planner: _Planner, floor_bytes: int, budget: int) 
             for seq in planner.saves[next(iter(c.drops))]:
                 actions[seq], owners[seq] = PRODUCT, c.call.key
                 products[seq] = profile.packs[seq].product  # type: ignore[assignment]
-        else:
+        elif c.kind == OUTPUT:
             for i in c.chain:
                 outputs[profile.calls[i].key] = profile.calls[i]
             for seq, p in enumerate(profile.packs):
@@ -1203,10 +1294,10 @@ def plan_of(profile: Profile, planner: _Planner, floor_bytes: int, budget: int) 
             m = profile.calls[i].module
             modules[id(m())] = m
     baseline = sum({p.key: p.nbytes for p in profile.packs if p.activation}.values())
-    # noise packed only where the profiled step held more than the budget (else the plan is empty
-    # and its steps run idle: Note [Idle steps])
-    noise = frozenset(seq for seqs in planner.saves.values() if packed_bytes(profile.packs, seqs)
-                      for seq in seqs if actions[seq] == KEEP) if baseline > budget else frozenset()
+    # noise packed where the planner chose to and only where the profiled step held more than the
+    # budget (else the plan is empty and its steps run idle: Note [Idle steps])
+    noise = frozenset(seq for c in planner.chosen if c.packs is not None for seq in planner.saves[c.packs]
+                      if actions[seq] == KEEP) if baseline > budget else frozenset()
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
                 list(modules.values()), baseline, planner.estimate(), floor_bytes,
                 planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf),
