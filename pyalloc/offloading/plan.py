@@ -980,16 +980,13 @@ class _Planner:
 
     # -- state -----------------------------------------------------------------------------
 
-    def _held(self, key: ProfileKey) -> bool:
-        return self.pinned.get(key, 0) > 0 or (key in self.nbytes and self.dropped.get(key, 0) == 0)
-
-    def _size(self, key: ProfileKey) -> int:
-        """The bytes a held storage holds: its masks' where a chosen PACK holds it so."""
-        return self.packed_nbytes[key] if self.packing.get(key, 0) > 0 else self.nbytes[key]
-
     def _value(self, key: ProfileKey) -> int:
-        """What a storage saves hold adds to the bytes held now."""
-        return self._size(key) if key in self.nbytes and self._held(key) else 0
+        """What the saves of a storage (one of ``nbytes``) hold now: nothing when a chosen
+        candidate drops it and none pins it, its masks' bytes when a chosen PACK holds it so,
+        else its bytes. (The greedy calls this hundreds of thousands of times: one function.)"""
+        if self.dropped.get(key, 0) > 0 and self.pinned.get(key, 0) <= 0:
+            return 0
+        return self.packed_nbytes[key] if self.packing.get(key, 0) > 0 else self.nbytes[key]
 
     def _apply(self, c: _Candidate, sign: int) -> None:
         if c.packs is not None:
