@@ -14,6 +14,8 @@ import argparse
 import json
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +357,11 @@ def test_the_other_columns_search_from_the_batch_the_plain_step_failed_at(monkey
     monkeypatch.setattr(check, "probed", lambda model, x: (1000, [], []))
     monkeypatch.setattr(check, "_at_common_batch", at_common)
     monkeypatch.setattr(check.Bench, "per_sample", lambda self, column, batch, steps, deadline: (None, 0))
+    # a clock that stands still, in a process just started: the shares are fractions of the 70 s,
+    # whatever the machine's load and however long the test run has gone on (the time limit
+    # counts from the process's start: late in a slow full run it cut the searches' 70 s to 41)
+    monkeypatch.setattr(check, "time", types.SimpleNamespace(monotonic=lambda: 1000.0, perf_counter=time.perf_counter))
+    monkeypatch.setattr(check, "_process_age", lambda: 0.0)
     figures = check.compare({"device": "cpu", "model": "gpt", "start_batch": 4, "max_batch": 4096, "steps": 1,
                              "seconds": 70, "time_limit": 600})
     assert [(name, start, cap) for name, start, cap, _ in asked] == [

@@ -441,3 +441,108 @@ def test_a_leaf_that_stops_being_two_valued_makes_the_step_profiled_again() -> N
     profiles = session.stats()["profile_steps_total"]
     session_steps(session, model, large, 2)
     assert session.stats()["profile_steps_total"] > profiles
+
+
+# ---- packing beside refills and pins (a review, 2026-11-29) ---------------------------------
+
+
+def _forced_plan(pick: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+    """A ``make_plan`` that takes the candidates ``pick(planner)`` names, in order."""
+    def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, selective: bool = True) -> Any:
+        planner = plan_module._Planner(profile, selective=False)
+        for c in pick(planner):
+            tried = planner._try(c)
+            assert tried is not None
+            planner._take((tried[2], tried[3]))
+        return plan_module.plan_of(profile, planner, planner.estimate(), budget)
+    return make_plan
+
+
+def test_a_dropout_refilled_from_a_packed_noise_holds_no_float_copy_until_backward(monkeypatch: Any) -> None:
+    """Its refill read the noise when the call returned, which unpacked a float copy that it
+    held until backward beside the mask: 1.25 times the noise where the plan counted a quarter."""
+    import gc
+    import weakref
+
+    from pyalloc.offloading import dropout
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Dropout(0.3), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    monkeypatch.setattr(plan_module, "make_plan", _forced_plan(lambda p: [
+        *(c for c in p.candidates if c.kind == plan_module.PACK),
+        next(c for c in p.candidates if c.kind == plan_module.OUTPUT and isinstance(c.call.module(), nn.Dropout))]))
+    expected = [step(model, x, seed) for seed in range(4)]
+    session = offload(budget=saved_bytes_peak(model, x) // 2, pressure_callback=False)
+    for e, g in zip(expected, session_steps(session, model, x, 4)):
+        assert_bitwise_equal(e, g)
+    search = session._search
+    assert search is not None and search.plan.noise and search.plan.outputs
+    unpacked: list[Any] = []
+    real = dropout.unpack_noise
+    monkeypatch.setattr(dropout, "unpack_noise", lambda m, s: unpacked.append(weakref.ref(t := real(m, s))) or t)
+    before = session.stats()["dropout_refills_total"]
+    with session:
+        torch.manual_seed(0)
+        loss = model(x).square().mean()
+        gc.collect()
+        assert not [r for r in unpacked if r() is not None]  # the mask alone until backward
+        loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert_bitwise_equal(expected[0], got)
+    assert session.stats()["dropout_refills_total"] == before + 1 and unpacked  # refilled from the mask
+
+
+class _Mul(nn.Module):
+    def forward(self, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h * m)
+
+
+class _MaskedInput(nn.Module):
+    """A noise the step makes, passed to a module: an output re-run of that module pins it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mul, self.b = nn.Linear(64, 256), _Mul(), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(self.mul(h, torch.empty_like(h).bernoulli_(0.7).div_(0.7)))
+
+
+def test_a_pinned_noise_counts_whole_packed_or_not_and_packing_it_is_never_a_gain() -> None:
+    torch.manual_seed(0)
+    model, x = _MaskedInput(), torch.randn(32, 64)
+    planner = plan_module._Planner(profiled(model, x), selective=False)
+    (pack,) = [c for c in planner.candidates if c.kind == plan_module.PACK]
+    pins = next(c for c in planner.candidates if c.kind == plan_module.OUTPUT and isinstance(c.call.module(), _Mul)
+                and pack.packs in c.pins)
+    planner._take(([], [pins]))
+    pinned = planner.total
+    planner._take(([], [pack]))
+    whole, mask = planner.nbytes[pack.packs], planner.packed_nbytes[pack.packs]
+    assert planner.total == pinned + mask  # the re-run's argument holds the float; the masks come on top
+    assert mask * 4 == whole
+
+
+def test_a_region_that_drops_a_packed_noise_replaces_its_pack_and_no_candidate_is_taken_twice() -> None:
+    model, x = _lstm(), _input()
+    profile = profiled(model, x)
+    planner = plan_module._Planner(profile, selective=False)
+    pack = next(c for c in planner.candidates if c.kind == plan_module.PACK)
+    planner._take(([], [pack]))
+    packed = plan_module.plan_of(profile, planner, planner.estimate(), 1)
+    assert planner._try(pack) is None  # chosen already
+    region = next(c for c in planner.candidates if c.kind == REGION and pack.packs in c.drops)
+    tried = planner._try(region)
+    assert tried is not None and pack in tried[2]  # a pack of a dropped storage packs nothing
+    planner._take(([pack], []))
+    assert packed.noise and not packed.same(plan_module.plan_of(profile, planner, planner.estimate(), 1))
+
+
+def test_pack_noise_refuses_what_it_cannot_pack_without_raising() -> None:
+    assert pack_noise(torch.tensor(1.25)) is not None  # 0-dim: the comparing path
+    assert pack_noise(torch.tensor(0.5)) is not None
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int32):
+        assert pack_noise(torch.ones(64).to(dtype)) is None

@@ -706,6 +706,10 @@ class Plan:
     # the pack sequence numbers of dropout noise a kept save holds packed (Note [Packed noise])
     noise: frozenset[int] = frozenset()
 
+    def same(self, other: "Plan") -> bool:
+        """Whether the two plans do the same with every save (drop, keep, keep packed)."""
+        return self.actions == other.actions and self.noise == other.noise
+
     @property
     def empty(self) -> bool:
         return not self.regions and not self.outputs and not self.products and not self.noise
@@ -983,10 +987,15 @@ class _Planner:
     def _value(self, key: ProfileKey) -> int:
         """What the saves of a storage (one of ``nbytes``) hold now: nothing when a chosen
         candidate drops it and none pins it, its masks' bytes when a chosen PACK holds it so,
-        else its bytes. (The greedy calls this hundreds of thousands of times: one function.)"""
-        if self.dropped.get(key, 0) > 0 and self.pinned.get(key, 0) <= 0:
+        else its bytes; a pinned storage is held whole by the re-run that needs it, packed or not
+        (its masks then come on top). (The greedy calls this hundreds of thousands of times: one
+        function.)"""
+        pinned = self.pinned.get(key, 0) > 0
+        if self.dropped.get(key, 0) > 0 and not pinned:
             return 0
-        return self.packed_nbytes[key] if self.packing.get(key, 0) > 0 else self.nbytes[key]
+        if self.packing.get(key, 0) > 0:
+            return self.packed_nbytes[key] + (self.nbytes[key] if pinned else 0)
+        return self.nbytes[key]
 
     def _apply(self, c: _Candidate, sign: int) -> None:
         if c.packs is not None:
@@ -1045,12 +1054,13 @@ class _Planner:
         its variant that regenerates it through ``c``'s call instead."""
         if c.kind != REGION and any(d.kind != REGION and d.kind != c.kind and d.drops & c.drops for d in self.chosen):
             return None  # an output and a product, both dropping the same storage
-        replaced = []
+        if any(d is c for d in self.chosen):
+            return None
+        # a pack of what ``c`` drops packs nothing any more
+        replaced = [d for d in self.chosen if d.packs is not None and d.packs in c.drops]
         for d in self.chosen:
             if not d.overlaps(c):
                 continue
-            if d is c:
-                return None
             if PRODUCT in (c.kind, d.kind):  # a product is in the way of a region around it only
                 if c.kind == REGION and c.contains(d):
                     replaced.append(d)
@@ -1417,7 +1427,7 @@ class PlanSearch:
                     int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
                 alternative = make_plan(self.profile, target, plan.floor_bytes, selective=True) \
                     if not plan.empty else plan
-                if alternative.recipes and all(alternative.actions != p.actions for p, _ in self.trials):
+                if alternative.recipes and not any(alternative.same(p) for p, _ in self.trials):
                     self.family_targets.append(target)
                     self.plan = alternative
                     return True
@@ -1440,7 +1450,7 @@ class PlanSearch:
         else:
             target = int(self.target * self.budget / peak * (1 - BUDGET_SLACK / 2))
         candidate = make_plan(self.profile, target, self.trials[0][0].floor_bytes, selective=bool(self.selective))
-        if any(p.actions == candidate.actions for p, _ in self.trials):
+        if any(candidate.same(p) for p, _ in self.trials):
             return self._settle()
         self.target, self.plan = target, candidate
         return True

@@ -66,7 +66,7 @@ def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tenso
     t0 = time.thread_time()
     got = refill(x, False)
     seconds = time.thread_time() - t0
-    if not _same(got, output):
+    if got is None or not _same(got, output):
         return None
     if k == "batchnorm":
         pair = batchnorm.with_other_parameters(module, x)
@@ -74,21 +74,25 @@ def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tenso
             return None
     if k == "activation":
         try:
-            if not _same(refill(x.clone(), True), output):
+            again = refill(x.clone(), True)
+            if again is None or not _same(again, output):
                 return None
         except RuntimeError:
             return None
     return seconds
 
 
-Refill = Callable[[torch.Tensor, bool], torch.Tensor]
-"""``(x, owned)`` -> the call's output for input ``x``; ``owned``: no one else holds ``x``, which
-an activation's refill then writes over (the others ignore it)."""
+Refill = Callable[[torch.Tensor, bool], "torch.Tensor | None"]
+"""``(x, owned)`` -> the call's output for input ``x``, or None when what it needs is gone (the call
+is then re-run whole); ``owned``: no one else holds ``x``, which an activation's refill then
+writes over (the others ignore it)."""
 
 
 def refiller(module: nn.Module, output: torch.Tensor) -> tuple[str, Refill] | None:
     """Taken when the call returns ``output``: the refill's kind and the function that gives
-    the output again from the call's input, holding what the forward saved; None when that is not
+    the output again from the call's input, holding what the forward saved (a dropout's: its
+    node, whose noise it reads when it refills, so that a noise the step keeps packed is not held
+    whole meanwhile: Note [Packed noise] in dropout.py); None when that is not
     found (the call is then re-run whole), or when what it saved is not the session's to read
     (Note [Session hooks] in hooks.py)."""
     k = kind(module)
@@ -101,10 +105,10 @@ def refiller(module: nn.Module, output: torch.Tensor) -> tuple[str, Refill] | No
         mean, invstd = stats
         return k, lambda x, owned: batchnorm.refill(module, x, mean, invstd)
     if k == "dropout":
-        noise = dropout.saved_noise(output)
-        if noise is None:
+        if dropout.saved_noise(output) is None:  # (a look: a packed noise shows its mask)
             return None
-        return k, lambda x, owned: dropout.refill(x, noise)
+        node = output.grad_fn
+        return k, lambda x, owned: dropout.refill_from(node, x)
     if k == "activation":
         return k, lambda x, owned: activations.refill(module, x, owned)
     return None

@@ -557,6 +557,8 @@ class Output(_Rerun):
         t0 = time.thread_time()
         kind, refill = refiller
         out = refill(inputs[0], owned)
+        if out is None:  # what it reads is gone (refills.Refill): re-run
+            return None
         seconds = time.thread_time() - t0
         st = self.step.session._stats
         st[f"{kind}_refills_total"] += 1
@@ -961,7 +963,10 @@ class PlannedStep:
         if isinstance(h, KeptSave):
             return h.tensor
         if isinstance(h, PackedNoise):
-            return h.get()
+            # a look (a refill checking, when its call returns, that the call saved noise) sees
+            # the mask, a leaf the step made as the noise is, and holds nothing: unpacking here
+            # held a float copy until backward (refills.refiller)
+            return h.mask if self._peeking else h.get()
         if isinstance(h, (RegionSlot, OutputSlot, ProductSlot)):
             if self._peeking:  # dropped: not refilled for a look (peek)
                 raise _DroppedSave()
