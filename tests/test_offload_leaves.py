@@ -7,7 +7,7 @@ it and its re-run makes it again, exactly. Dropout noise a plan keeps is held as
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -263,33 +263,25 @@ def test_noise_packs_to_a_mask_and_back_bit_for_bit_and_nothing_else_packs() -> 
     assert not packable_noise(noise[:, ::2])  # not all of its storage
 
 
-def _packs_costing(seconds: float) -> Iterator[None]:
-    """Packing weighed at ``seconds`` a noise, whatever the profile measured: the planner's choice
-    between packing and re-running, made certain where a test is about one of them."""
-    measured = plan_module.noise_pack_seconds
-    plan_module.noise_pack_seconds = lambda t: None if measured(t) is None else seconds  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        plan_module.noise_pack_seconds = measured  # type: ignore[assignment]
+def _forced_plan(pick: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+    """A ``make_plan`` that takes the candidates ``pick(planner)`` names, in order."""
+    def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, selective: bool = True) -> Any:
+        planner = plan_module._Planner(profile, selective=False)
+        for c in pick(planner):
+            tried = planner._try(c)
+            assert tried is not None
+            planner._take((tried[2], tried[3]))
+        return plan_module.plan_of(profile, planner, planner.estimate(), budget)
+    return make_plan
 
 
 @pytest.fixture
-def packs_only() -> Iterator[None]:
+def packs_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every plan holds all the noise it can packed, and does nothing else: what packing does to
     a step, tested apart from whether the planner finds it the cheapest (on these small models a
     dropout's re-run measures next to nothing, and the choice goes either way)."""
-    def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, selective: bool = True) -> Any:
-        planner = plan_module._Planner(profile, selective=False)
-        planner.seed([c for c in planner.candidates if c.kind == plan_module.PACK])
-        return plan_module.plan_of(profile, planner, planner.estimate(), budget)
-
-    real = plan_module.make_plan
-    plan_module.make_plan = make_plan  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        plan_module.make_plan = real  # type: ignore[assignment]
+    monkeypatch.setattr(plan_module, "make_plan", _forced_plan(
+        lambda planner: [c for c in planner.candidates if c.kind == plan_module.PACK]))
 
 
 def _packing_budget(model: nn.Module, x: torch.Tensor) -> int:
@@ -301,8 +293,11 @@ def _packing_budget(model: nn.Module, x: torch.Tensor) -> int:
 
 
 @pytest.fixture
-def dear_packs() -> Iterator[None]:
-    yield from _packs_costing(10.0)
+def dear_packs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing weighed at 10 s a noise, whatever the profile measured: the planner's choice
+    between packing and re-running, made certain."""
+    measured = plan_module.noise_pack_seconds
+    monkeypatch.setattr(plan_module, "noise_pack_seconds", lambda t: None if measured(t) is None else 10.0)
 
 
 def test_packing_is_weighed_against_re_runs(dear_packs: None) -> None:
@@ -444,18 +439,6 @@ def test_a_leaf_that_stops_being_two_valued_makes_the_step_profiled_again() -> N
 
 
 # ---- packing beside refills and pins (a review, 2026-11-29) ---------------------------------
-
-
-def _forced_plan(pick: Callable[[Any], list[Any]]) -> Callable[..., Any]:
-    """A ``make_plan`` that takes the candidates ``pick(planner)`` names, in order."""
-    def make_plan(profile: Profile, budget: int, floor_bytes: int | None = None, selective: bool = True) -> Any:
-        planner = plan_module._Planner(profile, selective=False)
-        for c in pick(planner):
-            tried = planner._try(c)
-            assert tried is not None
-            planner._take((tried[2], tried[3]))
-        return plan_module.plan_of(profile, planner, planner.estimate(), budget)
-    return make_plan
 
 
 def test_a_dropout_refilled_from_a_packed_noise_holds_no_float_copy_until_backward(monkeypatch: Any) -> None:

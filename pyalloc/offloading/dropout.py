@@ -74,6 +74,7 @@ Note [Packed noise]
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -107,6 +108,11 @@ def saved_noise(output: torch.Tensor) -> torch.Tensor | None:
     node: Any = output.grad_fn
     if node is None or type(node).__name__ != "MulBackward0":
         return None
+    return _node_noise(node)
+
+
+def _node_noise(node: Any) -> torch.Tensor | None:
+    """The ``other`` a product's node saved, when it is a tensor without history (noise)."""
     noise = node._saved_other
     return noise if isinstance(noise, torch.Tensor) and noise.grad_fn is None else None
 
@@ -118,12 +124,10 @@ def refill_from(node: Any, x: torch.Tensor) -> torch.Tensor | None:
     bytes where the plan counted 0.25). None when the node no longer holds it (its backward ran)
     or it is not noise: the call is then re-run."""
     try:
-        noise = node._saved_other
+        noise = _node_noise(node)
     except RuntimeError:  # freed: the node's backward ran
         return None
-    if not isinstance(noise, torch.Tensor) or noise.grad_fn is not None:
-        return None
-    return refill(x, noise)
+    return None if noise is None else refill(x, noise)
 
 
 def refill(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -185,7 +189,7 @@ def _pack_counted(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     top = bits.max()
     scale = torch.tensor(int(top), dtype=ints).view(t.dtype)
-    if not (bool(torch.isfinite(scale)) and float(scale) > 0.0):
+    if not 0.0 < float(scale) < math.inf:  # (NaN compares false)
         return None
     mask = bits == top
     if np.count_nonzero(mask) != np.count_nonzero(bits):

@@ -801,8 +801,8 @@ class _Planner:
         self.packed_nbytes = {}
         for k, seqs in self.saves.items():
             self.nbytes[k] = self.packs[seqs[0]].nbytes
-            if packed_bytes(self.packs, seqs):
-                self.packed_nbytes[k] = packed_bytes(self.packs, seqs)
+            if packed := packed_bytes(self.packs, seqs):
+                self.packed_nbytes[k] = packed
         self.total = sum(self.nbytes.values())  # bytes held: saved and not dropped, or pinned
         self.order = sorted(self.nbytes, key=lambda k: self.saves[k][0])  # by first save
         self.first = [self.saves[k][0] for k in self.order]
@@ -926,14 +926,11 @@ class _Planner:
         (a budget a little below the step's saves is met by a cheap refill, not by packing all
         the noise: 1.08-1.19x the plain step on the BERT-like model at 95% when every kept noise
         was packed)."""
-        out = []
-        for key in self.packed_nbytes:
-            seqs = self.saves[key]
-            inner = self.packs[seqs[0]].inner
-            if self.calls:
-                out.append(_Candidate(self.calls[max(inner, 0)], PACK, set(), {}, [],
-                                      sum(self.packs[seq].pack_seconds for seq in seqs), 0, packs=key))
-        return out
+        if not self.calls:
+            return []
+        return [_Candidate(self.calls[max(self.packs[seqs[0]].inner, 0)], PACK, set(), {}, [],
+                           sum(self.packs[seq].pack_seconds for seq in seqs), 0, packs=key)
+                for key, seqs in ((k, self.saves[k]) for k in self.packed_nbytes)]
 
     def _pins(self, call: CallInfo) -> dict[ProfileKey, int]:
         return {k: n for k, n, act in zip(call.input_keys, call.input_nbytes, call.input_activation) if act}
