@@ -118,6 +118,7 @@ module (it imports torch).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -383,7 +384,7 @@ def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor,
         try:
             with _deterministic(strict=strict):
                 expected = _on_host(columns[0].step(x))
-                diffs = {c.name: _inexact if (grads := guarded(c, lambda c=c: c.step(x))) is None
+                diffs = {c.name: _inexact if (grads := guarded(c, functools.partial(c.step, x))) is None
                          else _difference(grads, expected) for c in columns}
                 return ("strict" if strict else f"warn_only (strict: {refused})"), diffs
         except RuntimeError as e:
@@ -399,7 +400,7 @@ def _exactness(bench: Bench, columns: list[Column], x: torch.Tensor,
             column.stop()
         bench.release()
         for column in columns:
-            guarded(column, lambda c=column: c.start(x))
+            guarded(column, functools.partial(column.start, x))
     raise AssertionError("unreachable: the warn_only pass returns or raises")
 
 

@@ -474,10 +474,10 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
             t = tensors[x.where]
         elif x.kind == "i":
             t = inputs[x.where]
+        elif (held := attrs.get(x.where)) is not None:
+            t = held
         else:
-            t = attrs.get(x.where)
-            if t is None:
-                t = attrs[x.where] = attr(x.where)
+            t = attrs[x.where] = attr(x.where)
         return _as(t, x.geometry)
 
     with torch.no_grad():

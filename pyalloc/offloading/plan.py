@@ -570,7 +570,7 @@ class Profile:
         call.end = self._clock()
         module = call.module()
         if call.mutates_state or (module is not None and not same_state(state, module_state(module))):
-            for open_call, *_ in [(call,), *self._open]:  # a re-run of any call around it runs it again
+            for open_call in [call, *(c for c, *_ in self._open)]:  # a re-run of any call around it runs it again
                 open_call.mutates_state = True
         call.seconds = max(0.0, call.end - t0)
         call.end_pack = len(self.packs)

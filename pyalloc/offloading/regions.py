@@ -971,7 +971,7 @@ class PlannedStep:
             if self._peeking:  # dropped: not refilled for a look (peek)
                 raise _DroppedSave()
             return h.get()
-        return h
+        raise TypeError(f"pyalloc.offload: a save's handle of unknown kind {type(h).__name__}")
 
     def _count_drop(self, t: torch.Tensor) -> None:
         self.dropped += 1
