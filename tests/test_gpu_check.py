@@ -169,6 +169,8 @@ def test_the_offload_check_runs_every_column_and_checkpoint_and_pyalloc_are_exac
         # its plan re-runs regions or regenerates outputs (the ResNet-like one: outputs alone,
         # through batch-norm refills)
         assert ours["regions"] + ours["outputs"] > 0 and not ours["below_floor_warned"]
+        # and it says what it expected them to cost: more than nothing, on the clock it planned by
+        assert ours["plan_recompute_seconds"] > 0 and ours["predicted_ratio"] > 1.0
 
 
 def test_the_offload_check_is_in_the_targets_and_in_gpu_check_md(offload_run: tuple[dict[str, Any], str]) -> None:
@@ -183,6 +185,7 @@ def test_the_offload_check_is_in_the_targets_and_in_gpu_check_md(offload_run: tu
         assert f"## offload ({model})" in md
     assert "| pyalloc | 4 | max_batch |" in md and "| checkpoint | 4 | max_batch |" in md
     assert "- met gpt-like offload gradients exact: 0 (limit 0;" in md
+    assert md.count("x the plain step predicted, ") == 2  # each model's plan: predicted against measured
 
 
 def test_the_offload_check_short_of_time_returns_what_it_measured() -> None:

@@ -59,6 +59,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCudaGenerators:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # (Note [Device time])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
     monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
     return fake

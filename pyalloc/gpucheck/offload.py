@@ -473,7 +473,11 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int
             stats = column.session.stats()
             rows[column.name].update(saved_peak_bytes=int(stats["step_saved_bytes_peak"]),
                                      floor_bytes=int(stats["plan_floor_bytes"]), regions=int(stats["plan_regions"]),
-                                     outputs=int(stats["plan_outputs"]), below_floor_warned=column.floor_warned)
+                                     outputs=int(stats["plan_outputs"]), below_floor_warned=column.floor_warned,
+                                     # what the plan expected its re-runs and packs to cost, on the
+                                     # device's clock (Note [Device time] in offloading/clock.py)
+                                     plan_recompute_seconds=float(stats["plan_recompute_seconds"]),
+                                     predicted_ratio=round(1 + float(stats["plan_recompute_seconds"]) / base, 3))
         column.stop()
     return repeatable, determinism, len(times["baseline"]), rows
 

@@ -371,6 +371,12 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
                 for column, c in figures["columns"].items() if c.get("attempts")]
     if searched:
         lines += ["", "The searches' attempts (batch, seconds: a fresh start and the steps): " + "; ".join(searched) + "."]
+    ours = figures["columns"].get("pyalloc", {})
+    if ours.get("predicted_ratio") is not None:
+        lines += ["", f"pyalloc's plan at batch {common}: {ours.get('regions', '?')} regions and "
+                      f"{ours.get('outputs', '?')} outputs re-run, {ours['plan_recompute_seconds'] * 1e3:.3g} ms "
+                      f"a step on the device's clock as its profiled step measured them: "
+                      f"{ours['predicted_ratio']}x the plain step predicted, {ours.get('time_ratio')}x measured."]
     return lines
 
 

@@ -5,7 +5,7 @@ planned policy (``plan``: the profiled step, the greedy planner and the plan sea
 [Planned recompute]; ``regions``: a step run under a plan, module re-runs; ``ops``: the aten
 operators of the profiled step and selective re-runs, Note [Selective re-runs]; ``batchnorm``: batch-norm
 outputs refilled from their saved statistics, Note [Batch-norm refills]; ``dropout``: dropout outputs
-refilled from their saved noise, Note [Dropout refills]; ``refills``: the two kinds behind one call), the torch calls DTR
+refilled from their saved noise, Note [Dropout refills]; ``refills``: the two kinds behind one call), the clock its costs are measured with (``clock``, Note [Device time]), the torch calls DTR
 records and replays (``calls``, Note [Producers and replay]; ``args``: taking call arguments
 apart), the DTR cost model (``cost``, Note [Free neighbours]), host swap (``swap``: host buffers
 and side-stream copies, Note [Copies on CUDA]), DTR's saved-activation handle (``saved``), the

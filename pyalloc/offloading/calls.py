@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import clock
 from . import rng
 from .args import TensorMap, flatten, unflatten
 from .guard import entry
@@ -173,7 +174,7 @@ class CallTracker(TorchFunctionMode):
         if not s._recording or s._replaying or s._inert or not s.recompute or func in s._passthrough:
             return func(*args, **kwargs)
         calls = s._calls
-        t0 = time.thread_time()
+        t0 = clock.now()
         timed = calls.func_seconds
         profile = s._profile
         if profile is None:
@@ -192,7 +193,7 @@ class CallTracker(TorchFunctionMode):
             finally:
                 profile.busy = busy
         if calls.func_seconds != timed:  # recorded: the rest of the time was the recording's
-            s._overhead_s += time.thread_time() - t0 - (calls.func_seconds - timed)
+            s._overhead_s += clock.now() - t0 - (calls.func_seconds - timed)
         return result
 
 
@@ -269,13 +270,13 @@ class CallRecorder:
         call.pack_start = pack_seq
         self.current.append((call, tensors))
         t0 = time.perf_counter()
-        c0 = time.thread_time()
+        c0 = clock.now()
         try:
             result = run(*args, **kwargs)
         finally:
             self.current.pop()
         call.cost_s = time.perf_counter() - t0
-        self.func_seconds += time.thread_time() - c0
+        self.func_seconds += clock.now() - c0
         if kind == _NO_REPLAY or any(t._version != v for t, v in zip(tensors, versions)):
             call.replayable = False  # it mutated state: replaying would mutate it again
         out_leaves, _ = flatten(result)

@@ -75,12 +75,12 @@ Note [Packed noise]
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import clock
 from .ops import View, as_view, view_of
 
 try:  # (matplotlib, of the torch extra, brings it; torch does not need it)
@@ -223,12 +223,12 @@ def noise_pack_seconds(t: torch.Tensor) -> float | None:
     with torch.no_grad():
         if bool(torch.signbit(t).any()):
             return None
-        start = time.thread_time()  # this thread's time, as re-runs are measured: not the machine's other work
+        start = clock.now()  # as re-runs are measured (Note [Device time] in clock.py)
         packed = pack_noise(t)
         if packed is None:
             return None
         back = unpack_noise(*packed)
-        seconds = time.thread_time() - start
+        seconds = clock.now() - start
         return seconds if back.stride() == t.stride() else None
 
 
@@ -272,7 +272,7 @@ def product_refill(product: Any, source: Any, view: View) -> torch.Tensor:
 def exact_product_seconds(t: torch.Tensor) -> tuple[tuple[str, ...], str, float, torch.Tensor] | None:
     """In the profiled step, for a save ``t``: when it is a dropout's product (or a view of one)
     that :func:`product_refill` gives again bit for bit, with its strides, on this device and
-    layout, the view path, the type of ``a``'s node, the refill's thread time (timed on a
+    layout, the view path, the type of ``a``'s node, the refill's time (timed on a
     second run, as ``refills.exact_refill_seconds`` does) and ``a``; else None. Reading the saved
     operands may raise (one not resident in the profiled step's DTR): then None."""
     found = product_nodes(t)
@@ -292,9 +292,9 @@ def exact_product_seconds(t: torch.Tensor) -> tuple[tuple[str, ...], str, float,
             first = torch.mul(a, noise)
             if first.untyped_storage().nbytes() != t.untyped_storage().nbytes():
                 return None
-            t0 = time.thread_time()
+            t0 = clock.now()
             got = product_refill(product, source, view_of(t))
-            seconds = time.thread_time() - t0
+            seconds = clock.now() - t0
     except Exception:
         return None
     if got.dtype != t.dtype or got.shape != t.shape or got.stride() != t.stride() or not torch.equal(got, t):

@@ -66,13 +66,14 @@ Note [Operator replay]
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import clock
 
 if TYPE_CHECKING:
     from .plan import ProfileKey
@@ -186,16 +187,16 @@ class OpRecorder(TorchDispatchMode):
         if not self._active():
             self._unrecorded()
             return func(*args, **kwargs)
-        t0 = time.thread_time()
+        t0 = clock.now()
         leaves, spec = tree_flatten((args, kwargs))
         if any(isinstance(x, torch.Generator) for x in leaves):
             self._private_generator()
         recorded = [TensorArg(self._key(x), geometry(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
         reads = tuple(x.key for x in recorded if isinstance(x, TensorArg))
         mutated = _mutated_positions(func, args, kwargs)
-        t1 = time.thread_time()
+        t1 = clock.now()
         out = func(*args, **kwargs)
-        t2 = time.thread_time()
+        t2 = clock.now()
         outs, _ = tree_flatten(out)
         if mutated and torch.Tag.inplace_view in func.tags \
                 and all(isinstance(o, torch.Tensor) and self._key(o) in reads for o in outs):
@@ -223,7 +224,7 @@ class OpRecorder(TorchDispatchMode):
         self.ops.append(OpInfo(func, reads, tuple(dict.fromkeys(writes)), outputs, mutated,
                                view and all(o is not None for o in outputs),
                                torch.Tag.nondeterministic_seeded in func.tags, t2 - t1, spec, recorded))
-        self.overhead_s += (t1 - t0) + (time.thread_time() - t2)
+        self.overhead_s += (t1 - t0) + (clock.now() - t2)
         return out
 
 

@@ -123,7 +123,6 @@ import bisect
 import contextlib
 import sys
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container, Iterator
@@ -132,6 +131,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from . import clock
 from .dropout import exact_product_seconds, noise_pack_seconds
 from .hooks import StepHook
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
@@ -434,18 +434,19 @@ class Profile:
         """Around a check of the profile's own (a refill, a dropout product): its time is not the
         model's (``_clock``), nor are its operators, run with grad off (``_unrecorded``); under
         no_grad, which DTR and the operator recorder skip, and ``reading`` (peek or probe)."""
-        t0 = time.thread_time()
+        t0 = clock.now()
         self._checking += 1
         try:
             with reading(), torch.no_grad():
                 yield
         finally:
             self._checking -= 1
-            self._checks_s += time.thread_time() - t0
+            self._checks_s += clock.now() - t0
 
     def _clock(self) -> float:
-        """Thread CPU time less the session's and the operator recording's own."""
-        return time.thread_time() - self._overhead() - self.recorder.overhead_s - self._checks_s
+        """The step's clock (Note [Device time] in clock.py) less the session's and the operator
+        recording's own time."""
+        return clock.now() - self._overhead() - self.recorder.overhead_s - self._checks_s
 
     def start(self) -> None:
         """Installs the global module hooks for one step."""

@@ -8,13 +8,12 @@ activation's from its functional form, in place over an input regenerated for it
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 from torch import nn
 
-from . import activations, batchnorm, dropout
+from . import activations, batchnorm, clock, dropout
 from .hooks import foreign_hooks, saves_are_ours
 
 __all__ = ["KINDS", "MIN_ELEMENTS", "exact_refill_seconds", "kind", "refiller"]
@@ -48,9 +47,9 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> float | None:
-    """The thread time the refill takes to give ``output`` (``module``'s forward output for ``x``)
-    again, or None when it does not give it bit for bit, with the same geometry, on this device and
-    layout (a batch norm's also with other parameters: Note [Batch-norm refills]). Timed on a
+    """The time the refill takes to give ``output`` (``module``'s forward output for ``x``) again,
+    on the step's clock (Note [Device time] in clock.py), or None when it does not give it bit for
+    bit, with the same geometry, on this device and layout (a batch norm's also with other parameters: Note [Batch-norm refills]). Timed on a
     second run: the first one's output often lands in memory never touched before (seen: 3 ms
     instead of 0.45 ms for 4 MiB, in the profiled step), and a refill costed that high would never
     be planned, so never measured. An activation's in-place form is checked too, on a copy."""
@@ -63,9 +62,9 @@ def exact_refill_seconds(module: nn.Module, x: torch.Tensor, output: torch.Tenso
         refill(x, False)
     except RuntimeError:  # not the input's (a dropout's noise that does not broadcast to it)
         return None
-    t0 = time.thread_time()
+    t0 = clock.now()
     got = refill(x, False)
-    seconds = time.thread_time() - t0
+    seconds = clock.now() - t0
     if got is None or not _same(got, output):
         return None
     if k == "batchnorm":

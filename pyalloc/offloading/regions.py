@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import dropout, refills, rng
+from . import clock, dropout, refills, rng
 from .hooks import StepHook
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
@@ -203,7 +202,7 @@ class _Rerun:
                                    "the call: its dropped activations cannot be recomputed")
         step = self.step
         self.note_inputs(tensor_leaves((args, kwargs)))
-        t0 = time.thread_time()
+        t0 = clock.now()
         buffers = [(b, b.clone()) for b in self.module.buffers()]
         step.recomputing += 1
         try:
@@ -231,7 +230,7 @@ class _Rerun:
                 for b, saved in buffers:
                     b.copy_(saved)
             st = step.session._stats
-            seconds = time.thread_time() - t0
+            seconds = clock.now() - t0
             st["replays_total"] += 1
             st["recompute_seconds_total"] += seconds
             if times is None:
@@ -347,14 +346,14 @@ class Region(_Rerun):
 
         step = self.step
         self.note_inputs(inputs)
-        t0 = time.thread_time()
+        t0 = clock.now()
         try:
             # (no random operator to replay: the generators' states do not matter, and setting
             # them costs two copies of each state)
             with rng.replayed(self.cpu_rng, self.cuda_rng) if recipe.random else contextlib.nullcontext():
                 filled = run_replay(recipe, sources, inputs, attr)
         finally:
-            seconds = time.thread_time() - t0
+            seconds = clock.now() - t0
             st = step.session._stats
             st["replays_total"] += 1
             st["recompute_seconds_total"] += seconds
@@ -433,9 +432,9 @@ class ProductSlot(_Counted):
             step, nodes = self.step, self.nodes
             assert step is not None and nodes is not None
             self.step = self.nodes = None
-            t0 = time.thread_time()
+            t0 = clock.now()
             self.tensor = dropout.product_refill(nodes[0], nodes[1], self.geometry)
-            seconds = time.thread_time() - t0
+            seconds = clock.now() - t0
             self.count(self.tensor)
             st = step.session._stats
             st["dropout_refills_total"] += 1
@@ -554,12 +553,12 @@ class Output(_Rerun):
             if t._version != v:
                 return None  # run() says why it cannot re-run
         self.note_inputs(inputs)
-        t0 = time.thread_time()
+        t0 = clock.now()
         kind, refill = refiller
         out = refill(inputs[0], owned)
         if out is None:  # what it reads is gone (refills.Refill): re-run
             return None
-        seconds = time.thread_time() - t0
+        seconds = clock.now() - t0
         st = self.step.session._stats
         st[f"{kind}_refills_total"] += 1
         st["recompute_seconds_total"] += seconds

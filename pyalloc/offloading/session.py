@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from ..core import add_stats_source
-from . import cost, refills
+from . import clock, cost, refills
 from .args import TensorMap
 from .check import RecomputeCheck, enabled_by_environment as check_env
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
@@ -261,15 +261,22 @@ class ActivationOffload:
         stack = contextlib.ExitStack()
         try:
             self._recording = False
-            if self.policy == "plan" and self._plan is not None:
-                if self._idle():
+            planned = self.policy == "plan" and self._plan is not None
+            idle = planned and self._idle()
+            settled = self._search is not None and self._search.settled
+            if self.policy == "plan" and not idle and not (planned and settled):
+                # a step whose times make or judge the plan: on the device's clock (Note [Device
+                # time] in clock.py); first in, last out (the profile's stop reads it)
+                stack.enter_context(clock.device_time(self._device_wait()))
+            if planned:
+                if idle:
                     assert self._search is not None
                     self._planned = IdleStep(self._search.profile.roots())
                 else:
+                    assert self._plan is not None
                     self._planned = PlannedStep(self, self._plan, self._cuda)
                     self._planned.verify = self._replay_checks % REPLAY_CHECK_EVERY == 0
                     self._replay_checks += 1
-                    settled = self._search is not None and self._search.settled
                     self._planned.counted = not settled or self._settled_run % COUNT_EVERY == 0
                     self._settled_run = self._settled_run + 1 if settled else 0
                 self._planned.install(stack)
@@ -296,6 +303,12 @@ class ActivationOffload:
             stack.close()
             raise
         return stack
+
+    def _device_wait(self) -> Callable[[], None] | None:
+        """What the clock of a step that makes or judges the plan waits for (Note [Device time]
+        in clock.py): the CUDA device's queued work, once this process uses CUDA; None without
+        CUDA (thread time)."""
+        return _cuda_synchronize if self._cuda else None
 
     def _finish_plan_step(self) -> None:
         """After a step under policy ``plan``: plan from a profiled step, or measure a planned
@@ -474,7 +487,10 @@ class ActivationOffload:
         counts dropped tensors regenerated (``replays_total`` the calls re-run for them, inputs
         included); ``evictions_total`` = swap-outs + drops. ``swap_seconds_total`` and
         ``recompute_seconds_total`` are host time spent in copies and replays (with CUDA's
-        asynchronous copies, the time spent issuing them). ``budget_bytes`` is -1 without a
+        asynchronous copies, the time spent issuing them; a CUDA session's replays in the steps
+        of its plan search, the time after waiting for the device: Note [Device time] in
+        clock.py). ``plan_recompute_seconds`` is what the plan expects its re-runs, refills and
+        packs to cost a step, on that clock. ``budget_bytes`` is -1 without a
         budget.
         """
         st = self._stats
@@ -522,7 +538,7 @@ class ActivationOffload:
             return t
         if self._profile is None:
             return self._pack_tracked(t)
-        t0 = time.thread_time()
+        t0 = clock.now()
         profile = self._profile
         profile.busy = True  # the session's operators (swap copies) are not the model's
         try:
@@ -530,7 +546,7 @@ class ActivationOffload:
             return self._pack_tracked(t)
         finally:  # evictions included: the profile's module times must not count them
             profile.busy = False
-            self._overhead_s += time.thread_time() - t0
+            self._overhead_s += clock.now() - t0
 
     def _pack_tracked(self, t: torch.Tensor) -> Any:
         with self._lock:
@@ -855,6 +871,14 @@ class ActivationOffload:
         finally:
             self._busy.on = False
             self._lock.release()
+
+
+def _cuda_synchronize() -> None:
+    """The current CUDA device's queued work done; nothing before CUDA is in use (a CPU model on
+    a CUDA machine: no context made for it) or while a CUDA graph is captured (waiting is not
+    allowed then; the capture's kernels do not run until it is replayed)."""
+    if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize()
 
 
 def offload(budget: int | str | None = None, swap: bool = True, recompute: bool = True,
