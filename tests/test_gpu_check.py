@@ -411,3 +411,19 @@ def test_an_attempts_time_is_predicted_from_the_columns_latest_attempt_not_its_f
     # so a batch that the first attempt's rate says would not end in time is tried
     deadline = time.monotonic() + (latest / 8 + first / 4) / 2 * 64
     assert bench.fits(column, 64, deadline)  # type: ignore[arg-type]
+
+
+def test_the_offload_report_says_what_pyalloc_predicted_even_when_its_timing_ran_out_of_memory() -> None:
+    row = {"largest_batch": 4, "stop": "out of memory", "seconds_per_sample": None, "steps_at_largest": 0,
+           "step_seconds": None, "time_ratio": None, "exact": False, "out_of_memory": True, "max_abs_diff": None,
+           "attempts": [], "regions": 2, "outputs": 1, "plan_recompute_seconds": 0.0123, "predicted_ratio": 1.1}
+    figures = {"common_batch": 4, "budget_bytes": 1 << 20, "budget": "half", "baseline_repeatable": True,
+               "columns": {"pyalloc": row}}
+    line = run._offload_table("offload (gpt-like)", figures)[-1]
+    assert line == ("pyalloc's plan at batch 4: 2 regions and 1 outputs re-run, 12.3 ms a step on the device's "
+                    "clock as its profile and plan search measured them: 1.1x the plain step predicted, "
+                    "out of memory when timed.")
+    row.update(step_seconds=0.2, time_ratio=1.25, exact=True)
+    assert run._offload_table("offload (gpt-like)", figures)[-1].endswith("1.1x the plain step predicted, 1.25x measured.")
+    del row["predicted_ratio"]  # a report from before the prediction: no such line
+    assert "predicted" not in run._offload_table("offload (gpt-like)", figures)[-1]

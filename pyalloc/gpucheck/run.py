@@ -375,8 +375,9 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
     if ours.get("predicted_ratio") is not None:
         lines += ["", f"pyalloc's plan at batch {common}: {ours.get('regions', '?')} regions and "
                       f"{ours.get('outputs', '?')} outputs re-run, {ours['plan_recompute_seconds'] * 1e3:.3g} ms "
-                      f"a step on the device's clock as its profiled step measured them: "
-                      f"{ours['predicted_ratio']}x the plain step predicted, {ours.get('time_ratio')}x measured."]
+                      f"a step on the device's clock as its profile and plan search measured them: "
+                      f"{ours['predicted_ratio']}x the plain step predicted, "
+                      + ("out of memory when timed." if ours.get("time_ratio") is None else f"{ours['time_ratio']}x measured.")]
     return lines
 
 
