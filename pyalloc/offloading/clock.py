@@ -10,13 +10,22 @@ Note [Device time]
     ReLU), so a plan costed that way weighs a call by its number of operators, and the search
     judges plans the same way.
 
-    So in the steps whose times are read (a profiled step, and a planned step while the plan
-    search has not settled), a CUDA session's clock waits for the device before each reading and
-    reads wall time (:func:`device_time`): an interval is what host and device took for it, one
-    after the other. Every interval of those steps is read on the same clock, the session's own
-    time that is subtracted (its recording, its checks) included. Elsewhere (settled planned
-    steps, whose times nothing reads; DTR's policy; a CPU session) it stays thread time: waiting
-    for the device there would stall the step. The clock is per thread, as sessions are.
+    So in the steps whose times are read, a CUDA session's clock waits for the device before each
+    reading and reads wall time: an interval is what host and device took for it, one after the
+    other. The profiled step's readings (module calls, operators, refills, packs, and the
+    session's own time that is subtracted from them, all in forward on the step's thread) go
+    through :func:`now` inside :func:`device_time`, which is per thread. A planned step while the
+    plan search runs reads its re-runs' and refills' times on a clock of its own
+    (:func:`reader`, ``PlannedStep.now``): they run in backward, which on CUDA runs on autograd's
+    thread for the device, where no thread-local setting of the step's is seen. Elsewhere
+    (settled planned steps, whose times nothing reads; DTR's policy; a session in a process that
+    has not started CUDA, such as a CPU model on a CUDA machine) it stays thread time: waiting
+    for the device there would stall the step.
+
+    What it waits for is the current CUDA device (``torch.cuda.synchronize()``): a model on
+    another device than the current one is timed by launch time again, unless the program sets
+    that device current (as PyTorch's own CUDA calls without a device assume). Nothing waits
+    while this thread's stream captures a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-__all__ = ["device_time", "now", "waits"]
+__all__ = ["device_time", "now", "reader", "waits"]
 
 _local = threading.local()
 
@@ -44,6 +53,20 @@ def now() -> float:
 def waits() -> bool:
     """Whether :func:`now` waits for a device on this thread now."""
     return getattr(_local, "wait", None) is not None
+
+
+def reader(wait: Callable[[], None] | None) -> Callable[[], float]:
+    """A clock of its own, for measurements that run on other threads than the step's (backward
+    runs on autograd's thread for the device on CUDA): thread time, or with ``wait``, wall time
+    once ``wait`` returned."""
+    if wait is None:
+        return time.thread_time
+
+    def now() -> float:
+        wait()
+        return time.perf_counter()
+
+    return now
 
 
 @contextlib.contextmanager

@@ -202,7 +202,7 @@ class _Rerun:
                                    "the call: its dropped activations cannot be recomputed")
         step = self.step
         self.note_inputs(tensor_leaves((args, kwargs)))
-        t0 = clock.now()
+        t0 = step.now()
         buffers = [(b, b.clone()) for b in self.module.buffers()]
         step.recomputing += 1
         try:
@@ -230,7 +230,7 @@ class _Rerun:
                 for b, saved in buffers:
                     b.copy_(saved)
             st = step.session._stats
-            seconds = clock.now() - t0
+            seconds = step.now() - t0
             st["replays_total"] += 1
             st["recompute_seconds_total"] += seconds
             if times is None:
@@ -346,14 +346,14 @@ class Region(_Rerun):
 
         step = self.step
         self.note_inputs(inputs)
-        t0 = clock.now()
+        t0 = step.now()
         try:
             # (no random operator to replay: the generators' states do not matter, and setting
             # them costs two copies of each state)
             with rng.replayed(self.cpu_rng, self.cuda_rng) if recipe.random else contextlib.nullcontext():
                 filled = run_replay(recipe, sources, inputs, attr)
         finally:
-            seconds = clock.now() - t0
+            seconds = step.now() - t0
             st = step.session._stats
             st["replays_total"] += 1
             st["recompute_seconds_total"] += seconds
@@ -432,9 +432,9 @@ class ProductSlot(_Counted):
             step, nodes = self.step, self.nodes
             assert step is not None and nodes is not None
             self.step = self.nodes = None
-            t0 = clock.now()
+            t0 = step.now()
             self.tensor = dropout.product_refill(nodes[0], nodes[1], self.geometry)
-            seconds = clock.now() - t0
+            seconds = step.now() - t0
             self.count(self.tensor)
             st = step.session._stats
             st["dropout_refills_total"] += 1
@@ -553,12 +553,12 @@ class Output(_Rerun):
             if t._version != v:
                 return None  # run() says why it cannot re-run
         self.note_inputs(inputs)
-        t0 = clock.now()
+        t0 = self.step.now()
         kind, refill = refiller
         out = refill(inputs[0], owned)
         if out is None:  # what it reads is gone (refills.Refill): re-run
             return None
-        seconds = clock.now() - t0
+        seconds = self.step.now() - t0
         st = self.step.session._stats
         st[f"{kind}_refills_total"] += 1
         st["recompute_seconds_total"] += seconds
@@ -662,6 +662,10 @@ class PlannedStep:
         self.selective_seconds: dict[tuple[int, int], float] = {}  # the same, selective regions
         self.region_seconds: dict[tuple[int, int], float] = {}  # the same, whole regions (to their last dropped save)
         self.product_seconds = 0.0  # dropout products refilled (Note [Dropout products] in dropout.py)
+        # the clock those times are read on, wherever backward runs them (on CUDA, autograd's
+        # thread for the device): the device's while the plan search reads them, else thread
+        # time (Note [Device time] in clock.py)
+        self.now: Callable[[], float] = clock.reader(None)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         # whether saved bytes are counted (SavedBytes): every step while the plan search runs, one
         # in COUNT_EVERY (session.py) once it settled; an uncounted step hands autograd the

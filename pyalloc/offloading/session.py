@@ -264,8 +264,8 @@ class ActivationOffload:
             planned = self.policy == "plan" and self._plan is not None
             idle = planned and self._idle()
             settled = self._search is not None and self._search.settled
-            if self.policy == "plan" and not idle and not (planned and settled):
-                # a step whose times make or judge the plan: on the device's clock (Note [Device
+            if self.policy == "plan" and not planned:
+                # the profiled step's times make the plan: on the device's clock (Note [Device
                 # time] in clock.py); first in, last out (the profile's stop reads it)
                 stack.enter_context(clock.device_time(self._device_wait()))
             if planned:
@@ -278,6 +278,8 @@ class ActivationOffload:
                     self._planned.verify = self._replay_checks % REPLAY_CHECK_EVERY == 0
                     self._replay_checks += 1
                     self._planned.counted = not settled or self._settled_run % COUNT_EVERY == 0
+                    if not settled:  # its re-runs' times judge the plan, read wherever backward runs them
+                        self._planned.now = clock.reader(self._device_wait())
                     self._settled_run = self._settled_run + 1 if settled else 0
                 self._planned.install(stack)
             else:
@@ -306,9 +308,10 @@ class ActivationOffload:
 
     def _device_wait(self) -> Callable[[], None] | None:
         """What the clock of a step that makes or judges the plan waits for (Note [Device time]
-        in clock.py): the CUDA device's queued work, once this process uses CUDA; None without
-        CUDA (thread time)."""
-        return _cuda_synchronize if self._cuda else None
+        in clock.py): the current CUDA device's queued work, once this process uses CUDA; None
+        (thread time) before, as on a machine without CUDA: a CPU model on a CUDA machine is
+        timed as on any CPU, unless the process has started CUDA for something else."""
+        return _cuda_synchronize if self._cuda and torch.cuda.is_initialized() else None
 
     def _finish_plan_step(self) -> None:
         """After a step under policy ``plan``: plan from a profiled step, or measure a planned
@@ -874,10 +877,10 @@ class ActivationOffload:
 
 
 def _cuda_synchronize() -> None:
-    """The current CUDA device's queued work done; nothing before CUDA is in use (a CPU model on
-    a CUDA machine: no context made for it) or while a CUDA graph is captured (waiting is not
-    allowed then; the capture's kernels do not run until it is replayed)."""
-    if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+    """The current CUDA device's queued work done; nothing while this thread's stream captures a
+    CUDA graph (waiting is not allowed then; the capture's kernels do not run until it is
+    replayed)."""
+    if not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize()
 
 

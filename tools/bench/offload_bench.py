@@ -18,8 +18,8 @@ saved-tensor hook; checkpoint's add the block inputs it keeps, and are a lower b
 own count, which includes its re-runs' saves. Step times are medians of interleaved repetitions
 (baseline, checkpoint, pyalloc, ..., then the same turned by one column, ...), as ratios to the
 baseline's median in the same run; one CPU thread. ``predicted_ratio`` is what the session's plan
-expects: 1 + the forward time of what it re-runs and packs per step (measured in its profiled
-step) over the baseline's median step. ``time_ratio_min`` is the same ratio of the
+expects: 1 + the forward time of what it re-runs and packs per step (as its profiled step and the
+plan search's steps measured them) over the baseline's median step. ``time_ratio_min`` is the same ratio of the
 fastest repetitions: a shared machine's interference only adds time, so the fastest step is the
 column's own cost with the least of it (the plain step itself, run as ``pyalloc@never``, read
 0.95-1.12 by medians and 0.99-1.03 by minima on one afternoon's 2-core machine). ``exact`` says whether every gradient equals the baseline's bit for bit.
@@ -133,7 +133,7 @@ def bench_model(name: str, workload: Workload, batch: int, reps: int) -> list[di
             "model": name, "config": c.name, "step_ms": round(t * 1e3, 2), "time_ratio": round(t / base_t, 3),
             "time_ratio_min": round(min(c.times) / base_min, 3),
             # what the plan itself expects to cost: the re-runs (and packs) it chose, as the
-            # profiled step measured them, over the baseline's step; the rest of time_ratio is
+            # profile and the plan search measured them, over the baseline's step; the rest of time_ratio is
             # the mechanism (hooks, refills' Python) and the machine
             "predicted_ratio": round(1 + st["plan_recompute_seconds"] / base_t, 3) if st else None,
             "saved_MiB": round(peak / 2**20, 2),
