@@ -25,7 +25,8 @@ Note [Device time]
     What it waits for is the current CUDA device (``torch.cuda.synchronize()``): a model on
     another device than the current one is timed by launch time again, unless the program sets
     that device current (as PyTorch's own CUDA calls without a device assume). Nothing waits
-    while this thread's stream captures a CUDA graph.
+    while this thread's stream captures a CUDA graph; a capture on another thread in the global
+    capture mode would refuse the wait (a program should not profile a step during one).
 """
 
 from __future__ import annotations
