@@ -207,9 +207,12 @@ def test_the_offload_check_short_of_time_returns_what_it_measured() -> None:
     f = result["figures"]
     assert f["time_limit_seconds"] == limit and 1 <= f["common_steps"] < 1000
     columns = f["columns"]
-    assert columns["baseline"]["stop"] == "time"
-    for c in columns.values():
-        assert c["largest_batch"] >= 1 and c["step_seconds"] > 0 and c["steps_at_largest"] < 1000
+    assert columns["baseline"]["stop"] == "time" and columns["baseline"]["largest_batch"] >= 1
+    for name, c in columns.items():
+        assert c["step_seconds"] > 0 and c["steps_at_largest"] < 1000, name
+        if c["largest_batch"] == 0:  # a slow start left its search no time (seen once in a full
+            # run): said so, with no time per sample made up for it
+            assert c["stop"] == "time" and c["seconds_per_sample"] is None, (name, c)
     assert columns["checkpoint"]["exact"] and columns["pyalloc"]["exact"]
 
 
