@@ -471,13 +471,13 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int
                              "exact": exact, "max_abs_diff": worst, "out_of_memory": column.name in out_of_memory}
         if column.session is not None:
             stats = column.session.stats()
+            predicted = float(stats["plan_recompute_seconds"])
             rows[column.name].update(saved_peak_bytes=int(stats["step_saved_bytes_peak"]),
                                      floor_bytes=int(stats["plan_floor_bytes"]), regions=int(stats["plan_regions"]),
                                      outputs=int(stats["plan_outputs"]), below_floor_warned=column.floor_warned,
                                      # what the plan expected its re-runs and packs to cost, on the
                                      # device's clock (Note [Device time] in offloading/clock.py)
-                                     plan_recompute_seconds=float(stats["plan_recompute_seconds"]),
-                                     predicted_ratio=round(1 + float(stats["plan_recompute_seconds"]) / base, 3))
+                                     plan_recompute_seconds=predicted, predicted_ratio=round(1 + predicted / base, 3))
         column.stop()
     return repeatable, determinism, len(times["baseline"]), rows
 

@@ -373,11 +373,11 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
         lines += ["", "The searches' attempts (batch, seconds: a fresh start and the steps): " + "; ".join(searched) + "."]
     ours = figures["columns"].get("pyalloc", {})
     if ours.get("predicted_ratio") is not None:
+        measured = "out of memory when timed" if ours.get("time_ratio") is None else f"{ours['time_ratio']}x measured"
         lines += ["", f"pyalloc's plan at batch {common}: {ours.get('regions', '?')} regions and "
                       f"{ours.get('outputs', '?')} outputs re-run, {ours['plan_recompute_seconds'] * 1e3:.3g} ms "
                       f"a step on the device's clock as its profile and plan search measured them: "
-                      f"{ours['predicted_ratio']}x the plain step predicted, "
-                      + ("out of memory when timed." if ours.get("time_ratio") is None else f"{ours['time_ratio']}x measured.")]
+                      f"{ours['predicted_ratio']}x the plain step predicted, {measured}."]
     return lines
 
 

@@ -38,45 +38,42 @@ from typing import Callable, Iterator
 
 __all__ = ["device_time", "now", "reader", "waits"]
 
-_local = threading.local()
+_local = threading.local()  # .read: this thread's clock, while device_time() sets one
+_thread_time = time.thread_time
 
 
 def now() -> float:
     """Seconds on this thread's clock: thread CPU time, or, inside :func:`device_time` with a
     wait, wall time once the device has finished what was queued."""
-    wait = getattr(_local, "wait", None)
-    if wait is None:
-        return time.thread_time()
-    wait()
-    return time.perf_counter()
+    return getattr(_local, "read", _thread_time)()
 
 
 def waits() -> bool:
     """Whether :func:`now` waits for a device on this thread now."""
-    return getattr(_local, "wait", None) is not None
+    return getattr(_local, "read", _thread_time) is not _thread_time
 
 
 def reader(wait: Callable[[], None] | None) -> Callable[[], float]:
-    """A clock of its own, for measurements that run on other threads than the step's (backward
-    runs on autograd's thread for the device on CUDA): thread time, or with ``wait``, wall time
-    once ``wait`` returned."""
+    """A clock: thread time, or with ``wait``, wall time once ``wait`` returned. What
+    :func:`device_time` sets for :func:`now`, and a clock of its own for measurements that run on
+    other threads than the step's (backward runs on autograd's thread for the device on CUDA)."""
     if wait is None:
-        return time.thread_time
+        return _thread_time
 
-    def now() -> float:
+    def read() -> float:
         wait()
         return time.perf_counter()
 
-    return now
+    return read
 
 
 @contextlib.contextmanager
 def device_time(wait: Callable[[], None] | None) -> Iterator[None]:
-    """Within: :func:`now` calls ``wait`` (a device's synchronize) and reads wall time; None:
-    thread time, as outside."""
-    before = getattr(_local, "wait", None)
-    _local.wait = wait
+    """Within: :func:`now` reads :func:`reader`\ (``wait``) on this thread (None: thread time,
+    as outside)."""
+    before = getattr(_local, "read", _thread_time)
+    _local.read = reader(wait)
     try:
         yield
     finally:
-        _local.wait = before
+        _local.read = before
