@@ -365,6 +365,23 @@ def test_re_runs_keep_the_autocast_of_the_original_call(baselines) -> None:
     _assert_planned_steps_exact(step, peak // 4)
 
 
+def test_re_runs_do_not_take_an_autocast_that_only_backward_runs_in(baselines) -> None:
+    """Forward without autocast, backward inside it: a re-run, refill or replay in backward must
+    run as the forward did, with autocast off (it ran in bfloat16: other values, no error)."""
+    _, _, peak = baselines["gpt"]
+
+    def step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        torch.manual_seed(2)
+        loss = model(x).square().mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    _assert_planned_steps_exact(step, peak // 4)
+
+
 def test_a_step_cut_short_by_an_exception_is_neither_profile_nor_measurement(baselines) -> None:
     grads, _, peak = baselines["gpt"]
     make_model, make_input = MODELS["gpt"]
@@ -769,13 +786,18 @@ def test_an_in_place_view_of_a_source_is_run_again_not_skipped(how, checked, mon
     assert st["recomputed_tensors_total"] > 0 and st["replays_stale_total"] == 0
 
 
-def test_a_checked_re_run_inside_the_forward_s_autocast_casts_as_the_forward_did(monkeypatch) -> None:
-    """Backward run inside the autocast its forward ran in: the re-run's autocast does not take
-    the forward's cached casts of the parameters, so it runs the operators the profile saw (every
-    checked step fell back to a whole re-run and had the next step profiled again)."""
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "replayed"])
+def test_a_re_run_inside_the_forward_s_autocast_casts_as_the_forward_did(checked, monkeypatch) -> None:
+    """Backward run inside the autocast its forward ran in. A checked step re-runs the selective
+    region through the module: its autocast does not take the forward's cached casts of the
+    parameters, so it runs the operators the profile saw (every checked step fell back to a whole
+    re-run and had the next step profiled again). Other steps replay the recorded operators,
+    which were recorded cast already: with the program's autocast still on they were cast again
+    (an ``aten.bmm`` of float32 operands returned bfloat16) and the gradients came out wrong with
+    no error (a review, 2026-11-29)."""
     from pyalloc.offloading import session as session_module
 
-    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1)
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1 if checked else 1000)
 
     def make() -> nn.Module:
         torch.manual_seed(0)

@@ -155,6 +155,33 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     return tuple((dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev))
 
 
+AUTOCAST_OFF: tuple[tuple[str, torch.dtype], ...] = ()
+"""The autocast state of operators recorded at the dispatcher, below autocast (already cast), and
+of refills, which are taken only for calls that ran without autocast."""
+
+
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...], modes: contextlib.ExitStack) -> None:
+    """Makes autocast, until ``modes`` closes, what ``state`` (:func:`autocast_state`, read where
+    the call first ran) says: on for its device types and dtypes, off for every other.
+
+    Why off too: recompute runs in backward, and a program that wraps its whole step in
+    ``torch.autocast`` runs backward inside it; an operator replayed there would be cast again
+    (an ``aten.bmm`` on float32 operands returns bfloat16 under CPU autocast), and a call that ran
+    without autocast would run with it: other values, and the gradients wrong with no error
+    (a review, 2026-11-29). Inside an autocast already on for the device, the re-run's own has
+    its cache off: the enclosing one's cache holds the forward's casts of the parameters, and a
+    re-run that took them would not run the casts the profile saw (casts are exact either way)."""
+    if not state and not torch._C._is_any_autocast_enabled():  # the usual case, in one call
+        return
+    wanted = dict(state)
+    for dev in ("cpu", "cuda"):
+        on = torch.is_autocast_enabled(dev)
+        if dev in wanted:
+            modes.enter_context(torch.autocast(dev, dtype=wanted[dev], cache_enabled=not on))
+        elif on:
+            modes.enter_context(torch.autocast(dev, enabled=False))
+
+
 class CallTracker(TorchFunctionMode):
     """Records every top-level torch call as a ProducerCall; see Note [Producers and replay]."""
 
@@ -311,8 +338,7 @@ def replay_call(call: ProducerCall, leaves: list[Any]) -> tuple[list[Any], list[
 
     with contextlib.ExitStack() as modes:
         modes.enter_context(rng.replayed(call.rng_state, call.cuda_rng))
-        for device, dtype in call.autocast:  # backward, where replays run, has none
-            modes.enter_context(torch.autocast(device, dtype=dtype))
+        autocast_as(call.autocast, modes)  # (backward, where replays run, usually has none)
         modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x))
         modes.enter_context(torch.set_grad_enabled(call.grad_enabled))
         result = call.func(*args, **kwargs)

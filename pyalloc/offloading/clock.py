@@ -69,7 +69,7 @@ def reader(wait: Callable[[], None] | None) -> Callable[[], float]:
 
 @contextlib.contextmanager
 def device_time(wait: Callable[[], None] | None) -> Iterator[None]:
-    """Within: :func:`now` reads :func:`reader`\ (``wait``) on this thread (None: thread time,
+    """Within: :func:`now` reads :func:`reader` with ``wait`` on this thread (None: thread time,
     as outside)."""
     before = getattr(_local, "read", _thread_time)
     _local.read = reader(wait)

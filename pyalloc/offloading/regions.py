@@ -21,7 +21,7 @@ from . import clock, dropout, refills, rng
 from .hooks import StepHook
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
-from .calls import autocast_state
+from .calls import AUTOCAST_OFF, autocast_as, autocast_state
 from . import guard
 from .guard import same_trace
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, run_replay, view_of
@@ -212,13 +212,10 @@ class _Rerun:
             # graph is never run backward. Hence the pack hook stores nothing.
             with contextlib.ExitStack() as modes:
                 modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
-                for dev, dtype in self.autocast:
-                    # inside the forward's own autocast (backward run inside it), its cache holds
-                    # the forward's casts of the parameters, and a re-run with it would cast none:
-                    # not the operators the profile saw (every checked step of a selective region
-                    # fell back to a whole re-run: a review, 2026-11-28). Casts are exact either way.
-                    nested = torch.is_autocast_enabled(dev)
-                    modes.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=not nested))
+                # as the call ran, whatever backward runs in (a re-run with the forward's autocast
+                # cache would cast none: every checked step of a selective region fell back to a
+                # whole re-run, a review, 2026-11-28)
+                autocast_as(self.autocast, modes)
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
                 modes.enter_context(torch.enable_grad())
                 if mode is not None:
@@ -350,7 +347,10 @@ class Region(_Rerun):
         try:
             # (no random operator to replay: the generators' states do not matter, and setting
             # them costs two copies of each state)
-            with rng.replayed(self.cpu_rng, self.cuda_rng) if recipe.random else contextlib.nullcontext():
+            with contextlib.ExitStack() as modes:
+                if recipe.random:
+                    modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
+                autocast_as(AUTOCAST_OFF, modes)  # operators recorded below autocast, cast already
                 filled = run_replay(recipe, sources, inputs, attr)
         finally:
             seconds = step.now() - t0
@@ -433,7 +433,9 @@ class ProductSlot(_Counted):
             assert step is not None and nodes is not None
             self.step = self.nodes = None
             t0 = step.now()
-            self.tensor = dropout.product_refill(nodes[0], nodes[1], self.geometry)
+            with contextlib.ExitStack() as modes:
+                autocast_as(AUTOCAST_OFF, modes)  # (planned only for a product made without autocast)
+                self.tensor = dropout.product_refill(nodes[0], nodes[1], self.geometry)
             seconds = step.now() - t0
             self.count(self.tensor)
             st = step.session._stats
@@ -555,7 +557,9 @@ class Output(_Rerun):
         self.note_inputs(inputs)
         t0 = self.step.now()
         kind, refill = refiller
-        out = refill(inputs[0], owned)
+        with contextlib.ExitStack() as modes:
+            autocast_as(AUTOCAST_OFF, modes)  # (taken only for a call that ran without autocast)
+            out = refill(inputs[0], owned)
         if out is None:  # what it reads is gone (refills.Refill): re-run
             return None
         seconds = self.step.now() - t0
