@@ -1426,3 +1426,87 @@ def test_regions_with_grad_off_operators_hooks_and_program_modes_stay_planned(in
         _assert_bitwise_equal(_step(reference, x, seed), planned(seed))
     st = session.stats()
     assert st["replays_stale_total"] == 0 and st["profile_steps_total"] == 1 and st["recomputed_tensors_total"] > 0
+
+
+class _RunningMean(nn.Module):
+    """Subtracts a running mean kept in a buffer, which it updates in forward once ``update`` is
+    switched on (after a warm-up: the profiled step sees no change)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d))
+        self.update = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x - self.mean
+        if self.training and self.update:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean((0, 1)))
+        return y
+
+
+def _running_mean_model() -> nn.Module:
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(64, 128), _RunningMean(128), nn.Linear(128, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(nn.functional.gelu(self.norm(self.fc1(x))))
+
+    return nn.Sequential(*[Block() for _ in range(4)], nn.Linear(64, 4))
+
+
+def _switch_updates_on(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, _RunningMean):
+            m.update = True
+
+
+def test_a_buffer_that_starts_changing_after_the_profile_is_re_run_as_the_call_found_it() -> None:
+    """Note [Buffers a re-run reads]: the step where the updates begin re-runs on the buffer as
+    it was (exact), and has the next step profiled again, which sees the change."""
+    reference, model = _running_mean_model(), _running_mean_model()
+    xs = [torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(i)) for i in range(9)]
+    session = offload(budget=_saved_bytes_peak(_running_mean_model(), xs[0]) // 2, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for i, x in enumerate(xs):
+            if i == 5:
+                _switch_updates_on(reference)
+                _switch_updates_on(model)
+            profiles = session.stats()["profile_steps_total"]
+            expected = _step(reference, x, i)
+            with session:
+                _assert_bitwise_equal(expected, _step(model, x, i))
+            if i == 5:
+                st = session.stats()
+                assert st["rerun_buffers_changed_total"] >= 1 and st["recomputed_tensors_total"] > 0
+                assert st["profile_steps_total"] == profiles  # (this step was planned)
+    for a, b in zip(reference.buffers(), model.buffers()):
+        assert torch.equal(a, b)
+    assert session.stats()["profile_steps_total"] >= 2
+
+
+def test_a_large_buffer_written_after_the_call_read_it_is_a_clear_error(monkeypatch) -> None:
+    """A buffer too large to copy at every planned call, written in place: no re-run can read it
+    as it was, so the step fails naming it rather than computing other gradients."""
+    from pyalloc.offloading import regions
+    from pyalloc.offloading.session import OffloadError
+
+    monkeypatch.setattr(regions, "SNAPSHOT_MAX_BYTES", 0)
+    model = _running_mean_model()
+    xs = [torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    session = offload(budget=_saved_bytes_peak(_running_mean_model(), xs[0]) // 2, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for i, x in enumerate(xs[:4]):
+            with session:
+                _step(model, x, i)
+        assert session.stats()["planned_steps_total"] > 0 and not session._search.plan.empty
+        _switch_updates_on(model)
+        with pytest.raises(OffloadError, match="buffer 'mean' of _RunningMean .* written in place"):
+            with session:
+                _step(model, xs[4], 4)

@@ -77,7 +77,8 @@ Note [State a re-run reads]
     never re-run (``CallInfo.mutates_state``), and DTR does not recompute a call given a
     generator. What is not seen: state kept outside the module (a global, another object's
     attribute) or in a container attribute; ``check=True`` compares re-runs with what they
-    replace (Note [Recompute check] in check.py).
+    replace (Note [Recompute check] in check.py). A buffer that starts to change after the
+    profiled step is put back for the re-run (Note [Buffers a re-run reads] in regions.py).
 
 Note [Step-made leaves]
     Autograd saves tensors without history too: a dropout's mask, a layer norm's mean and
@@ -706,6 +707,9 @@ class Plan:
     leaves: frozenset[int] = frozenset()
     # the pack sequence numbers of dropout noise a kept save holds packed (Note [Packed noise])
     noise: frozenset[int] = frozenset()
+    # per planned module (by id): every (module, buffer name) in its tree, found on the first
+    # planned call (Note [Buffers a re-run reads] in regions.py)
+    buffer_owners: dict[int, list[tuple[torch.nn.Module, str]]] = field(default_factory=dict)
 
     def same(self, other: "Plan") -> bool:
         """Whether the two plans do the same with every save (drop, keep, keep packed)."""

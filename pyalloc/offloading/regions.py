@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -135,6 +135,72 @@ class PackedNoise(_Counted):
         return dropout.unpack_noise(self.mask, self.scale)
 
 
+SNAPSHOT_MAX_BYTES = 1 << 20
+"""A buffer up to this size is copied when a planned call begins (Note [Buffers a re-run reads]);
+a larger one only has its version noted."""
+
+_BATCH_NORM_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+class BufferState:
+    """The buffers of a planned call's module tree as the call found them.
+
+    Note [Buffers a re-run reads]
+        The profiled step leaves out of every plan a call whose module tree changes a buffer
+        (Note [State a re-run reads] in plan.py), but a program can start changing one later:
+        a running mean that a training loop switches on after a warm-up, or any buffer written
+        between the call and backward. A re-run in backward would then read the buffer
+        changed, and the gradients would come out wrong with no error (a review, 2026-11-29).
+        So each planned call notes, when it begins, every buffer of its module tree (a training
+        batch norm's statistics excepted: its forward does not read them, and a re-run puts them
+        back) with its version, and copies those up to ``SNAPSHOT_MAX_BYTES``. A re-run whose
+        buffers changed since runs on the buffers as they were (the copies swapped into the
+        modules for the re-run; a buffer replaced by another object, the object it was), and
+        the step is marked stale, so that the next step is profiled again and sees the change.
+        A larger buffer written in place cannot be put back: the re-run raises
+        :class:`OffloadError` naming it. Buffers only: a plain attribute or a generator that
+        starts to change later is not seen (the profile sees those it changes then).
+    """
+
+    __slots__ = ("entries",)
+
+    def __init__(self, owners: list[tuple[torch.nn.Module, str]]) -> None:
+        self.entries: list[tuple[torch.nn.Module, str, torch.Tensor, int, torch.Tensor | None]] = []
+        for owner, name in owners:
+            b = owner._buffers.get(name)
+            if b is None or (name in _BATCH_NORM_STATISTICS and owner.training
+                             and isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)):
+                continue
+            copy = b.detach().clone() if b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES else None
+            self.entries.append((owner, name, b, b._version, copy))
+
+    @contextlib.contextmanager
+    def as_found(self, step: "PlannedStep", what: str) -> Iterator[None]:
+        """Within: the buffers as the call found them (the module's own objects when unchanged)."""
+        changed = [e for e in self.entries if e[0]._buffers.get(e[1]) is not e[2] or e[2]._version != e[3]]
+        if not changed:
+            yield
+            return
+        for owner, name, b, version, copy in changed:
+            if b._version != version and copy is None:
+                from .session import OffloadError
+
+                raise OffloadError(
+                    f"buffer {name!r} of {type(owner).__name__} ({b.untyped_storage().nbytes():,} bytes) was "
+                    f"written in place after {what} read it: its dropped activations cannot be recomputed as "
+                    "they were (a buffer the profiled step saw unchanged; this session profiles again)")
+        step.stale = True  # profile the next step again: it sees the change
+        step.session._stats["rerun_buffers_changed_total"] += 1
+        now = [(owner, name, owner._buffers.get(name)) for owner, name, *_ in changed]
+        for owner, name, b, version, copy in changed:
+            owner._buffers[name] = b if b._version == version else copy
+        try:
+            yield
+        finally:
+            for owner, name, current in now:
+                owner._buffers[name] = current
+
+
 class _Rerun:
     """What re-running one module call needs: the module, its arguments, RNG states, grad mode."""
 
@@ -171,6 +237,7 @@ class _Rerun:
         self.versions = [(t, t._version) for t in leaves]
         # autocast as the call ran (backward, where the re-run happens, usually runs without it)
         self.autocast = autocast_state()
+        self.buffers = BufferState(step.buffer_owners(module))
 
     def release(self) -> None:
         pins, self.pins = self.pins, []
@@ -211,6 +278,7 @@ class _Rerun:
             # itself alive through it (a cycle through C++ that no collector breaks), and the
             # graph is never run backward. Hence the pack hook stores nothing.
             with contextlib.ExitStack() as modes:
+                modes.enter_context(self.buffers.as_found(step, type(self.module).__name__))
                 modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
                 # as the call ran, whatever backward runs in (a re-run with the forward's autocast
                 # cache would cast none: every checked step of a selective region fell back to a
@@ -348,6 +416,7 @@ class Region(_Rerun):
             # (no random operator to replay: the generators' states do not matter, and setting
             # them costs two copies of each state)
             with contextlib.ExitStack() as modes:
+                modes.enter_context(self.buffers.as_found(step, type(module).__name__))
                 if recipe.random:
                     modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
                 autocast_as(AUTOCAST_OFF, modes)  # operators recorded below autocast, cast already
@@ -698,6 +767,14 @@ class PlannedStep:
         self._made: dict[StorageKey, tuple[weakref.ref[torch.Tensor], Output, int]] = {}
         self._handed: list[weakref.ref[_Counted]] = []  # what pack gave autograd, for abandon()
         self._thread = threading.get_ident()  # module hooks fire on every thread: only this one's
+
+    def buffer_owners(self, module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+        """Every (module, buffer name) in ``module``'s tree, found once a plan (Note [Buffers a
+        re-run reads])."""
+        owners = self.plan.buffer_owners.get(id(module))
+        if owners is None:
+            owners = self.plan.buffer_owners[id(module)] = [(m, name) for m in module.modules() for name in m._buffers]
+        return owners
 
     def compare(self, original: Original, got: torch.Tensor, kind: str, rerun: "_Rerun | None", seq: int,
                 module: str = "") -> None:

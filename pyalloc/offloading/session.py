@@ -183,6 +183,7 @@ class ActivationOffload:
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
+            "rerun_buffers_changed_total",
             "recompute_checked_total", "recompute_mismatches_total", "noise_packed_total",
             *(f"{kind}_refills_total" for kind in refills.KINDS))}
 
