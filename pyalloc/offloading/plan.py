@@ -80,6 +80,17 @@ Note [State a re-run reads]
     replace (Note [Recompute check] in check.py). A buffer that starts to change after the
     profiled step is put back for the re-run (Note [Buffers a re-run reads] in regions.py).
 
+Note [Inputs written after the call]
+    A re-run needs the call's inputs as they were. A call that writes one (an in-place ReLU) is
+    never re-run (``CallInfo.mutates_input``), and neither is one whose input the program writes
+    in place after the call returned (``y = block(h); h.mul_(0.5)``: valid autograd when nothing
+    saved ``h`` itself): the profile notes each returned call's inputs and their versions and
+    looks again when backward first unpacks a save (the forward is over; the inputs are still
+    alive while their saves are) and when it stops. An input that no save keeps alive may die
+    unseen; a planned step whose re-run then finds its input changed raises OffloadError (that
+    step's dropped values are gone), and the session profiles the next step again with that
+    call (by module and ordinal) left out.
+
 Note [Step-made leaves]
     Autograd saves tensors without history too: a dropout's mask, a layer norm's mean and
     reciprocal deviation, the CPU LSTM's workspace (cuDNN's reserve space on a GPU), a fused
@@ -405,6 +416,11 @@ class Profile:
         self._checking = 0  # inside such a check (its operators run with grad off, not the model's)
         # measured re-run times of selective regions: (call index, dropped storages) -> seconds
         self.selective_seconds: dict[tuple[int, frozenset[ProfileKey]], float] = {}
+        # calls returned, with their inputs and those inputs' versions when they returned, until
+        # inputs_written_after() looks at them; and calls (by key) a planned step found so
+        # (Note [Inputs written after the call])
+        self._returned: list[tuple[CallInfo, list[tuple["weakref.ref[torch.Tensor]", int]]]] = []
+        self.written_after: set[tuple[int, int]] = set()
 
     def _recording(self) -> bool:
         return bool(self._open) and not self.paused and not self.busy and torch.is_grad_enabled() \
@@ -466,8 +482,33 @@ class Profile:
         self._handles = []
         while self._open:
             self._close(self._open[-1][0], None)
+        self.inputs_written_after()
         self._seen.clear()  # the plan keeps the calls and saves, not these lookups
         self._outputs.clear()
+
+    def inputs_written_after(self) -> None:
+        """Marks the returned calls whose inputs were written in place since (Note [Inputs
+        written after the call]); the session asks at backward's first unpack, the end of the
+        forward, while the inputs are alive, and the profile again when it stops."""
+        returned, self._returned = self._returned, []
+        for call, inputs in returned:
+            for ref, version in inputs:
+                t = ref()
+                if t is not None and t._version != version:
+                    call.mutates_input = True
+                    break
+        if self._handles:  # (still recording: stop() asks again at the end)
+            return
+        # an input that died meanwhile: the operators recorded inside module calls say what
+        # wrote it after its call returned
+        written: dict[ProfileKey, int] = {}  # storage -> the last operator that wrote it
+        for i, op in enumerate(self.ops):
+            for k in op.writes:
+                written[k] = i
+        if written:
+            for call in self.calls:
+                if not call.mutates_input and any(written.get(k, -1) >= call.end_op for k in call.input_keys):
+                    call.mutates_input = True
 
     def drop_kept_leaves(self) -> None:
         """After the step: a leaf it made whose storage outlived it (a table a module builds on its
@@ -579,7 +620,9 @@ class Profile:
         call.end_op = len(self.ops)
         call.end_trace = len(self.trace)
         call.last_desc = len(self.calls) - 1
-        call.mutates_input = any(t._version != v for t, v in zip(inputs, versions))
+        call.mutates_input = any(t._version != v for t, v in zip(inputs, versions)) or call.key in self.written_after
+        if inputs and not call.mutates_input:
+            self._returned.append((call, [(weakref.ref(t), t._version) for t in inputs]))
         outs = tensor_leaves(output) if output is not None else []
         if len(outs) == 1 and isinstance(output, torch.Tensor):
             out = outs[0]

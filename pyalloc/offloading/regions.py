@@ -250,6 +250,20 @@ class _Rerun:
         except Exception:
             pass
 
+    def check_inputs(self) -> None:
+        """Raises OffloadError when an input was written in place since the call: a re-run would
+        compute from other values. The call is remembered, and the session profiles the next
+        step again with it left out of every plan (Note [Inputs written after the call] in
+        plan.py)."""
+        for t, v in self.versions:
+            if t._version != v:
+                from .session import OffloadError
+
+                self.step.written_after.add(self.key)
+                raise OffloadError(f"an input of {type(self.module).__name__} was modified in place after "
+                                   "the call: its dropped activations cannot be recomputed (the session "
+                                   "profiles the next step again and does not drop them there)")
+
     def note_inputs(self, inputs: list[torch.Tensor]) -> None:
         """With the check on: the layouts of the inputs the re-run (or refill) is given."""
         if self.input_layouts is not None:
@@ -261,12 +275,7 @@ class _Rerun:
         ``mode``: a selective re-run's (Note [Selective re-runs] in ops.py); ``times``: where
         the re-run's time goes (by default the step's ``rerun_seconds``, or its
         ``selective_seconds`` with a mode)."""
-        for t, v in self.versions:
-            if t._version != v:
-                from .session import OffloadError
-
-                raise OffloadError(f"an input of {type(self.module).__name__} was modified in place after "
-                                   "the call: its dropped activations cannot be recomputed")
+        self.check_inputs()
         step = self.step
         self.note_inputs(tensor_leaves((args, kwargs)))
         t0 = step.now()
@@ -398,12 +407,7 @@ class Region(_Rerun):
         inputs = tensor_leaves(self.args)
         if recipe.replay is None or [geometry(t) for t in inputs] != recipe.input_geometry:
             return False
-        for t, v in self.versions:
-            if t._version != v:
-                from .session import OffloadError
-
-                raise OffloadError(f"an input of {type(self.module).__name__} was modified in place after "
-                                   "the call: its dropped activations cannot be recomputed")
+        self.check_inputs()
         module = self.module
 
         def attr(name: str) -> torch.Tensor:
@@ -740,6 +744,8 @@ class PlannedStep:
         # time (Note [Device time] in clock.py)
         self.now: Callable[[], float] = clock.reader(None)
         self.verify = False  # re-run selective regions through the module's code, checking the replays
+        # planned calls found with an input written in place after they returned (check_inputs)
+        self.written_after: set[tuple[int, int]] = set()
         # whether saved bytes are counted (SavedBytes): every step while the plan search runs, one
         # in COUNT_EVERY (session.py) once it settled; an uncounted step hands autograd the
         # tensors it keeps as they are, which is most of what a pack costs, and counts neither

@@ -168,6 +168,9 @@ class ActivationOffload:
         self.swapped_bytes = 0
         self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
         self._profile: Profile | None = None  # the step being profiled (policy "plan")
+        # planned calls (by key) whose input was written after they returned, found by a planned
+        # step: left out of every profile's candidates (Note [Inputs written after the call] in plan.py)
+        self._written_after: set[tuple[int, int]] = set()
         self._search: PlanSearch | None = None  # the plans for the last profile
         self._planned: PlannedStep | IdleStep | None = None  # the step running under the plan
         self._idle_run = 0  # idle steps since the last counted one
@@ -286,6 +289,7 @@ class ActivationOffload:
             else:
                 if self.policy == "plan":
                     self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe)
+                    self._profile.written_after = self._written_after
                     self._profile.start()
                     stack.callback(self._profile.stop)
                     # the operators: what selective regions replay, which calls draw from a
@@ -332,6 +336,9 @@ class ActivationOffload:
         run, self._planned = self._planned, None
         search = self._search
         if run is None or search is None:
+            return
+        if isinstance(run, PlannedStep) and run.written_after:  # (the program caught the error in the step)
+            self._forget_plan_if_written_after(run)
             return
         run.close()
         st["planned_steps_total"] += 1
@@ -442,6 +449,14 @@ class ActivationOffload:
         run, self._planned = self._planned, None
         if run is not None:
             run.close()
+            self._forget_plan_if_written_after(run)
+
+    def _forget_plan_if_written_after(self, run: Any) -> None:
+        """A planned step whose re-run found an input written after its call (it raised
+        OffloadError): that call is left out from now on, and the next step is profiled again."""
+        if isinstance(run, PlannedStep) and run.written_after:
+            self._written_after |= run.written_after
+            self._search = None
 
     def _leave_thread(self) -> None:
         """Takes the hooks and the mode off this thread's stacks; touches no device."""
@@ -623,6 +638,8 @@ class ActivationOffload:
             return h
         if self._peeking and h.state == RESIDENT:
             return self._use(h)
+        if self._profile is not None:
+            self._profile.inputs_written_after()  # the forward is over (Note [Inputs written after the call])
         if self._probing:
             raise LookupError("pyalloc.offload: a probe read a saved tensor that is not resident")
         if h.state == ABANDONED:
