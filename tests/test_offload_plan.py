@@ -226,6 +226,40 @@ def test_a_budget_never_reached_installs_no_saved_tensor_hook_once_settled(basel
     assert session.stats()["profile_steps_total"] == 2
 
 
+class _KeywordsOnly(nn.Module):
+    """Called as ``model(x=...)``, as Hugging Face models are (``model(input_ids=...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _gpt()
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_an_idle_step_called_with_keyword_arguments_sees_another_shape(baselines) -> None:
+    """A global pre-hook is given no keyword arguments: the profile reads their tensors when the
+    call returns and the idle step's pre-hook takes them, so a larger batch passed by keyword has
+    the next step profiled again, as one passed by position does (it was counted under the
+    smaller batch's figures until the next counted step, 50 steps on: 2.7x the budget, a review)."""
+    _, _, peak = baselines["gpt"]
+    make_input = MODELS["gpt"][1]
+    model = _KeywordsOnly()
+    x = make_input()
+    shorter = x[:8].contiguous()
+    session = offload(budget=peak * 10 // 16, pressure_callback=False)  # over what the shorter batch saves
+    for _ in range(4):
+        with session:
+            model(x=shorter).square().mean().backward()
+    st = session.stats()
+    assert st["idle_steps_total"] >= 1 and st["profile_steps_total"] == 1
+    with session:  # idle, but the whole batch: the next step is profiled
+        model(x=x).square().mean().backward()
+    with session:
+        model(x=x).square().mean().backward()
+    assert session.stats()["profile_steps_total"] == 2
+
+
 def test_idle_steps_are_counted_again_every_few_steps(baselines, monkeypatch) -> None:
     from pyalloc.offloading import session as session_module
 

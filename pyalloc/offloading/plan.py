@@ -121,7 +121,8 @@ Note [Idle steps]
     would still count every save (a saved-tensor hook call each) to check the budget; an idle
     step instead installs no saved-tensor hook at all, only a pre-forward hook on the outermost
     modules the profile saw, which compares their inputs' shapes and dtypes with the profile's
-    (one hook call a step). Steps run idle once the search has settled on the empty plan and the
+    (one hook call a step; keyword arguments too, which the profile reads when the call returns:
+    a global pre-hook is not given them). Steps run idle once the search has settled on the empty plan and the
     last counted step held at most the budget less ``BUDGET_SLACK``; every ``IDLE_CHECK_EVERY``
     steps (session.py) one step is counted again. Another input shape ends idling: the next step
     is profiled again, as a planned step that diverges would have it; a counted step over the
@@ -287,6 +288,9 @@ class CallInfo:
     input_nbytes: list[int] = field(default_factory=list)
     input_producers: list[int] = field(default_factory=list)  # call whose output it is, or -1
     input_signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # shape and dtype per input
+    # the same of the tensors among its keyword arguments, which the profile sees only when the
+    # call returns (an idle step compares both: Note [Idle steps])
+    kwargs_signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
     input_geometry: list[Any] = field(default_factory=list)  # shape, stride, offset, dtype, device per input
     mutates_input: bool = False
     # Changed state that a re-run would read changed (Note [State a re-run reads]): a buffer
@@ -471,7 +475,7 @@ class Profile:
 
         self._thread = threading.get_ident()  # global hooks fire on every thread: only this one's
         self._handles = [register_module_forward_pre_hook(StepHook(self._pre, True)),
-                         register_module_forward_hook(StepHook(self._post, False), always_call=True)]
+                         register_module_forward_hook(StepHook(self._post, False), with_kwargs=True, always_call=True)]
 
     def stop(self) -> None:
         """Removes the hooks; closes calls left open by an exception."""
@@ -562,12 +566,12 @@ class Profile:
         finally:
             self.busy = busy
 
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         busy, self.busy = self.busy, True
         try:
-            self._leave(module, output)
+            self._leave(module, output, kwargs)
         finally:
             self.busy = busy
 
@@ -600,16 +604,18 @@ class Profile:
         call.start = self._clock()
         self._open.append((call, call.start, inputs, [t._version for t in inputs], state))
 
-    def _leave(self, module: torch.nn.Module, output: Any) -> None:
+    def _leave(self, module: torch.nn.Module, output: Any, kwargs: dict[str, Any] | None = None) -> None:
         if self._suspended is module:
             self._resume()
         if self.paused or not self._open or threading.get_ident() != self._thread \
                 or self._open[-1][0].module() is not module:
             return
-        self._close(self._open[-1][0], output)
+        self._close(self._open[-1][0], output, kwargs)
 
-    def _close(self, call: CallInfo, output: Any) -> None:
+    def _close(self, call: CallInfo, output: Any, kwargs: dict[str, Any] | None = None) -> None:
         _, t0, inputs, versions, state = self._open.pop()
+        if kwargs:  # (a global pre-hook is given no keyword arguments: their tensors, seen here)
+            call.kwargs_signature = tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(kwargs))
         call.end = self._clock()
         module = call.module()
         if call.mutates_state or (module is not None and not same_state(state, module_state(module))):

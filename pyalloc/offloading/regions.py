@@ -1089,7 +1089,7 @@ class IdleStep:
         for call in roots:
             m = call.module()
             if m is not None:
-                self._roots.setdefault(id(m), (call.module, []))[1].append(call.input_signature)
+                self._roots.setdefault(id(m), (call.module, []))[1].append((call.input_signature, call.kwargs_signature))
         self._ordinals: dict[int, int] = {}
         self._thread = threading.get_ident()
 
@@ -1097,16 +1097,17 @@ class IdleStep:
         for ref, _ in self._roots.values():
             m = ref()
             if m is not None:
-                stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True)).remove)
+                stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True).remove)
 
-    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or threading.get_ident() != self._thread:
             return
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
         expected = self._roots[id(module)][1]
-        if ordinal >= len(expected) or expected[ordinal] != tuple((tuple(t.shape), t.dtype)
-                                                                  for t in tensor_leaves(args)):
+        if ordinal >= len(expected) or expected[ordinal] != (
+                tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(args)),
+                tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(kwargs)) if kwargs else ()):
             self.diverged = True
 
     def close(self) -> None:
