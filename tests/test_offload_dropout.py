@@ -104,8 +104,8 @@ def _dropout_outputs_dear_elsewhere(monkeypatch) -> None:
     the bytes regenerates the dropouts' outputs (through the GELUs) whatever the machine measures."""
     close = Profile._close
 
-    def timed(self: Profile, call, output) -> None:
-        close(self, call, output)
+    def timed(self: Profile, call, output, kwargs=None) -> None:
+        close(self, call, output, kwargs)
         if call.name not in ("Dropout", "GELU"):
             call.seconds = 1.0
 
