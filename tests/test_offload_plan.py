@@ -1499,12 +1499,19 @@ def _switch_updates_on(model: nn.Module) -> None:
             m.update = True
 
 
+def _two_models_inputs_session(make: Callable[[], nn.Module], steps: int, divisor: int
+                               ) -> tuple[nn.Module, nn.Module, list[torch.Tensor], ActivationOffload]:
+    """A reference and a model made alike, ``steps`` inputs of shape (8, 32, 64), and a session
+    whose budget is the plain step's saved bytes over ``divisor``."""
+    xs = [torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+    session = offload(budget=_saved_bytes_peak(make(), xs[0]) // divisor, pressure_callback=False)
+    return make(), make(), xs, session
+
+
 def test_a_buffer_that_starts_changing_after_the_profile_is_re_run_as_the_call_found_it() -> None:
     """Note [Buffers a re-run reads]: the step where the updates begin re-runs on the buffer as
     it was (exact), and has the next step profiled again, which sees the change."""
-    reference, model = _running_mean_model(), _running_mean_model()
-    xs = [torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(i)) for i in range(9)]
-    session = offload(budget=_saved_bytes_peak(_running_mean_model(), xs[0]) // 2, pressure_callback=False)
+    reference, model, xs, session = _two_models_inputs_session(_running_mean_model, 9, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadFloorWarning)
         for i, x in enumerate(xs):
@@ -1531,9 +1538,7 @@ def test_a_large_buffer_written_after_the_call_read_it_is_a_clear_error(monkeypa
     from pyalloc.offloading.session import OffloadError
 
     monkeypatch.setattr(regions, "SNAPSHOT_MAX_BYTES", 0)
-    model = _running_mean_model()
-    xs = [torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    session = offload(budget=_saved_bytes_peak(_running_mean_model(), xs[0]) // 2, pressure_callback=False)
+    _, model, xs, session = _two_models_inputs_session(_running_mean_model, 6, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadFloorWarning)
         for i, x in enumerate(xs[:4]):
@@ -1578,9 +1583,7 @@ class _WritesBlockInputs(nn.Module):
 def test_a_call_whose_input_is_written_after_it_returned_is_not_re_run() -> None:
     """Note [Inputs written after the call]: the profile sees the write (an operator inside the
     model's call) and plans no block whose input it changes; every step trains, exactly."""
-    reference, model = _WritesBlockInputs(), _WritesBlockInputs()
-    xs = [torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    session = offload(budget=_saved_bytes_peak(_WritesBlockInputs(), xs[0]) // 4, pressure_callback=False)
+    reference, model, xs, session = _two_models_inputs_session(_WritesBlockInputs, 6, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadFloorWarning)
         for i, x in enumerate(xs):
