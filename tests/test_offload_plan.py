@@ -1646,3 +1646,75 @@ def test_an_input_written_unseen_after_its_call_fails_one_step_and_is_left_out_a
     assert len(failed) == 1, failed
     plan = session._search.plan
     assert id(model[1]) not in {key[0] for key in [*plan.regions, *plan.outputs]}
+
+
+class _MaskedBlock(nn.Module):
+    """Attention under a causal mask the block registers as a buffer and never writes."""
+
+    def __init__(self, mask: torch.Tensor, d: int = 64) -> None:
+        super().__init__()
+        self.ln, self.qkv, self.out = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(b, t, 3, 4, d // 4).permute(2, 0, 3, 1, 4)
+        a = ((q @ k.transpose(-1, -2)) / 4.0).masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
+        x = x + self.out((a @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("side", [64, 1024], ids=["copied", "too-large-to-copy"])
+@pytest.mark.parametrize("shared", ["one-block-thrice", "every-block"])
+def test_a_constant_buffer_read_by_several_planned_calls_is_no_change(side, shared) -> None:
+    """One mask tensor read by several planned calls (one block called three times a step, or
+    the same tensor registered in every block): a re-run putting back what it wrote must not
+    write the others' buffer (a write back is a write: every planned step raised, or was stale,
+    in a review, 2026-11-29), and the copy taken of a small one is one a step, not one a call."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        mask = torch.tril(torch.ones(side, side, dtype=torch.bool))
+        if shared == "every-block":
+            return nn.Sequential(*[_MaskedBlock(mask) for _ in range(4)])
+        block = _MaskedBlock(mask)
+        return nn.Sequential(block, block, block)
+
+    reference, model, xs, session = _two_models_inputs_session(make, 6, 4)
+    copies: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for i, x in enumerate(xs):
+            expected = _step(reference, x, i)
+            with session:
+                got = _step(model, x, i)
+                planned = session._planned
+                if planned is not None and hasattr(planned, "buffer_copies"):
+                    copies.append(len(planned.buffer_copies))
+            _assert_bitwise_equal(expected, got)
+    st = session.stats()
+    assert st["profile_steps_total"] == 1 and st["planned_steps_total"] == len(xs) - 1
+    assert st["rerun_buffers_changed_total"] == 0 and st["recomputed_tensors_total"] > 0
+    assert copies and max(copies) == (1 if side == 64 else 0)
+
+
+def test_a_keyword_input_written_after_the_call_is_seen_by_the_profile() -> None:
+    """Note [Inputs written after the call], for a tensor passed by keyword (``block(x=h)``):
+    the profile reads keyword arguments when the call returns, and no step raises."""
+    class Keyword(_WritesBlockInputs):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            for block in self.blocks:
+                y = block(x=h)
+                h.mul_(0.5)
+                h = h + y
+            return self.head(h)
+
+    reference, model, xs, session = _two_models_inputs_session(Keyword, 6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for i, x in enumerate(xs):
+            expected = _step(reference, x, i)
+            with session:
+                _assert_bitwise_equal(expected, _step(model, x, i))
+    assert session.stats()["profile_steps_total"] == 1

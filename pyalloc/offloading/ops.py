@@ -499,11 +499,12 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
                 leaves = list(step.leaves)
                 for place, ref in step.refs:
                     leaves[place] = resolve(ref)
-                saved = [(leaves[p], leaves[p].clone()) for p in step.restore]
+                saved = [(leaves[p], leaves[p]._version, leaves[p].clone()) for p in step.restore]
                 args, kwargs = tree_unflatten(leaves, step.spec)
                 out = step.call(*args, **kwargs)
-            for t, before in saved:
-                t.copy_(before)
+            for t, version, before in saved:
+                if t._version != version:  # (a copy written back is a write: Note [Buffers a re-run reads])
+                    t.copy_(before)
             if isinstance(out, torch.Tensor):
                 outs: Any = (out,)
             elif type(out) is tuple and all(isinstance(o, torch.Tensor) for o in out):

@@ -291,6 +291,7 @@ class CallInfo:
     # the same of the tensors among its keyword arguments, which the profile sees only when the
     # call returns (an idle step compares both: Note [Idle steps])
     kwargs_signature: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
+    kwarg_keys: list[ProfileKey] = field(default_factory=list)  # their storages
     input_geometry: list[Any] = field(default_factory=list)  # shape, stride, offset, dtype, device per input
     mutates_input: bool = False
     # Changed state that a re-run would read changed (Note [State a re-run reads]): a buffer
@@ -511,7 +512,8 @@ class Profile:
                 written[k] = i
         if written:
             for call in self.calls:
-                if not call.mutates_input and any(written.get(k, -1) >= call.end_op for k in call.input_keys):
+                if not call.mutates_input and any(written.get(k, -1) >= call.end_op
+                                                  for k in (*call.input_keys, *call.kwarg_keys)):
                     call.mutates_input = True
 
     def drop_kept_leaves(self) -> None:
@@ -614,8 +616,11 @@ class Profile:
 
     def _close(self, call: CallInfo, output: Any, kwargs: dict[str, Any] | None = None) -> None:
         _, t0, inputs, versions, state = self._open.pop()
+        keywords: list[torch.Tensor] = []
         if kwargs:  # (a global pre-hook is given no keyword arguments: their tensors, seen here)
-            call.kwargs_signature = tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(kwargs))
+            keywords = tensor_leaves(kwargs)
+            call.kwargs_signature = tuple((tuple(t.shape), t.dtype) for t in keywords)
+            call.kwarg_keys = [self._key(t) for t in keywords]
         call.end = self._clock()
         module = call.module()
         if call.mutates_state or (module is not None and not same_state(state, module_state(module))):
@@ -627,8 +632,8 @@ class Profile:
         call.end_trace = len(self.trace)
         call.last_desc = len(self.calls) - 1
         call.mutates_input = any(t._version != v for t, v in zip(inputs, versions)) or call.key in self.written_after
-        if inputs and not call.mutates_input:
-            self._returned.append((call, [(weakref.ref(t), t._version) for t in inputs]))
+        if (inputs or keywords) and not call.mutates_input:  # (keywords' versions from their return)
+            self._returned.append((call, [(weakref.ref(t), t._version) for t in (*inputs, *keywords)]))
         outs = tensor_leaves(output) if output is not None else []
         if len(outs) == 1 and isinstance(output, torch.Tensor):
             out = outs[0]

@@ -135,9 +135,11 @@ class PackedNoise(_Counted):
         return dropout.unpack_noise(self.mask, self.scale)
 
 
-SNAPSHOT_MAX_BYTES = 1 << 20
+SNAPSHOT_MAX_BYTES = 64 << 10
 """A buffer up to this size is copied when a planned call begins (Note [Buffers a re-run reads]);
-a larger one only has its version noted."""
+a larger one only has its version noted. Running statistics are a few KiB; a constant mask or a
+table, which nothing writes, can be MiBs, and a copy of it a call would be memory the budget
+does not count (a review, 2026-11-29: a GPT-2 block's 1 MiB causal mask)."""
 
 _BATCH_NORM_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
@@ -153,7 +155,8 @@ class BufferState:
         changed, and the gradients would come out wrong with no error (a review, 2026-11-29).
         So each planned call notes, when it begins, every buffer of its module tree (a training
         batch norm's statistics excepted: its forward does not read them, and a re-run puts them
-        back) with its version, and copies those up to ``SNAPSHOT_MAX_BYTES``. A re-run whose
+        back) with its version, and copies those up to ``SNAPSHOT_MAX_BYTES`` (one copy a step of
+        a buffer that several calls read unchanged). A re-run whose
         buffers changed since runs on the buffers as they were (the copies swapped into the
         modules for the re-run; a buffer replaced by another object, the object it was), and
         the step is marked stale, so that the next step is profiled again and sees the change.
@@ -164,14 +167,21 @@ class BufferState:
 
     __slots__ = ("entries",)
 
-    def __init__(self, owners: list[tuple[torch.nn.Module, str]]) -> None:
+    def __init__(self, owners: list[tuple[torch.nn.Module, str]],
+                 copies: dict[tuple[int, int], torch.Tensor]) -> None:
+        """``copies``: the step's copies by (buffer, version), shared by every call that reads
+        one buffer unchanged (a module called several times, a mask every block registers)."""
         self.entries: list[tuple[torch.nn.Module, str, torch.Tensor, int, torch.Tensor | None]] = []
         for owner, name in owners:
             b = owner._buffers.get(name)
             if b is None or (name in _BATCH_NORM_STATISTICS and owner.training
                              and isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)):
                 continue
-            copy = b.detach().clone() if b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES else None
+            copy = None
+            if b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES:
+                copy = copies.get((id(b), b._version))
+                if copy is None:
+                    copy = copies[(id(b), b._version)] = b.detach().clone()
             self.entries.append((owner, name, b, b._version, copy))
 
     @contextlib.contextmanager
@@ -237,7 +247,7 @@ class _Rerun:
         self.versions = [(t, t._version) for t in leaves]
         # autocast as the call ran (backward, where the re-run happens, usually runs without it)
         self.autocast = autocast_state()
-        self.buffers = BufferState(step.buffer_owners(module))
+        self.buffers = BufferState(step.buffer_owners(module), step.buffer_copies)
 
     def release(self) -> None:
         pins, self.pins = self.pins, []
@@ -279,7 +289,10 @@ class _Rerun:
         step = self.step
         self.note_inputs(tensor_leaves((args, kwargs)))
         t0 = step.now()
-        buffers = [(b, b.clone()) for b in self.module.buffers()]
+        # put back after the re-run (a training batch norm's statistics), only those it wrote: a
+        # copy written back is a write, which another planned call reading the same buffer would
+        # take for a change (Note [Buffers a re-run reads])
+        buffers = [(b, b._version, b.clone()) for b in self.module.buffers()]
         step.recomputing += 1
         try:
             # The step's own hook must not see the re-run's saves (they are not the step's), and the
@@ -301,8 +314,9 @@ class _Rerun:
         finally:
             step.recomputing -= 1
             with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+                for b, version, saved in buffers:
+                    if b._version != version:
+                        b.copy_(saved)
             st = step.session._stats
             seconds = step.now() - t0
             st["replays_total"] += 1
@@ -746,6 +760,8 @@ class PlannedStep:
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         # planned calls found with an input written in place after they returned (check_inputs)
         self.written_after: set[tuple[int, int]] = set()
+        # copies of buffers as planned calls found them, by (buffer, version) (BufferState)
+        self.buffer_copies: dict[tuple[int, int], torch.Tensor] = {}
         # whether saved bytes are counted (SavedBytes): every step while the plan search runs, one
         # in COUNT_EVERY (session.py) once it settled; an uncounted step hands autograd the
         # tensors it keeps as they are, which is most of what a pack costs, and counts neither
@@ -812,6 +828,7 @@ class PlannedStep:
         self._regions.clear()
         self._outputs.clear()
         self._made.clear()
+        self.buffer_copies.clear()
         self._handed.clear()
         still_open, self._traced_open = self._traced_open, 0
         if still_open and self._mode is not None:  # a region's call that never returned
