@@ -459,6 +459,15 @@ def _nbytes(g: Geometry) -> int:
     return span * dtype.itemsize
 
 
+def put_back(t: torch.Tensor, before: torch.Tensor) -> None:
+    """Writes ``before`` back into ``t`` (a buffer a re-run or replay wrote: a batch norm's running
+    statistics) with ``t``'s version counter as it is: a write back is no change of the buffer, and
+    another planned call reading it would take a bumped version for one (Note [Buffers a re-run
+    reads] in regions.py)."""
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+        t.copy_(before)
+
+
 def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[torch.Tensor],
                attr: Callable[[str], torch.Tensor]) -> dict[int, torch.Tensor] | None:
     """Runs a recipe's replay (Note [Operator replay]); returns the dropped saves by index, or
@@ -499,12 +508,11 @@ def run_replay(recipe: Recipe, sources: dict[int, torch.Tensor], inputs: list[to
                 leaves = list(step.leaves)
                 for place, ref in step.refs:
                     leaves[place] = resolve(ref)
-                saved = [(leaves[p], leaves[p]._version, leaves[p].clone()) for p in step.restore]
+                saved = [(leaves[p], leaves[p].clone()) for p in step.restore]
                 args, kwargs = tree_unflatten(leaves, step.spec)
                 out = step.call(*args, **kwargs)
-            for t, version, before in saved:
-                if t._version != version:  # (a copy written back is a write: Note [Buffers a re-run reads])
-                    t.copy_(before)
+            for t, before in saved:
+                put_back(t, before)
             if isinstance(out, torch.Tensor):
                 outs: Any = (out,)
             elif type(out) is tuple and all(isinstance(o, torch.Tensor) for o in out):

@@ -24,7 +24,7 @@ from .check import Original, RecomputeCheck
 from .calls import AUTOCAST_OFF, autocast_as, autocast_state
 from . import guard
 from .guard import same_trace
-from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, run_replay, view_of
+from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, put_back, run_replay, view_of
 from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
 from .saved import ABANDONED_MESSAGE
 
@@ -156,7 +156,10 @@ class BufferState:
         So each planned call notes, when it begins, every buffer of its module tree (a training
         batch norm's statistics excepted: its forward does not read them, and a re-run puts them
         back) with its version, and copies those up to ``SNAPSHOT_MAX_BYTES`` (one copy a step of
-        a buffer that several calls read unchanged). A re-run whose
+        a buffer that several calls read unchanged). A re-run puts its buffers back afterwards
+        (:func:`~.ops.put_back`) without a write the version counter sees: a write back is a
+        write, and another call reading the same buffer (a block called thrice, a mask every
+        block registers) took it for a change (a review, 2026-11-29). A re-run whose
         buffers changed since runs on the buffers as they were (the copies swapped into the
         modules for the re-run; a buffer replaced by another object, the object it was), and
         the step is marked stale, so that the next step is profiled again and sees the change.
@@ -289,10 +292,7 @@ class _Rerun:
         step = self.step
         self.note_inputs(tensor_leaves((args, kwargs)))
         t0 = step.now()
-        # put back after the re-run (a training batch norm's statistics), only those it wrote: a
-        # copy written back is a write, which another planned call reading the same buffer would
-        # take for a change (Note [Buffers a re-run reads])
-        buffers = [(b, b._version, b.clone()) for b in self.module.buffers()]
+        buffers = [(b, b.clone()) for b in self.module.buffers()]  # put back after (Note [Buffers a re-run reads])
         step.recomputing += 1
         try:
             # The step's own hook must not see the re-run's saves (they are not the step's), and the
@@ -314,9 +314,8 @@ class _Rerun:
         finally:
             step.recomputing -= 1
             with torch.no_grad():
-                for b, version, saved in buffers:
-                    if b._version != version:
-                        b.copy_(saved)
+                for b, saved in buffers:
+                    put_back(b, saved)
             st = step.session._stats
             seconds = step.now() - t0
             st["replays_total"] += 1
