@@ -160,9 +160,9 @@ AUTOCAST_OFF: tuple[tuple[str, torch.dtype], ...] = ()
 of refills, which are taken only for calls that ran without autocast."""
 
 
-def autocast_as(state: tuple[tuple[str, torch.dtype], ...], modes: contextlib.ExitStack) -> None:
-    """Makes autocast, until ``modes`` closes, what ``state`` (:func:`autocast_state`, read where
-    the call first ran) says: on for its device types and dtypes, off for every other.
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> contextlib.AbstractContextManager[Any]:
+    """Within: autocast as ``state`` (:func:`autocast_state`, read where the call first ran) says,
+    on for its device types and dtypes, off for every other.
 
     Why off too: recompute runs in backward, and a program that wraps its whole step in
     ``torch.autocast`` runs backward inside it; an operator replayed there would be cast again
@@ -172,14 +172,16 @@ def autocast_as(state: tuple[tuple[str, torch.dtype], ...], modes: contextlib.Ex
     its cache off: the enclosing one's cache holds the forward's casts of the parameters, and a
     re-run that took them would not run the casts the profile saw (casts are exact either way)."""
     if not state and not torch._C._is_any_autocast_enabled():  # the usual case, in one call
-        return
+        return contextlib.nullcontext()
     wanted = dict(state)
+    modes = contextlib.ExitStack()
     for dev in ("cpu", "cuda"):
         on = torch.is_autocast_enabled(dev)
         if dev in wanted:
             modes.enter_context(torch.autocast(dev, dtype=wanted[dev], cache_enabled=not on))
         elif on:
             modes.enter_context(torch.autocast(dev, enabled=False))
+    return modes
 
 
 class CallTracker(TorchFunctionMode):
@@ -338,7 +340,7 @@ def replay_call(call: ProducerCall, leaves: list[Any]) -> tuple[list[Any], list[
 
     with contextlib.ExitStack() as modes:
         modes.enter_context(rng.replayed(call.rng_state, call.cuda_rng))
-        autocast_as(call.autocast, modes)  # (backward, where replays run, usually has none)
+        modes.enter_context(autocast_as(call.autocast))  # (backward, where replays run, usually has none)
         modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda x: x))
         modes.enter_context(torch.set_grad_enabled(call.grad_enabled))
         result = call.func(*args, **kwargs)

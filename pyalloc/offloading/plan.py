@@ -211,6 +211,11 @@ def reads_values(ops: list[OpInfo], trace: list[tuple[Any, ...]]) -> bool:
     return any(getattr(e[0], "__name__", None) in VALUE_READS for e in trace)
 
 
+def signature(tensors: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """Shape and dtype of each tensor: what a step must match of a call the profile saw."""
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
 def storage_key(t: torch.Tensor) -> StorageKey:
     """A tensor's storage, for counting each saved storage once however many views save it."""
     return (t.untyped_storage().data_ptr(), str(t.device))
@@ -391,7 +396,10 @@ class Profile:
 
     def __init__(self, overhead: Callable[[], float] = lambda: 0.0,
                  peek: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-                 probe: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+                 probe: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+                 written_after: "set[tuple[int, int]] | None" = None) -> None:
+        """``written_after``: calls (by key) a planned step found with an input written after
+        they returned, never re-run (Note [Inputs written after the call])."""
         self._overhead = overhead  # seconds the session spent on itself so far (DTR's recording)
         self._peek = peek  # while it is entered, reading saved tensors changes nothing in the session
         self._probe = probe  # the same, and reading one DTR evicted raises instead of regenerating it
@@ -422,10 +430,9 @@ class Profile:
         # measured re-run times of selective regions: (call index, dropped storages) -> seconds
         self.selective_seconds: dict[tuple[int, frozenset[ProfileKey]], float] = {}
         # calls returned, with their inputs and those inputs' versions when they returned, until
-        # inputs_written_after() looks at them; and calls (by key) a planned step found so
-        # (Note [Inputs written after the call])
+        # inputs_written_after() looks at them (Note [Inputs written after the call])
         self._returned: list[tuple[CallInfo, list[tuple["weakref.ref[torch.Tensor]", int]]]] = []
-        self.written_after: set[tuple[int, int]] = set()
+        self.written_after = written_after if written_after is not None else set()
 
     def _recording(self) -> bool:
         return bool(self._open) and not self.paused and not self.busy and torch.is_grad_enabled() \
@@ -598,7 +605,7 @@ class Profile:
             call.input_activation.append(self._made_leaf(t, key) or is_activation(t))
             call.input_nbytes.append(t.untyped_storage().nbytes())
             call.input_producers.append(self._producer(t, key))
-        call.input_signature = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        call.input_signature = signature(inputs)
         call.input_geometry = [geometry(t) for t in inputs]
         self.calls.append(call)
         call.compiled_inside = compiled
@@ -619,7 +626,7 @@ class Profile:
         keywords: list[torch.Tensor] = []
         if kwargs:  # (a global pre-hook is given no keyword arguments: their tensors, seen here)
             keywords = tensor_leaves(kwargs)
-            call.kwargs_signature = tuple((tuple(t.shape), t.dtype) for t in keywords)
+            call.kwargs_signature = signature(keywords)
             call.kwarg_keys = [self._key(t) for t in keywords]
         call.end = self._clock()
         module = call.module()

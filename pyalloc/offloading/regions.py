@@ -25,7 +25,7 @@ from .calls import AUTOCAST_OFF, autocast_as, autocast_state
 from . import guard
 from .guard import same_trace
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, put_back, run_replay, view_of
-from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, storage_key, tensor_leaves
+from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, signature, storage_key, tensor_leaves
 from .saved import ABANDONED_MESSAGE
 
 if TYPE_CHECKING:
@@ -305,7 +305,7 @@ class _Rerun:
                 # as the call ran, whatever backward runs in (a re-run with the forward's autocast
                 # cache would cast none: every checked step of a selective region fell back to a
                 # whole re-run, a review, 2026-11-28)
-                autocast_as(self.autocast, modes)
+                modes.enter_context(autocast_as(self.autocast))
                 modes.enter_context(torch.autograd.graph.saved_tensors_hooks(capture or _discard, _never_unpacked))
                 modes.enter_context(torch.enable_grad())
                 if mode is not None:
@@ -313,9 +313,8 @@ class _Rerun:
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
-            with torch.no_grad():
-                for b, saved in buffers:
-                    put_back(b, saved)
+            for b, saved in buffers:
+                put_back(b, saved)
             st = step.session._stats
             seconds = step.now() - t0
             st["replays_total"] += 1
@@ -432,11 +431,9 @@ class Region(_Rerun):
         try:
             # (no random operator to replay: the generators' states do not matter, and setting
             # them costs two copies of each state)
-            with contextlib.ExitStack() as modes:
-                modes.enter_context(self.buffers.as_found(step, type(module).__name__))
-                if recipe.random:
-                    modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
-                autocast_as(AUTOCAST_OFF, modes)  # operators recorded below autocast, cast already
+            with self.buffers.as_found(step, type(module).__name__), \
+                    rng.replayed(self.cpu_rng, self.cuda_rng) if recipe.random else contextlib.nullcontext(), \
+                    autocast_as(AUTOCAST_OFF):  # operators recorded below autocast, cast already
                 filled = run_replay(recipe, sources, inputs, attr)
         finally:
             seconds = step.now() - t0
@@ -519,8 +516,7 @@ class ProductSlot(_Counted):
             assert step is not None and nodes is not None
             self.step = self.nodes = None
             t0 = step.now()
-            with contextlib.ExitStack() as modes:
-                autocast_as(AUTOCAST_OFF, modes)  # (planned only for a product made without autocast)
+            with autocast_as(AUTOCAST_OFF):  # (planned only for a product made without autocast)
                 self.tensor = dropout.product_refill(nodes[0], nodes[1], self.geometry)
             seconds = step.now() - t0
             self.count(self.tensor)
@@ -643,8 +639,7 @@ class Output(_Rerun):
         self.note_inputs(inputs)
         t0 = self.step.now()
         kind, refill = refiller
-        with contextlib.ExitStack() as modes:
-            autocast_as(AUTOCAST_OFF, modes)  # (taken only for a call that ran without autocast)
+        with autocast_as(AUTOCAST_OFF):  # (taken only for a call that ran without autocast)
             out = refill(inputs[0], owned)
         if out is None:  # what it reads is gone (refills.Refill): re-run
             return None
@@ -1122,8 +1117,7 @@ class IdleStep:
         self._ordinals[id(module)] = ordinal + 1
         expected = self._roots[id(module)][1]
         if ordinal >= len(expected) or expected[ordinal] != (
-                tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(args)),
-                tuple((tuple(t.shape), t.dtype) for t in tensor_leaves(kwargs)) if kwargs else ()):
+                signature(tensor_leaves(args)), signature(tensor_leaves(kwargs)) if kwargs else ()):
             self.diverged = True
 
     def close(self) -> None:

@@ -288,8 +288,7 @@ class ActivationOffload:
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
-                    self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe)
-                    self._profile.written_after = self._written_after
+                    self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe, self._written_after)
                     self._profile.start()
                     stack.callback(self._profile.stop)
                     # the operators: what selective regions replay, which calls draw from a
@@ -337,8 +336,7 @@ class ActivationOffload:
         search = self._search
         if run is None or search is None:
             return
-        if isinstance(run, PlannedStep) and run.written_after:  # (the program caught the error in the step)
-            self._forget_plan_if_written_after(run)
+        if self._forget_plan_if_written_after(run):  # (the program caught the error in the step)
             return
         run.close()
         st["planned_steps_total"] += 1
@@ -451,12 +449,15 @@ class ActivationOffload:
             run.close()
             self._forget_plan_if_written_after(run)
 
-    def _forget_plan_if_written_after(self, run: Any) -> None:
+    def _forget_plan_if_written_after(self, run: Any) -> bool:
         """A planned step whose re-run found an input written after its call (it raised
-        OffloadError): that call is left out from now on, and the next step is profiled again."""
-        if isinstance(run, PlannedStep) and run.written_after:
-            self._written_after |= run.written_after
-            self._search = None
+        OffloadError): that call is left out from now on, and the next step is profiled again;
+        whether it was such a step."""
+        if not (isinstance(run, PlannedStep) and run.written_after):
+            return False
+        self._written_after |= run.written_after
+        self._search = None
+        return True
 
     def _leave_thread(self) -> None:
         """Takes the hooks and the mode off this thread's stacks; touches no device."""
