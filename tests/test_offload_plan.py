@@ -198,6 +198,36 @@ def test_a_budget_never_reached_drops_nothing_and_records_no_operator(baselines)
     assert st["step_saved_bytes_peak"] == peak  # still counted: the budget is checked
 
 
+class _NoModules(nn.Module):
+    """Every save is the root's own: no module call below it that a re-run could regenerate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w)
+
+
+def test_below_the_floor_with_nothing_to_drop_settles_once_and_runs_idle() -> None:
+    """A budget below a floor that the empty plan reaches: the search settles on the empty plan,
+    warns once, and the steps after it run idle; it profiled again every other step (each
+    counted step over the budget read as "the empty plan no longer fits") and never warned."""
+    torch.manual_seed(0)
+    model, x = _NoModules(), torch.randn(32, 64)
+    session = offload(budget=0, pressure_callback=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            with session:
+                model(x).sum().backward()
+    st = session.stats()
+    assert [w.category for w in caught] == [OffloadFloorWarning]
+    assert st["profile_steps_total"] == 1 and st["plan_settled"] == 1
+    assert st["planned_steps_total"] == 7 and st["idle_steps_total"] >= 5
+    assert st["plan_floor_bytes"] == 32 * 64 * 4  # the tanh's output
+
+
 def test_a_budget_never_reached_installs_no_saved_tensor_hook_once_settled(baselines) -> None:
     """Note [Idle steps]: after the profiled step and one counted step, the steps run with no
     saved-tensor hook; another batch shape has the next step profiled again; exact throughout."""

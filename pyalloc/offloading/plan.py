@@ -122,12 +122,14 @@ Note [Idle steps]
     step instead installs no saved-tensor hook at all, only a pre-forward hook on the outermost
     modules the profile saw, which compares their inputs' shapes and dtypes with the profile's
     (one hook call a step; keyword arguments too, which the profile reads when the call returns:
-    a global pre-hook is not given them). Steps run idle once the search has settled on the empty plan and the
-    last counted step held at most the budget less ``BUDGET_SLACK``; every ``IDLE_CHECK_EVERY``
-    steps (session.py) one step is counted again. Another input shape ends idling: the next step
-    is profiled again, as a planned step that diverges would have it; a counted step over the
-    budget + 5% does the same. The step that changed shape runs unplanned, as a diverging planned
-    step keeps every save from where it differs.
+    a global pre-hook is not given them). Steps run idle once the search has settled on the empty
+    plan and the last counted step held at most the budget less ``BUDGET_SLACK``, or once it
+    settled below the floor on the empty plan (no plan that drops held less: a model with nothing
+    a re-run frees); every ``IDLE_CHECK_EVERY`` steps (session.py) one step is counted again.
+    Another input shape ends idling: the next step is profiled again, as a planned step that
+    diverges would have it; a counted step over the budget + 5% does the same, above the floor.
+    The step that changed shape runs unplanned, as a diverging planned step keeps every save from
+    where it differs.
 """
 
 from __future__ import annotations
@@ -1574,8 +1576,10 @@ class PlanSearch:
     @property
     def idle(self) -> bool:
         """Settled on a plan that drops nothing, and the last counted step held at most the
-        budget less ``BUDGET_SLACK``: steps may run idle (Note [Idle steps])."""
-        return self.settled and self.plan.empty and 0 <= self.last_peak <= self.budget * (1 - BUDGET_SLACK)
+        budget less ``BUDGET_SLACK``, or nothing a plan drops kept the budget (below the floor):
+        steps may run idle (Note [Idle steps])."""
+        return self.settled and self.plan.empty and (0 <= self.last_peak <= self.budget * (1 - BUDGET_SLACK)
+                                                     or self.below_floor)
 
     @property
     def below_floor(self) -> bool:

@@ -364,7 +364,7 @@ class ActivationOffload:
             return
         if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds, run.region_seconds):
             st["replans_total"] += 1
-        if search.settled and search.plan.empty and peak > search.limit:
+        if search.settled and search.plan.empty and peak > search.limit and not search.below_floor:
             self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
             return
         if search.below_floor and not self._floor_warned:
