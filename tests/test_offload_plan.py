@@ -1591,6 +1591,37 @@ def test_a_large_buffer_written_after_the_call_read_it_is_a_clear_error(monkeypa
                 _step(model, xs[4], 4)
 
 
+def test_a_large_buffer_that_only_a_re_run_writes_is_a_clear_error(monkeypatch) -> None:
+    """A re-run copies only small buffers to put back after it (a large one is a mask or a table
+    nobody writes); one that the re-run itself writes (updates switched on between forward and
+    backward) cannot be put back: the step fails naming it, and the next step is profiled again
+    and trains."""
+    from pyalloc.offloading import regions
+    from pyalloc.offloading.session import OffloadError
+
+    monkeypatch.setattr(regions, "SNAPSHOT_MAX_BYTES", 0)
+    _, model, xs, session = _two_models_inputs_session(_running_mean_model, 6, 2)
+    session = offload(budget=session.budget, selective=False, pressure_callback=False)  # whole re-runs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for i, x in enumerate(xs[:4]):
+            with session:
+                _step(model, x, i)
+        assert session.stats()["planned_steps_total"] > 0 and not session._search.plan.empty
+        profiles = session.stats()["profile_steps_total"]
+        with pytest.raises(OffloadError, match=r"re-running _RunningMean wrote its buffer _RunningMean.mean \(512 bytes\)"):
+            with session:
+                loss = model(xs[4]).square().mean()
+                _switch_updates_on(model)
+                loss.backward()
+        for m in model.modules():
+            if isinstance(m, _RunningMean):
+                m.update = False
+        with session:
+            _step(model, xs[5], 5)
+        assert session.stats()["profile_steps_total"] == profiles + 1
+
+
 class _Scaled(nn.Module):
     """A block that saves none of its input itself (``x * 2 + 1`` first)."""
 

@@ -157,6 +157,8 @@ class BufferState:
         batch norm's statistics excepted: its forward does not read them, and a re-run puts them
         back) with its version, and copies those up to ``SNAPSHOT_MAX_BYTES`` (one copy a step of
         a buffer that several calls read unchanged). A re-run puts its buffers back afterwards
+        (:class:`_Kept`: a training batch norm's statistics and the buffers up to that size; a
+        larger one that the re-run wrote raises OffloadError, since no copy of it was made)
         (:func:`~.ops.put_back`) without a write the version counter sees: a write back is a
         write, and another call reading the same buffer (a block called thrice, a mask every
         block registers) took it for a change (a review, 2026-11-29). A re-run whose
@@ -292,7 +294,7 @@ class _Rerun:
         step = self.step
         self.note_inputs(tensor_leaves((args, kwargs)))
         t0 = step.now()
-        buffers = [(b, b.clone()) for b in self.module.buffers()]  # put back after (Note [Buffers a re-run reads])
+        kept = _Kept(self.module)
         step.recomputing += 1
         try:
             # The step's own hook must not see the re-run's saves (they are not the step's), and the
@@ -313,8 +315,7 @@ class _Rerun:
                 out = self.module(*args, **kwargs)
         finally:
             step.recomputing -= 1
-            for b, saved in buffers:
-                put_back(b, saved)
+            kept.put_back()
             st = step.session._stats
             seconds = step.now() - t0
             st["replays_total"] += 1
@@ -322,7 +323,51 @@ class _Rerun:
             if times is None:
                 times = step.selective_seconds if mode is not None else step.rerun_seconds
             times[self.key] = times.get(self.key, 0.0) + seconds
+        if (written := kept.written()) is not None:
+            from .session import OffloadError
+
+            step.written_after.add(self.key)  # left out of every plan: the next step is profiled again
+            name, nbytes = written
+            raise OffloadError(f"re-running {type(self.module).__name__} wrote its buffer {name} ({nbytes:,} "
+                               "bytes) in place, which the profiled step saw no call write: the buffer "
+                               "holds that second write (the session profiles the next step again and "
+                               "does not re-run the call there)")
         return out
+
+
+class _Kept:
+    """A module tree's buffers before a re-run, to put back after it (Note [Buffers a re-run
+    reads]): a copy of each that a re-run may write (a training batch norm's statistics) or that
+    is small; of a larger one, its version only. A larger buffer is a mask or a table, which the
+    profile saw no call write (or no plan would re-run the call): a copy would be memory that the
+    budget does not count (a GPT-2 block's 1 MiB causal mask, once a re-run)."""
+
+    __slots__ = ("copies", "versions")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.versions: list[tuple[str, torch.Tensor, int]] = []
+        for owner in module.modules():
+            statistics = isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
+            for name, b in owner._buffers.items():
+                if b is None:
+                    continue
+                if (statistics and name in _BATCH_NORM_STATISTICS) or b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES:
+                    self.copies.append((b, b.clone()))
+                else:
+                    self.versions.append((f"{type(owner).__name__}.{name}", b, b._version))
+
+    def put_back(self) -> None:
+        for b, saved in self.copies:
+            put_back(b, saved)
+
+    def written(self) -> tuple[str, int] | None:
+        """A buffer not copied that the re-run wrote (its name and bytes), if any: it cannot be
+        put back."""
+        for name, b, version in self.versions:
+            if b._version != version:
+                return name, b.untyped_storage().nbytes()
+        return None
 
 
 def _discard(x: Any) -> None:
