@@ -91,6 +91,19 @@ Note [Inputs written after the call]
     step's dropped values are gone), and the session profiles the next step again with that
     call (by module and ordinal) left out.
 
+Note [Buffers written after the call]
+    A buffer that one module reads and another writes later in the step (a scale every block
+    registers and the last block updates; a table shared through ``register_buffer``) is, for
+    each reader, written after its call: the module-state check (Note [State a re-run reads])
+    sees only a call's own writes. The profile notes, as each call returns, the buffers of its
+    module tree and their versions, and compares them when it stops. A buffer so written that a
+    planned step's re-run can read as it was (a copy made when the call begins, up to
+    ``SNAPSHOT_MAX_BYTES``: Note [Buffers a re-run reads] in regions.py) goes into the plan as
+    expected to change, and the re-run swapping its copy in is no reason to profile again
+    (each planned step did, every other step, when a shared 256-byte buffer changed); a larger
+    one keeps the call from being re-run (every planned step raised OffloadError, naming it,
+    and the next did the same).
+
 Note [Step-made leaves]
     Autograd saves tensors without history too: a dropout's mask, a layer norm's mean and
     reciprocal deviation, the CPU LSTM's workspace (cuDNN's reserve space on a GPU), a fused
@@ -388,6 +401,16 @@ def same_state(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
         all(k == k2 and torch.equal(s, s2) for (k, s), (k2, s2) in zip(generators, after[2]))
 
 
+def training_statistics(owner: torch.nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` of ``owner`` is a training batch norm's running statistics, which
+    its forward writes and does not read (and a re-run puts back: batchnorm.py)."""
+    return name in _BATCH_NORM_STATISTICS and owner.training and \
+        isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
+
+
+_BATCH_NORM_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
 def _kept(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -435,6 +458,13 @@ class Profile:
         # inputs_written_after() looks at them (Note [Inputs written after the call])
         self._returned: list[tuple[CallInfo, list[tuple["weakref.ref[torch.Tensor]", int]]]] = []
         self.written_after = written_after if written_after is not None else set()
+        # calls returned, with the buffers their module trees read and those buffers' versions
+        # when they returned, until stop() looks at them (Note [Buffers written after the call]);
+        # every (module, buffer name) of a module's tree, by the module's id
+        self._read_buffers: list[tuple[CallInfo, list[tuple[torch.nn.Module, str, torch.Tensor, int]]]] = []
+        self._tree_buffers: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        # (id of the module, buffer name): buffers a call read that the step wrote after it returned
+        self.written_buffers: set[tuple[int, str]] = set()
 
     def _recording(self) -> bool:
         return bool(self._open) and not self.paused and not self.busy and torch.is_grad_enabled() \
@@ -497,6 +527,7 @@ class Profile:
         while self._open:
             self._close(self._open[-1][0], None)
         self.inputs_written_after()
+        self._buffers_written_after()
         self._seen.clear()  # the plan keeps the calls and saves, not these lookups
         self._outputs.clear()
 
@@ -524,6 +555,33 @@ class Profile:
                 if not call.mutates_input and any(written.get(k, -1) >= call.end_op
                                                   for k in (*call.input_keys, *call.kwarg_keys)):
                     call.mutates_input = True
+
+    def _buffers_written_after(self) -> None:
+        """Note [Buffers written after the call]: a buffer that a returned call's module tree
+        reads, written later in the step, is noted as expected to change (a planned step's re-run
+        swaps in the copy it made when the call began); one too large to copy keeps the call from
+        being re-run."""
+        from . import regions  # (it imports this module; its size limit is read when asked)
+
+        read, self._read_buffers, self._tree_buffers = self._read_buffers, [], {}
+        for call, entries in read:
+            for owner, name, b, version in entries:
+                if b._version == version:
+                    continue
+                if b.untyped_storage().nbytes() > regions.SNAPSHOT_MAX_BYTES:
+                    call.mutates_state = True
+                else:
+                    self.written_buffers.add((id(owner), name))
+
+    def _note_read_buffers(self, call: CallInfo, module: torch.nn.Module) -> None:
+        """Notes the buffers ``module``'s tree reads and their versions as its call returns."""
+        owners = self._tree_buffers.get(id(module))
+        if owners is None:
+            owners = self._tree_buffers[id(module)] = [(m, name) for m in module.modules() for name in m._buffers]
+        entries = [(owner, name, b, b._version) for owner, name in owners
+                   if (b := owner._buffers.get(name)) is not None and not training_statistics(owner, name)]
+        if entries:
+            self._read_buffers.append((call, entries))
 
     def drop_kept_leaves(self) -> None:
         """After the step: a leaf it made whose storage outlived it (a table a module builds on its
@@ -643,6 +701,8 @@ class Profile:
         call.mutates_input = any(t._version != v for t, v in zip(inputs, versions)) or call.key in self.written_after
         if (inputs or keywords) and not call.mutates_input:  # (keywords' versions from their return)
             self._returned.append((call, [(weakref.ref(t), t._version) for t in (*inputs, *keywords)]))
+        if module is not None and not call.mutates_state:
+            self._note_read_buffers(call, module)
         outs = tensor_leaves(output) if output is not None else []
         if len(outs) == 1 and isinstance(output, torch.Tensor):
             out = outs[0]
@@ -773,6 +833,9 @@ class Plan:
     # per planned module (by id): every (module, buffer name) in its tree, found on the first
     # planned call (Note [Buffers a re-run reads] in regions.py)
     buffer_owners: dict[int, list[tuple[torch.nn.Module, str]]] = field(default_factory=dict)
+    # (id of the module, buffer name): buffers the profiled step wrote after a call that reads
+    # them returned; a re-run finding one changed is no news (Note [Buffers written after the call])
+    written_buffers: frozenset[tuple[int, str]] = frozenset()
 
     def same(self, other: "Plan") -> bool:
         """Whether the two plans do the same with every save (drop, keep, keep packed)."""
@@ -1373,7 +1436,7 @@ def plan_of(profile: Profile, planner: _Planner, floor_bytes: int, budget: int) 
     return Plan(actions, owners, [p.signature for p in profile.packs], regions, recipes, outputs,
                 list(modules.values()), baseline, planner.estimate(), floor_bytes,
                 planner.seconds(), products, traces, frozenset(seq for seq, p in enumerate(profile.packs) if p.leaf),
-                noise)
+                noise, written_buffers=frozenset(profile.written_buffers))
 
 
 def _planned(profile: Profile, base: _Planner, seed: list[_Candidate], budget: int,

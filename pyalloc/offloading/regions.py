@@ -25,7 +25,8 @@ from .calls import AUTOCAST_OFF, autocast_as, autocast_state
 from . import guard
 from .guard import same_trace
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, put_back, run_replay, view_of
-from .plan import KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, signature, storage_key, tensor_leaves
+from .plan import (KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, signature, storage_key, tensor_leaves,
+                   training_statistics)
 from .saved import ABANDONED_MESSAGE
 
 if TYPE_CHECKING:
@@ -141,9 +142,6 @@ a larger one only has its version noted. Running statistics are a few KiB; a con
 table, which nothing writes, can be MiBs, and a copy of it a call would be memory the budget
 does not count (a review, 2026-11-29: a GPT-2 block's 1 MiB causal mask)."""
 
-_BATCH_NORM_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
-
-
 class BufferState:
     """The buffers of a planned call's module tree as the call found them.
 
@@ -179,8 +177,7 @@ class BufferState:
         self.entries: list[tuple[torch.nn.Module, str, torch.Tensor, int, torch.Tensor | None]] = []
         for owner, name in owners:
             b = owner._buffers.get(name)
-            if b is None or (name in _BATCH_NORM_STATISTICS and owner.training
-                             and isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)):
+            if b is None or training_statistics(owner, name):
                 continue
             copy = None
             if b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES:
@@ -190,7 +187,7 @@ class BufferState:
             self.entries.append((owner, name, b, b._version, copy))
 
     @contextlib.contextmanager
-    def as_found(self, step: "PlannedStep", what: str) -> Iterator[None]:
+    def as_found(self, step: "PlannedStep", rerun: "_Rerun") -> Iterator[None]:
         """Within: the buffers as the call found them (the module's own objects when unchanged)."""
         changed = [e for e in self.entries if e[0]._buffers.get(e[1]) is not e[2] or e[2]._version != e[3]]
         if not changed:
@@ -200,11 +197,14 @@ class BufferState:
             if b._version != version and copy is None:
                 from .session import OffloadError
 
+                step.written_after.add(rerun.key)  # left out of every plan: the next step is profiled again
                 raise OffloadError(
                     f"buffer {name!r} of {type(owner).__name__} ({b.untyped_storage().nbytes():,} bytes) was "
-                    f"written in place after {what} read it: its dropped activations cannot be recomputed as "
-                    "they were (a buffer the profiled step saw unchanged; this session profiles again)")
-        step.stale = True  # profile the next step again: it sees the change
+                    f"written in place after {type(rerun.module).__name__} read it: its dropped activations "
+                    "cannot be recomputed as they were (a buffer the profiled step saw unchanged; the "
+                    "session profiles the next step again and does not re-run the call there)")
+        if any((id(owner), name) not in step.plan.written_buffers for owner, name, *_ in changed):
+            step.stale = True  # profile the next step again: it sees the change
         step.session._stats["rerun_buffers_changed_total"] += 1
         now = [(owner, name, owner._buffers.get(name)) for owner, name, *_ in changed]
         for owner, name, b, version, copy in changed:
@@ -302,7 +302,7 @@ class _Rerun:
             # itself alive through it (a cycle through C++ that no collector breaks), and the
             # graph is never run backward. Hence the pack hook stores nothing.
             with contextlib.ExitStack() as modes:
-                modes.enter_context(self.buffers.as_found(step, type(self.module).__name__))
+                modes.enter_context(self.buffers.as_found(step, self))
                 modes.enter_context(rng.replayed(self.cpu_rng, self.cuda_rng))
                 # as the call ran, whatever backward runs in (a re-run with the forward's autocast
                 # cache would cast none: every checked step of a selective region fell back to a
@@ -348,11 +348,10 @@ class _Kept:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.versions: list[tuple[str, torch.Tensor, int]] = []
         for owner in module.modules():
-            statistics = isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
             for name, b in owner._buffers.items():
                 if b is None:
                     continue
-                if (statistics and name in _BATCH_NORM_STATISTICS) or b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES:
+                if training_statistics(owner, name) or b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES:
                     self.copies.append((b, b.clone()))
                 else:
                     self.versions.append((f"{type(owner).__name__}.{name}", b, b._version))
@@ -476,7 +475,7 @@ class Region(_Rerun):
         try:
             # (no random operator to replay: the generators' states do not matter, and setting
             # them costs two copies of each state)
-            with self.buffers.as_found(step, type(module).__name__), \
+            with self.buffers.as_found(step, self), \
                     rng.replayed(self.cpu_rng, self.cuda_rng) if recipe.random else contextlib.nullcontext(), \
                     autocast_as(AUTOCAST_OFF):  # operators recorded below autocast, cast already
                 filled = run_replay(recipe, sources, inputs, attr)
