@@ -1571,20 +1571,32 @@ def test_a_buffer_that_starts_changing_after_the_profile_is_re_run_as_the_call_f
     assert session.stats()["profile_steps_total"] >= 2
 
 
-def test_a_large_buffer_written_after_the_call_read_it_is_a_clear_error(monkeypatch) -> None:
-    """A buffer too large to copy at every planned call, written in place: no re-run can read it
-    as it was, so the step fails naming it rather than computing other gradients."""
+def _planned_with_large_buffers(monkeypatch, selective: bool
+                                ) -> tuple[nn.Module, list[torch.Tensor], ActivationOffload]:
+    """The running-mean model after four steps under a plan at half its saved bytes, with every
+    buffer too large to copy (``SNAPSHOT_MAX_BYTES`` 0)."""
     from pyalloc.offloading import regions
-    from pyalloc.offloading.session import OffloadError
 
     monkeypatch.setattr(regions, "SNAPSHOT_MAX_BYTES", 0)
     _, model, xs, session = _two_models_inputs_session(_running_mean_model, 6, 2)
+    session = offload(budget=session.budget, selective=selective, pressure_callback=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadFloorWarning)
         for i, x in enumerate(xs[:4]):
             with session:
                 _step(model, x, i)
-        assert session.stats()["planned_steps_total"] > 0 and not session._search.plan.empty
+    assert session.stats()["planned_steps_total"] > 0 and not session._search.plan.empty
+    return model, xs, session
+
+
+def test_a_large_buffer_written_after_the_call_read_it_is_a_clear_error(monkeypatch) -> None:
+    """A buffer too large to copy at every planned call, written in place: no re-run can read it
+    as it was, so the step fails naming it rather than computing other gradients."""
+    from pyalloc.offloading.session import OffloadError
+
+    model, xs, session = _planned_with_large_buffers(monkeypatch, selective=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
         _switch_updates_on(model)
         profiles = session.stats()["profile_steps_total"]
         with pytest.raises(OffloadError, match="buffer 'mean' of _RunningMean .* written in place"):
@@ -1602,18 +1614,11 @@ def test_a_large_buffer_that_only_a_re_run_writes_is_a_clear_error(monkeypatch) 
     nobody writes); one that the re-run itself writes (updates switched on between forward and
     backward) cannot be put back: the step fails naming it, and the next step is profiled again
     and trains."""
-    from pyalloc.offloading import regions
     from pyalloc.offloading.session import OffloadError
 
-    monkeypatch.setattr(regions, "SNAPSHOT_MAX_BYTES", 0)
-    _, model, xs, session = _two_models_inputs_session(_running_mean_model, 6, 2)
-    session = offload(budget=session.budget, selective=False, pressure_callback=False)  # whole re-runs
+    model, xs, session = _planned_with_large_buffers(monkeypatch, selective=False)  # whole re-runs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadFloorWarning)
-        for i, x in enumerate(xs[:4]):
-            with session:
-                _step(model, x, i)
-        assert session.stats()["planned_steps_total"] > 0 and not session._search.plan.empty
         profiles = session.stats()["profile_steps_total"]
         with pytest.raises(OffloadError, match=r"re-running _RunningMean wrote its buffer _RunningMean.mean \(512 bytes\)"):
             with session:
