@@ -228,6 +228,43 @@ def test_below_the_floor_with_nothing_to_drop_settles_once_and_runs_idle() -> No
     assert st["plan_floor_bytes"] == 32 * 64 * 4  # the tanh's output
 
 
+class _NoFastPath(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("no fast kernel here")
+
+
+class _FallsBack(nn.Module):
+    """Tries a submodule that raises, then takes another path: torch calls the profile's
+    ``always_call`` forward hook for the raising call without keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast, self.slow = _NoFastPath(), _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.fast(x)
+        except NotImplementedError:
+            return self.slow(x)
+
+
+def test_a_module_that_raises_inside_the_step_warns_nothing() -> None:
+    """A submodule whose forward raises, caught by the model (it warned six times a profiled
+    step: the profile's hook took the call without keyword arguments as an error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_FallsBack() for _ in range(4)], nn.Linear(64, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 32, 64)
+    session = offload(budget=_saved_bytes_peak(reference, x) // 2, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(4):
+            expected = _step(reference, x, seed)
+            with session:
+                _assert_bitwise_equal(expected, _step(model, x, seed))
+    assert session.stats()["profile_steps_total"] == 1 and session.stats()["planned_steps_total"] == 3
+
+
 def test_a_budget_never_reached_installs_no_saved_tensor_hook_once_settled(baselines) -> None:
     """Note [Idle steps]: after the profiled step and one counted step, the steps run with no
     saved-tensor hook; another batch shape has the next step profiled again; exact throughout."""

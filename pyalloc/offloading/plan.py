@@ -635,9 +635,13 @@ class Profile:
         finally:
             self.busy = busy
 
-    def _post(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: Any, *rest: Any) -> None:
+        """``rest``: the call's keyword arguments and output; only its (partial) output when the
+        forward raised (torch calls an ``always_call`` hook so, without the keyword arguments:
+        a try/except fallback in a model, non-reentrant checkpoint's recompute stopping early)."""
         if torch.compiler.is_compiling():
             return
+        kwargs, output = rest if len(rest) == 2 else (None, rest[-1])
         busy, self.busy = self.busy, True
         try:
             self._leave(module, output, kwargs)
