@@ -157,6 +157,31 @@ def test_budget_above_the_floor_is_kept_within_five_percent(name, baselines) -> 
     assert peaks[-1] < peak
 
 
+def test_an_evaluation_under_no_grad_inside_the_session_is_not_measured(baselines) -> None:
+    """A validation forward under no_grad between training steps, inside the session, saves
+    nothing: it is no measurement of the plan (its peak of 0 settled the search on a plan never
+    measured, which then held 1.17x the budget, a review)."""
+    grads, _, peak = baselines["gpt"]
+    make_model, make_input = MODELS["gpt"]
+    model = make_model()
+    torch.manual_seed(123)  # the baseline's input
+    x = make_input()
+    budget = peak // 2
+    session = offload(budget=budget, pressure_callback=False)
+    for seed in range(STEPS + 4):
+        with session:
+            got = _step(model, x, seed % STEPS)
+        if seed < STEPS:
+            _assert_bitwise_equal(grads[seed], got)
+        model.eval()
+        with torch.no_grad(), session:
+            model(x)
+        model.train()
+    st = session.stats()
+    assert 0 < st["plan_saved_bytes_peak"] <= budget * (1 + BUDGET_SLACK)
+    assert st["profile_steps_total"] == 1 and st["planned_steps_total"] == STEPS + 3  # training steps only
+
+
 def test_below_the_floor_warns_once_naming_the_floor_and_runs(baselines) -> None:
     grads, _, _ = baselines["gpt"]
     session = offload(budget=0, pressure_callback=False)

@@ -339,6 +339,8 @@ class ActivationOffload:
         if self._forget_plan_if_written_after(run):  # (the program caught the error in the step)
             return
         run.close()
+        if isinstance(run, PlannedStep) and run.seq == 0 and not run.diverged:
+            return  # it saved nothing (an evaluation under no_grad inside the session): nothing to judge
         st["planned_steps_total"] += 1
         if isinstance(run, IdleStep):
             st["idle_steps_total"] += 1
