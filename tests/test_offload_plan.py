@@ -290,6 +290,83 @@ def test_a_module_that_raises_inside_the_step_warns_nothing() -> None:
     assert session.stats()["profile_steps_total"] == 1 and session.stats()["planned_steps_total"] == 3
 
 
+class _HalfCheckpointed(nn.Module):
+    """Reentrant ``torch.utils.checkpoint`` on every other block, the others left to the session."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks, self.head = nn.ModuleList([_Block() for _ in range(4)]), nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for i, block in enumerate(self.blocks):
+            x = checkpoint(block, x, use_reentrant=True) if i % 2 == 0 else block(x)
+        return self.head(x)
+
+
+def test_reentrant_checkpoint_inside_the_model_settles_once() -> None:
+    """Note [Session hooks]: the module calls a reentrant checkpoint makes in backward are not
+    the forward's (the profile took them for calls, every planned step found them otherwise,
+    and the session profiled again every third step, a review)."""
+    x = torch.randn(8, 32, 64, requires_grad=True)  # (reentrant checkpoint wants an input that does)
+    reference, model = _HalfCheckpointed(), _HalfCheckpointed()
+    session = offload(budget=_saved_bytes_peak(_HalfCheckpointed(), x) // 2, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for seed in range(10):
+            expected = _step(reference, x, seed)
+            with session:
+                _assert_bitwise_equal(expected, _step(model, x, seed))
+    st = session.stats()
+    assert st["profile_steps_total"] == 1 and st["replays_stale_total"] == 0 and st["plan_settled"] == 1
+    assert st["drops_total"] > 0
+
+
+class _LazyTable(nn.Module):
+    """Adds a table built on the first call (a rotary embedding's cos/sin cache, built for the
+    longest sequence seen so far)."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.register_buffer("table", None, persistent=False)
+        self.built_for = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.built_for:
+            self.built_for = x.shape[1]
+            self.table = torch.linspace(0, 1, x.shape[1] * x.shape[2]).view(x.shape[1], x.shape[2]).cos()
+        return x + self.fc2(nn.functional.gelu(self.fc1(x + self.table[:x.shape[1]])))
+
+
+def test_state_built_on_the_first_call_is_profiled_past() -> None:
+    """Note [State built on the first call]: the profiled step built the tables, so it is
+    profiled once more and that profile planned from: no call is left out as one that changes
+    state (every block was, for good). A longer sequence builds them again, in the planned step
+    that finds the other shape: the profile after it sees no change, and is planned from."""
+    model = nn.Sequential(*[_LazyTable() for _ in range(4)], nn.Linear(64, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 32, 64)
+    session = offload(budget=_saved_bytes_peak(copy.deepcopy(model), x) // 2, pressure_callback=False)
+    longer = torch.randn(8, 48, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadFloorWarning)
+        for seed, inputs in enumerate([x] * 5 + [longer] * 4):
+            expected = _step(reference, inputs, seed)
+            with session:
+                _assert_bitwise_equal(expected, _step(model, inputs, seed))
+            if seed == 4:
+                assert session.stats()["profile_steps_total"] == 2
+    assert session.stats()["profile_steps_total"] == 3
+    profile = session._search.profile  # type: ignore[union-attr]
+    assert not any(c.mutates_state for c in profile.calls)
+    assert any(isinstance(c.module(), _LazyTable) for c in (*session._search.plan.regions.values(),  # type: ignore[union-attr]
+                                                              *session._search.plan.outputs.values()))  # type: ignore[union-attr]
+
+
 def test_a_budget_never_reached_installs_no_saved_tensor_hook_once_settled(baselines) -> None:
     """Note [Idle steps]: after the profiled step and one counted step, the steps run with no
     saved-tensor hook; another batch shape has the next step profiled again; exact throughout."""
@@ -1226,6 +1303,40 @@ def test_a_changed_constant_is_caught_by_the_trace_between_checks(change, baseli
     assert session.stats()["replays_stale_total"] == 1 and session._search is None
 
 
+def test_a_constant_changed_every_step_has_its_region_re_run_whole(baselines, monkeypatch) -> None:
+    """A scalar set anew each step (an annealed scale, a dropout probability on a schedule): each
+    such step's trace differs and the next step is profiled again, which repeated for good (a
+    review: 5-8x the plain step, forever). From ``TRACE_CHANGES`` such steps on, the profile
+    offers those calls no selective variant: they are re-run whole, through their own code."""
+    from pyalloc.offloading import session as session_module
+
+    scale = [1.0]
+    block_forward = _Block.forward
+
+    def scaled_forward(self: _Block, x: torch.Tensor) -> torch.Tensor:
+        return block_forward(self, x * scale[0])
+
+    monkeypatch.setattr(_Block, "forward", scaled_forward)
+    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1000)
+    monkeypatch.setattr(session_module, "TRACE_CHANGES", 1)
+    session, model, x = _selective_session("gpt", 0.5, baselines, _layer_norm_cheapest)
+    blocks = {k for k, call in session._search.plan.regions.items()  # type: ignore[union-attr]
+              if isinstance(call.module(), _Block) and k in session._search.plan.recipes}  # type: ignore[union-attr]
+    assert blocks
+    reference = MODELS["gpt"][0]()
+    reference.load_state_dict(model.state_dict())
+    for seed in range(3):  # checked; changed: refilled whole, stale; profiled again
+        scale[0] = 1.0 - seed / 8
+        expected = _step(reference, x, seed)
+        with session:
+            _assert_bitwise_equal(expected, _step(model, x, seed))
+    assert session.stats()["replays_stale_total"] == 1 and session.stats()["profile_steps_total"] == 2
+    profile = session._search.profile  # type: ignore[union-attr]
+    assert blocks <= {c.key for c in profile.calls if c.varies}
+    _layer_norm_cheapest(profile)
+    assert not blocks & set(make_plan(profile, session.budget, selective=True).recipes)
+
+
 class _Interrupted(BaseException):
     """What a Ctrl-C is: not an Exception, so that ``always_call`` forward hooks do not run."""
 
@@ -1664,11 +1775,10 @@ def test_a_large_buffer_written_after_the_call_read_it_is_a_clear_error(monkeypa
         with pytest.raises(OffloadError, match="buffer 'mean' of _RunningMean .* written in place"):
             with session:
                 _step(model, xs[4], 4)
-        with session:  # profiled again: the call that read it is not re-run there
-            _step(model, xs[5], 5)
-        with session:
-            _step(model, xs[5], 5)
-        assert session.stats()["profile_steps_total"] == profiles + 1
+        for _ in range(3):  # profiled again, twice (a state change: Note [State built on the first
+            with session:   # call]), the call that read it not re-run there; then planned
+                _step(model, xs[5], 5)
+        assert session.stats()["profile_steps_total"] == profiles + 2
 
 
 def test_a_large_buffer_that_only_a_re_run_writes_is_a_clear_error(monkeypatch) -> None:
@@ -1732,8 +1842,8 @@ def test_a_shared_buffer_written_by_a_later_block_is_planned_once(large, monkeyp
     reference, model, xs, session = _two_models_inputs_session(_shared_shift_model, 8, 2)
     session = offload(budget=session.budget, selective=False, pressure_callback=False)
     _train_exactly(reference, model, xs, session)
-    st = session.stats()
-    assert st["profile_steps_total"] == 1 and st["planned_steps_total"] == 7
+    st = session.stats()  # two profiles: the writer changes state (Note [State built on the first call])
+    assert st["profile_steps_total"] == 2 and st["planned_steps_total"] == 6
     assert st["replays_stale_total"] == 0
     readers = {(id(model[i]), 0) for i in range(2)}  # the blocks that read it before the write
     planned = set(session._search.plan.regions) | set(session._search.plan.outputs)

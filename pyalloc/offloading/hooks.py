@@ -21,6 +21,13 @@ Note [Session hooks]
     norm's statistics, a dropout's noise) only where the hooks in force are the session's
     (:func:`saves_are_ours`); inside the program's own (``torch.utils.checkpoint``,
     ``save_on_cpu``) a read goes through their unpack, which may re-run a forward.
+
+    Module calls made while backward runs (a reentrant ``torch.utils.checkpoint`` re-running
+    its block, a custom Function's backward calling a module) are not the step's forward: the
+    hooks pass them by (:func:`in_backward`). On a GPU backward runs on the engine's device
+    threads, which the hooks passed by already; on the CPU it runs on the caller's, and a
+    profile took a reentrant checkpoint's re-run for calls of the forward: every planned step
+    found them otherwise and the session profiled again every third step (a review, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["DetachedHook", "StepHook", "foreign_hooks", "saves_are_ours"]
+__all__ = ["DetachedHook", "StepHook", "foreign_hooks", "in_backward", "saves_are_ours"]
 
 _PICKLED_AS = (getattr, (None, "__init__"))
 """What either hook pickles as: ``None.__init__``, a builtin that takes any arguments and returns
 None (Note [Session hooks])."""
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class StepHook:

@@ -80,6 +80,17 @@ Note [State a re-run reads]
     replace (Note [Recompute check] in check.py). A buffer that starts to change after the
     profiled step is put back for the re-run (Note [Buffers a re-run reads] in regions.py).
 
+Note [State built on the first call]
+    Much state changes once: a rotary embedding's cos/sin table built on the first call (and
+    again for a longer sequence), a lazy module's parameters, a flag set on first use. The
+    profiled step is a first call, and took every call around such a module for one that
+    changes state in every step: never re-run, the floor up by those calls' saves (a review's
+    Hugging-Face-style decoder: 2.3 MB against 1.15 MB with the table built before, the budget
+    at a quarter out of reach). So a profile that saw a state change, after a profile that saw
+    none (or first), is not planned from: the next step is profiled again, and its profile is
+    the one planned from, whatever it sees (a module that changes its state every step keeps
+    changing it there, and stays out of every plan). One profiled step more for such models.
+
 Note [Inputs written after the call]
     A re-run needs the call's inputs as they were. A call that writes one (an in-place ReLU) is
     never re-run (``CallInfo.mutates_input``), and neither is one whose input the program writes
@@ -161,7 +172,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import clock
 from .dropout import exact_product_seconds, noise_pack_seconds
-from .hooks import StepHook
+from .hooks import StepHook, in_backward
 from .refills import MIN_ELEMENTS, exact_refill_seconds, kind as refill_kind
 from .calls import CallTracker, autocast_state
 from .guard import CallTrace, push_at, remove
@@ -324,6 +335,7 @@ class CallInfo:
     out_version: int = -1
     out_is_input: bool = False
     grad_off_ops: bool = False  # ran operators with grad off (not recorded): no selective variant
+    varies: bool = False  # its trace changed in planned steps, time and again: no selective variant
     refill_seconds: float = -1.0  # refilled from what it saved (a batch norm's statistics, a
     # dropout's noise: refills.py): the refill's time; -1: re-run whole
 
@@ -422,9 +434,12 @@ class Profile:
     def __init__(self, overhead: Callable[[], float] = lambda: 0.0,
                  peek: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
                  probe: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-                 written_after: "set[tuple[int, int]] | None" = None) -> None:
+                 written_after: "set[tuple[int, int]] | None" = None,
+                 whole: "set[tuple[int, int]] | None" = None) -> None:
         """``written_after``: calls (by key) a planned step found with an input written after
-        they returned, never re-run (Note [Inputs written after the call])."""
+        they returned, never re-run (Note [Inputs written after the call]); ``whole``: calls
+        whose trace kept changing between steps, re-run whole only (Note [Call traces] in
+        guard.py)."""
         self._overhead = overhead  # seconds the session spent on itself so far (DTR's recording)
         self._peek = peek  # while it is entered, reading saved tensors changes nothing in the session
         self._probe = probe  # the same, and reading one DTR evicted raises instead of regenerating it
@@ -458,6 +473,8 @@ class Profile:
         # inputs_written_after() looks at them (Note [Inputs written after the call])
         self._returned: list[tuple[CallInfo, list[tuple["weakref.ref[torch.Tensor]", int]]]] = []
         self.written_after = written_after if written_after is not None else set()
+        self.whole = whole if whole is not None else set()
+        self.state_changed = False  # a module changed state it reads (Note [State built on the first call])
         # calls returned, with the buffers their module trees read and those buffers' versions
         # when they returned, until stop() looks at them (Note [Buffers written after the call]);
         # every (module, buffer name) of a module's tree, by the module's id
@@ -652,7 +669,7 @@ class Profile:
         compiled = _compiled(module)
         if self._suspended is None and compiled:
             self._suspend(module)
-        if self.paused or not torch.is_grad_enabled() or threading.get_ident() != self._thread:
+        if self.paused or not torch.is_grad_enabled() or threading.get_ident() != self._thread or in_backward():
             return
         if compiled:
             for open_call, *_ in self._open:
@@ -681,7 +698,7 @@ class Profile:
         if self._suspended is module:
             self._resume()
         if self.paused or not self._open or threading.get_ident() != self._thread \
-                or self._open[-1][0].module() is not module:
+                or self._open[-1][0].module() is not module or in_backward():
             return
         self._close(self._open[-1][0], output, kwargs)
 
@@ -694,7 +711,9 @@ class Profile:
             call.kwarg_keys = [self._key(t) for t in keywords]
         call.end = self._clock()
         module = call.module()
-        if call.mutates_state or (module is not None and not same_state(state, module_state(module))):
+        changed = module is not None and not same_state(state, module_state(module))
+        self.state_changed |= changed
+        if call.mutates_state or changed:
             for open_call in [call, *(c for c, *_ in self._open)]:  # a re-run of any call around it runs it again
                 open_call.mutates_state = True
         call.seconds = max(0.0, call.end - t0)
@@ -703,6 +722,7 @@ class Profile:
         call.end_trace = len(self.trace)
         call.last_desc = len(self.calls) - 1
         call.mutates_input = any(t._version != v for t, v in zip(inputs, versions)) or call.key in self.written_after
+        call.varies = call.key in self.whole
         if (inputs or keywords) and not call.mutates_input:  # (keywords' versions from their return)
             self._returned.append((call, [(weakref.ref(t), t._version) for t in (*inputs, *keywords)]))
         if module is not None and not call.mutates_state:
@@ -999,7 +1019,7 @@ class _Planner:
         that order, each with the recipe that remakes it."""
         call = full.call
         ops = profile.ops[call.first_op:call.end_op]
-        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS or call.grad_off_ops or call.compiled_inside \
+        if not 2 <= len(ops) <= MAX_SELECTIVE_OPS or call.grad_off_ops or call.compiled_inside or call.varies \
                 or reads_values(ops, profile.trace[call.first_trace:call.end_trace]):
             return []
         first_op = call.first_op

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from . import clock, dropout, refills, rng
-from .hooks import StepHook
+from .hooks import StepHook, in_backward
 from . import check as recompute_check
 from .check import Original, RecomputeCheck
 from .calls import AUTOCAST_OFF, autocast_as, autocast_state
@@ -798,6 +798,7 @@ class PlannedStep:
         self.verify = False  # re-run selective regions through the module's code, checking the replays
         # planned calls found with an input written in place after they returned (check_inputs)
         self.written_after: set[tuple[int, int]] = set()
+        self.traces_changed: set[tuple[int, int]] = set()  # selective regions whose trace was not the plan's
         # copies of buffers as planned calls found them, by (buffer, version) (BufferState)
         self.buffer_copies: dict[tuple[int, int], torch.Tensor] = {}
         # whether saved bytes are counted (SavedBytes): every step while the plan search runs, one
@@ -935,7 +936,7 @@ class PlannedStep:
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.recomputing or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
-                or threading.get_ident() != self._thread:
+                or threading.get_ident() != self._thread or in_backward():
             return
         in_hook, self._in_hook = self._in_hook, True
         try:
@@ -980,7 +981,7 @@ class PlannedStep:
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.recomputing or not self._open or torch.compiler.is_compiling() \
-                or threading.get_ident() != self._thread or self._open[-1][0] is not module:
+                or threading.get_ident() != self._thread or self._open[-1][0] is not module or in_backward():
             return
         in_hook, self._in_hook = self._in_hook, True
         try:
@@ -1000,6 +1001,7 @@ class PlannedStep:
                 record.traced = same_trace(entries[record.trace_start:], self.plan.traces.get(record.key))
                 if not record.traced:
                     self.stale = True  # refilled through the module's code this step, profiled next
+                    self.traces_changed.add(record.key)
                 if self._traced_open == 0:
                     entries.clear()
         elif isinstance(record, Output):
@@ -1155,7 +1157,8 @@ class IdleStep:
                 stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True).remove)
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or threading.get_ident() != self._thread \
+                or in_backward():
             return
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1

@@ -83,6 +83,12 @@ class OffloadUnsettledWarning(UserWarning):
     not kept on them."""
 
 
+TRACE_CHANGES = 2
+"""Planned steps whose selective region found its trace changed (a constant set anew each step:
+a dropout probability annealed in Python) after which the region's call is re-run whole in every
+later plan, rather than each such step having the next one profiled again (Note [Call traces] in
+guard.py)."""
+
 UNSETTLED_WARN_AFTER = 3
 """Planned steps in a row that differ from the profile (each one profiled again after) before the
 session says so once."""
@@ -171,7 +177,13 @@ class ActivationOffload:
         # planned calls (by key) whose input was written after they returned, found by a planned
         # step: left out of every profile's candidates (Note [Inputs written after the call] in plan.py)
         self._written_after: set[tuple[int, int]] = set()
+        # selective regions (by key) whose trace changed from their profile's, and how often; from
+        # TRACE_CHANGES on, re-run whole (Note [Call traces] in guard.py)
+        self._trace_changes: dict[tuple[int, int], int] = {}
         self._search: PlanSearch | None = None  # the plans for the last profile
+        # whether the last profile saw a module change state it reads (Note [State built on the
+        # first call] in plan.py)
+        self._state_changed_last = False
         self._planned: PlannedStep | IdleStep | None = None  # the step running under the plan
         self._idle_run = 0  # idle steps since the last counted one
         self._replay_checks = 0  # planned steps since the search began (every REPLAY_CHECK_EVERY-th checks)
@@ -288,7 +300,9 @@ class ActivationOffload:
                 self._planned.install(stack)
             else:
                 if self.policy == "plan":
-                    self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe, self._written_after)
+                    whole = {key for key, n in self._trace_changes.items() if n >= TRACE_CHANGES}
+                    self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe, self._written_after,
+                                            whole)
                     self._profile.start()
                     stack.callback(self._profile.stop)
                     # the operators: what selective regions replay, which calls draw from a
@@ -328,7 +342,9 @@ class ActivationOffload:
             profile.stop()
             profile.drop_kept_leaves()
             st["profile_steps_total"] += 1
-            if profile.packs:
+            once_more = profile.state_changed and not self._state_changed_last
+            self._state_changed_last = profile.state_changed
+            if profile.packs and not once_more:  # (Note [State built on the first call] in plan.py)
                 self._search = PlanSearch(profile, self.budget, self.selective)
                 self._replay_checks = 0
             return
@@ -358,6 +374,8 @@ class ActivationOffload:
             st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
         if run.stale:
             st["replays_stale_total"] += 1
+            for key in run.traces_changed:
+                self._trace_changes[key] = self._trace_changes.get(key, 0) + 1
         self._note_diverged(run.diverged)
         if run.diverged or run.stale:
             self._search = None  # profile the next step again
