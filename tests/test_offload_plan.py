@@ -539,6 +539,17 @@ def test_plan_prefers_cheap_outputs_to_whole_blocks_at_half_the_bytes() -> None:
     assert floor.recompute_seconds > half.recompute_seconds
 
 
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), True, 1.5, -1, "lots"])
+def test_a_bad_budget_is_refused_when_the_session_is_made(budget) -> None:
+    """nan and inf were taken, and failed inside the second step (int(nan))."""
+    with pytest.raises(ValueError, match="budget|bad size"):
+        offload(budget=budget)
+
+
+def test_a_whole_float_budget_is_bytes() -> None:
+    assert offload(budget=2e9, pressure_callback=False).budget == 2_000_000_000
+
+
 def test_bad_policy_is_a_one_line_error() -> None:
     with pytest.raises(ValueError, match=r"^policy must be one of plan, dtr, got 'fast'$"):
         offload(budget=1 << 20, policy="fast")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import numbers
 import threading
 import time
 import warnings
@@ -127,6 +129,11 @@ class ActivationOffload:
             from ..core import parse_size
 
             budget = parse_size(budget)
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)):
+            if not (isinstance(budget, numbers.Real) and not isinstance(budget, bool)
+                    and math.isfinite(budget) and budget == int(budget)):
+                raise ValueError(f"budget must be a whole number of bytes or a size such as '2GiB', got {budget!r}")
+            budget = int(budget)  # (a whole float: 2e9)
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be a non-negative number of bytes, got {budget}")
         if policy not in POLICIES:
