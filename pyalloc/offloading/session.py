@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from ..core import add_stats_source
+from ..sizes import parse_size
 from . import clock, cost, refills
 from .args import TensorMap
 from .check import RecomputeCheck, enabled_by_environment as check_env
@@ -126,9 +127,7 @@ class ActivationOffload:
                  pressure_callback: bool = True, policy: str = "plan", selective: bool = True,
                  check: bool | None = None) -> None:
         if isinstance(budget, str):
-            from ..core import parse_size
-
-            budget = parse_size(budget)
+            budget = parse_size(budget)  # (ValueError naming it)
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)):
             if not (isinstance(budget, numbers.Real) and not isinstance(budget, bool)
                     and math.isfinite(budget) and budget == int(budget)):
