@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._finalizers import finalize
 from ._lib import PyallocError, last_error, lib
 from .core import memory_stats as _pyalloc_memory_stats
 
@@ -29,11 +30,8 @@ class _CupyBlock:
         self.device = device
         self.stream = stream
 
-    def __del__(self) -> None:
-        try:
-            lib().pyalloc_free(self.ptr, self.size, self.device, self.stream)
-        except Exception:  # interpreter shutdown: the library may already be gone
-            pass
+    def __del__(self) -> None:  # (at interpreter shutdown the library may already be gone)
+        finalize(lambda: lib().pyalloc_free(self.ptr, self.size, self.device, self.stream))
 
 
 def _cupy_malloc(size: int) -> Any:

@@ -50,6 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .._finalizers import finalize
 from .sites import SiteTable
 
 # A new peak is broken down in full (owners.breakdown) each time while the program has at most
@@ -84,10 +85,7 @@ class SavedRef:
         self.tracker = tracker
 
     def __del__(self) -> None:
-        try:
-            self.tracker._unsaved(self.key)
-        except Exception:
-            pass
+        finalize(self.tracker._unsaved, self.key)
 
 
 class SavedOwner:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from .._finalizers import finalize
 from . import clock, dropout, refills, rng
 from .hooks import StepHook, in_backward
 from . import check as recompute_check
@@ -107,7 +108,7 @@ class _Counted:
 
     def __del__(self) -> None:
         if self._key is not None:
-            self._bytes.release(self._key)
+            finalize(self._bytes.release, self._key)
 
 
 class KeptSave(_Counted):
@@ -260,10 +261,7 @@ class _Rerun:
             self.step.bytes.release(key)
 
     def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:
-            pass
+        finalize(self.release)
 
     def check_inputs(self) -> None:
         """Raises OffloadError when an input was written in place since the call: a re-run would

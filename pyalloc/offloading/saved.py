@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._finalizers import finalize
+
 if TYPE_CHECKING:
     from .calls import ProducerCall
     from .session import ActivationOffload
@@ -67,7 +69,4 @@ class SavedActivation:
         )
 
     def __del__(self) -> None:  # autograd released it (its node ran): stop counting its bytes
-        try:
-            self.session._forget(self)
-        except Exception:
-            pass
+        finalize(self.session._forget, self)
