@@ -118,8 +118,18 @@ def _print_decisions(decisions: list[reaper.Decision], as_json: bool) -> None:
               f"status {ev['status']} ppid {ev['ppid']}  [{why}]  {(ev['command'] or '')[:60]}")
 
 
+def _check_audit_log(policy: reaper.Policy, audit_log: str | None) -> None:
+    """Refuses an audit log that cannot be written, naming where its path came from."""
+    try:
+        reaper.check_audit_log(policy, audit_log)
+    except OSError as e:
+        where = "--audit-log" if audit_log else "the policy's audit_log" if policy.audit_log else "the default audit log"
+        raise CliError(f"{where} {reaper.audit_log_path(policy, audit_log)}: {os.strerror(e.errno or 0)}") from None
+
+
 def cmd_reap(args: argparse.Namespace) -> int:
     policy = reaper.Policy.load(args.policy)
+    _check_audit_log(policy, args.audit_log)
     collector = _collector(args, subreapers=tuple(policy.subreapers),
                            idle_cpu_percent=policy.idle.cpu_percent)
     snap = collector.collect(cpu_sample_s=policy.cpu_sample_s)
@@ -243,6 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = EventLog()
     host, port = args.listen
     policy = reaper.Policy.load(args.policy) if args.policy else None
+    if policy is not None:
+        _check_audit_log(policy, args.audit_log)
     collector = _collector(args, subreapers=tuple(policy.subreapers) if policy else ("systemd",),
                            **({"idle_cpu_percent": policy.idle.cpu_percent} if policy else {}))
     state = State()
@@ -251,7 +263,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.socket != "none":
         pressure = PressureServer(args.socket or default_socket_path(), args.registry_dir, log=log,
                                   idle_timeout_s=args.idle_timeout, max_per_uid=args.max_per_uid)
-        pressure.start()
+        try:
+            pressure.start()
+        except OSError as e:
+            server.server_close()
+            raise CliError(f"--socket {pressure.path}: {e.strerror or e}") from None
     threading.Thread(target=server.serve_forever, name="gpumemd-http", daemon=True).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

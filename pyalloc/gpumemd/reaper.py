@@ -33,10 +33,12 @@ dies the next instant.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import signal
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -87,6 +89,8 @@ class Policy:
         if path is None:
             return cls()
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO or a device: a read that never ends)
+                raise ValueError("not a regular file")
             with open(path, "rb") as f:
                 return cls.from_dict(tomllib.load(f))
         except OSError as e:
@@ -418,14 +422,15 @@ class AuditLog:
 
     def __init__(self, path: str | Path, sync_at_close: bool = False) -> None:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.sync_at_close = sync_at_close
-        # O_NOFOLLOW: a symlink planted at the configured path (by anyone who can write its folder)
-        # must not make root append to a file of the planter's choice.
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # O_NOFOLLOW: a symlink planted at the configured path (by anyone who can write its
+            # folder) must not make root append to a file of the planter's choice.
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
-            raise OSError(e.errno, f"audit log {path}: {e.strerror} (a symlink is refused)") from None
+            refused = " (a symlink is refused)" if e.errno == errno.ELOOP else ""
+            raise OSError(e.errno, f"audit log {path}: {e.strerror}{refused}") from None
 
     def write(self, d: Decision, **extra: Any) -> None:
         os.write(self.fd, (json.dumps({**asdict(d), **extra}, default=str) + "\n").encode())
@@ -503,9 +508,21 @@ def audit(decisions: list[Decision], path: str | Path) -> None:
         log.close()
 
 
+def audit_log_path(policy: Policy, audit_log: str | Path | None) -> Path:
+    """Where the reaper's decisions go: ``audit_log`` (the command line's), the policy's, or the
+    default."""
+    return Path(audit_log or policy.audit_log or default_audit_log())
+
+
+def check_audit_log(policy: Policy, audit_log: str | Path | None) -> None:
+    """Opens the audit log once, so that a path it cannot be written to is an error before the
+    reaper's first pass rather than a failure in every pass (a daemon up with no metrics)."""
+    AuditLog(audit_log_path(policy, audit_log)).close()
+
+
 def reap_once(snap: Snapshot, policy: Policy, enforce_: bool, audit_log: str | Path | None) -> list[Decision]:
     decisions = decide(snap, policy, dry_run=not enforce_)
-    log = AuditLog(audit_log or policy.audit_log or default_audit_log(), sync_at_close=enforce_)
+    log = AuditLog(audit_log_path(policy, audit_log), sync_at_close=enforce_)
     try:
         if enforce_:
             enforce(decisions, policy.grace_s, log)

@@ -177,6 +177,33 @@ def test_serve_enforce_without_a_policy_is_refused(reg_dir: Path) -> None:
     assert out.stderr.count("\n") == 1 and "serve --enforce: the reaper runs only with --policy" in out.stderr
 
 
+@pytest.mark.parametrize("command", ["serve", "reap"])
+def test_an_audit_log_that_cannot_be_written_is_refused_before_anything_runs(command: str, reg_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """A review saw serve start, log one collect-error a pass, and serve gpumemd_up 0 for its
+    whole life: the reaper's pass failed on the audit log before the snapshot was kept."""
+    policy = tmp_path / "p.toml"
+    policy.write_text("")
+    (tmp_path / "a-file").write_text("")
+    audit = tmp_path / "a-file" / "audit.jsonl"  # its folder is a file
+    extra = ["--listen", "127.0.0.1:0", "--socket", str(tmp_path / "p.sock")] if command == "serve" else []
+    out = gpumemd(command, "--policy", str(policy), "--audit-log", str(audit), *extra, reg=reg_dir)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and f"--audit-log {audit}: " in out.stderr, out.stderr
+
+
+def test_a_policy_that_is_not_a_regular_file_is_refused(reg_dir: Path) -> None:
+    out = gpumemd("reap", "--policy", "/dev/zero", reg=reg_dir)  # (it hung reading /dev/urandom)
+    assert out.returncode == 1 and "policy /dev/zero: not a regular file" in out.stderr, out.stderr
+
+
+def test_a_socket_path_that_cannot_be_made_is_one_line_naming_it(reg_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / "a-file" / "p.sock"
+    out = gpumemd("serve", "--listen", "127.0.0.1:0", "--socket", str(path), reg=reg_dir)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and f"--socket {path}: " in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("args", [["serve", "--interval", "1000000000d"], ["status", "--cpu-sample", "١s"],
                                   ["serve", "--idle-timeout", "1000000000d"]])
 def test_a_duration_past_a_year_or_in_other_digits_is_refused_in_one_line(args: list[str]) -> None:
