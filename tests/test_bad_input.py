@@ -138,13 +138,31 @@ def test_replay_labels_a_run_with_extra_conf_keys(tmp_path: Path) -> None:
     assert json.loads(done.stdout)["conf"] == "move=0"
 
 
-def test_a_minimum_capacity_search_for_more_than_any_device_says_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [9223372036854775807, 32 << 40])
+def test_a_minimum_capacity_search_for_more_than_any_device_says_so(size: int, tmp_path: Path) -> None:
     path = tmp_path / "huge.jsonl"
-    path.write_text('{"version": 1}\n{"op": "alloc", "id": 1, "size": 9223372036854775807}\n')
+    path.write_text(f'{{"version": 1}}\n{{"op": "alloc", "id": 1, "size": {size}}}\n')
     done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(path), "--find-min-capacity"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-    assert "9,223,372,036,854,775,807 bytes live at once, more than any device" in done.stderr, done.stderr
+    assert f"{size:,} bytes live at once, more than the largest device the backends model (1 TiB)" in done.stderr, \
+        done.stderr
+
+
+@pytest.mark.parametrize("header, flags, said", [
+    ('{"version": 1, "device_capacity": 2199023255552}', [],
+     "the header's device_capacity of 2,199,023,255,552 bytes is more than the largest device the backends model"),
+    ('{"version": 1}', ["--capacity", "2TiB"], "--capacity 2TiB: at most 1 TiB"),
+])
+def test_a_capacity_over_the_largest_modelled_device_is_one_line_naming_it(header: str, flags: list[str], said: str,
+                                                                           tmp_path: Path) -> None:
+    """It failed inside the library, naming a capacity in bytes that the user never gave."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(header + '\n{"op": "alloc", "id": 1, "size": 4096}\n')
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "replay", str(path), *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode in (1, 2) and done.stderr.count("\n") == 1 and said in done.stderr, done.stderr
+    assert "pyalloc_configure" not in done.stderr
 
 
 def test_a_closed_pipe_ends_the_command_quietly() -> None:

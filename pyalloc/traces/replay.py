@@ -48,6 +48,8 @@ from .trace import ALLOC, FREE, Trace, TraceError, load_any
 MiB = 1 << 20
 CAPACITY_STEP = 2 * MiB
 DEFAULT_CAPACITY = 80 << 30
+MAX_CAPACITY = 1 << 40
+"""The largest device the sim and host backends model (PYALLOC_CONF ``capacity``'s limit)."""
 MIN_CAPACITY = CAPACITY_STEP  # one granule: the library refuses less (every allocation would fail)
 
 POLICIES = {
@@ -206,6 +208,10 @@ def replay(flat: FlatTrace, policy: str = "pyalloc", backend: str = "sim", capac
         raise PyallocError(f"replay backend must be sim or host, not {backend!r}")
     check_conf(policy, conf)
     cap = capacity or flat.device_capacity or DEFAULT_CAPACITY
+    if cap > MAX_CAPACITY:
+        where = "capacity" if capacity else "the header's device_capacity"
+        raise PyallocError(f"{flat.name}: {where} of {cap:,} bytes is more than the largest device the backends "
+                           "model (1 TiB): give a capacity (--capacity)")
     is_pyalloc = policy in POLICY_CONF
     if is_pyalloc:
         configure_for_replay(backend, cap, ",".join(c for c in (POLICY_CONF[policy], conf) if c))
@@ -253,15 +259,16 @@ def find_min_capacity(flat: FlatTrace, policy: str = "pyalloc", backend: str = "
     confirmed by stepping down while the next smaller step still works.
     """
     step = CAPACITY_STEP
-    if flat.peak_live_bytes > 1 << 50:
-        raise PyallocError(f"{flat.name}: {flat.peak_live_bytes:,} bytes live at once, more than any device "
-                           "(1 PiB): no capacity to search for")
+    if flat.peak_live_bytes > MAX_CAPACITY:
+        raise PyallocError(f"{flat.name}: {flat.peak_live_bytes:,} bytes live at once, more than the largest "
+                           "device the backends model (1 TiB): no capacity to search for")
     lo = max(step, flat.peak_live_bytes // step * step)  # may fail
-    hi = max(lo + step, -(-flat.peak_live_bytes * 2 // step) * step)
+    hi = min(MAX_CAPACITY, max(lo + step, -(-flat.peak_live_bytes * 2 // step) * step))
     while not replays_cleanly(flat, policy, backend, hi, conf):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 50:
-            raise PyallocError(f"{flat.name}: no capacity up to 1 PiB replays without a failed allocation")
+        if hi >= MAX_CAPACITY:
+            raise PyallocError(f"{flat.name}: no capacity up to 1 TiB (the largest device the backends model) "
+                               "replays without a failed allocation")
+        lo, hi = hi, min(hi * 2, MAX_CAPACITY)
     if replays_cleanly(flat, policy, backend, lo, conf):
         return lo
     while hi - lo > step:
@@ -296,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
         if capacity < MIN_CAPACITY:
             raise UsageError(f"--capacity {args.capacity}: at least one 2 MiB granule, for every policy "
                              "(leave it out for the trace's own capacity)")
+        if capacity > MAX_CAPACITY:
+            raise UsageError(f"--capacity {args.capacity}: at most 1 TiB, the largest device the backends model")
     conf = args.conf or ""
     check_conf(args.policy, conf)
     result = replay(flat, args.policy, args.backend, capacity, conf)
