@@ -32,11 +32,14 @@ class UsageError(Exception):
     """A mistake in the command line: reported in one line, exit status 2."""
 
 
-def unwritable(path: Path) -> str | None:
-    """Why nothing could be written at ``path`` (a file, or a folder the command will make), or
-    None: checked before a long run, whose output would otherwise be lost at its end. An existing
-    file is opened for appending (nothing written); otherwise a file is made and removed where
-    the first missing part of the path would go (``os.access`` says yes to root in ``/proc``)."""
+def unwritable(path: Path, makes_folder: bool = False) -> str | None:
+    """Why nothing could be written at ``path`` (a file, or with ``makes_folder`` a folder the
+    command will make), or None: checked before a long run, whose output would otherwise be lost
+    at its end. An existing file is opened for appending (nothing written); otherwise a file is
+    made and removed where the first missing part of the path would go (``os.access`` says yes to
+    root in ``/proc``)."""
+    if not makes_folder and path.is_dir():  # (`stress --json /tmp` ran the whole suite, then failed)
+        return "is a folder, not a file"
     if path.is_file():  # written in place by some (write_text): may this user write it?
         try:
             open(path, "ab").close()  # appends nothing, truncates nothing

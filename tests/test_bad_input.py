@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import pyalloc
+from pyalloc.pytorch.run import STATS_ENV
 from allocator_fixture import fresh_conf
 
 
@@ -348,6 +349,11 @@ def test_an_offload_stats_path_that_cannot_be_written_is_refused_before_the_prog
         assert done.returncode == 2 and "ran" not in done.stdout, (done.stdout, done.stderr)
         assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == []
+    env[STATS_ENV] = "/proc/stats.json"  # the same, named by the environment instead (it ran, then warned)
+    done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "run", "--offload=1MiB", "--", sys.executable, "-c",
+                           "print('ran')"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "ran" not in done.stdout, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "$PYALLOC_OFFLOAD_STATS /proc/stats.json: cannot write" in done.stderr
 
 
 @pytest.mark.parametrize("command", [["replay", "mlp"], ["selftest"],
@@ -373,12 +379,15 @@ def test_a_replay_capacity_below_one_granule_is_refused_for_every_policy(policy:
     assert done.returncode == 2 and "at least one 2 MiB granule" in done.stderr, done.stderr
 
 
-def test_stress_refuses_report_paths_it_cannot_write_before_it_runs() -> None:
-    for flag, path in (("--json", "/proc/x.json"), ("--plot", "/proc/x.png"), ("--out", "/proc/r")):
+def test_stress_refuses_report_paths_it_cannot_write_before_it_runs(tmp_path: Path) -> None:
+    for flag, path, said in (("--json", "/proc/x.json", "cannot write in /proc"),
+                             ("--plot", "/proc/x.png", "cannot write in /proc"),
+                             ("--out", "/proc/r", "cannot write in /proc"),
+                             ("--json", str(tmp_path), "is a folder, not a file")):  # (it ran the suite first)
         done = subprocess.run([sys.executable, "-m", "pyalloc.cli", "stress", "--quick", "--workloads", "mlp",
                                "--policies", "pyalloc", "--no-progress", flag, path], capture_output=True, text=True,
                               timeout=120)
-        assert done.returncode == 1 and done.stdout == "" and "cannot write in /proc" in done.stderr, done.stderr
+        assert done.returncode == 1 and done.stdout == "" and said in done.stderr, done.stderr
 
 
 _METADATA_OOM = """

@@ -426,7 +426,7 @@ def _check_options(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: not a folder")
-    if (problem := unwritable(out)) is not None:  # the folder is made when the report is written
+    if (problem := unwritable(out, makes_folder=True)) is not None:  # the folder is made when the report is written
         raise UsageError(f"--out {out}: {problem}")
     return out
 

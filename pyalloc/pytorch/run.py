@@ -15,6 +15,10 @@ from pathlib import Path
 from .._lib import PyallocError
 from ..command import EXIT_NOT_FOUND, PYALLOC_EINVAL, Subparsers, UsageError, unwritable
 
+STATS_ENV = "PYALLOC_OFFLOAD_STATS"
+"""Where the offloaded program writes its session's stats (offloading/process.py reads it; not
+imported from there, which imports torch)."""
+
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 
 
@@ -119,7 +123,7 @@ def child_environment(
     if offload is not None:
         env["PYALLOC_OFFLOAD"] = offload  # read by the bootstrap: pyalloc/offloading/process.py
     if offload_stats is not None:
-        env["PYALLOC_OFFLOAD_STATS"] = offload_stats
+        env[STATS_ENV] = offload_stats
     return env
 
 
@@ -133,14 +137,17 @@ def _validate_offload(args: argparse.Namespace) -> None:
             raise UsageError(f"--offload: {exc} (write --offload=BUDGET, or put -- before the command)") from None
     if args.offload_stats is not None and args.offload is None:
         raise UsageError("--offload-stats needs --offload")
-    if args.offload_stats is not None:  # found at the program's exit, after the training, otherwise
-        stats = Path(args.offload_stats.replace("{pid}", "0"))
+    given, where = args.offload_stats, "--offload-stats"
+    if given is None and args.offload is not None:  # (the program's environment names it instead)
+        given, where = os.environ.get(STATS_ENV) or None, f"${STATS_ENV}"
+    if given is not None:  # found at the program's exit, after the training, otherwise
+        stats = Path(given.replace("{pid}", "0"))
         if not stats.name or stats.is_dir():
-            raise UsageError(f"--offload-stats {args.offload_stats}: names a folder, not a file")
+            raise UsageError(f"{where} {given}: names a folder, not a file")
         if not stats.parent.is_dir():
-            raise UsageError(f"--offload-stats {args.offload_stats}: {stats.parent} is not a folder")
+            raise UsageError(f"{where} {given}: {stats.parent} is not a folder")
         if (problem := unwritable(stats)) is not None:
-            raise UsageError(f"--offload-stats {args.offload_stats}: {problem}")
+            raise UsageError(f"{where} {given}: {problem}")
 
 
 def _validate_conf(conf: str | None) -> None:
