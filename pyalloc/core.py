@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import operator
 import pickle
 from collections import OrderedDict
 from pathlib import Path
@@ -77,8 +78,10 @@ def _c_args(call: str, **args: int) -> None:
     4096 and device ``2**32`` as 0, silently. Sizes, pointers and streams are words; devices and
     pool ids C ints."""
     for name, value in args.items():
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):  # (ctypes: "wrong type")
+            raise TypeError(f"{call}: {name} must be a whole number, got {value!r}")
         lo, hi = _INT_RANGE if name in ("device", "pool_id") else (0, _WORD_MAX)
-        if isinstance(value, int) and not lo <= value <= hi:  # (others: as ctypes takes them)
+        if not lo <= operator.index(value) <= hi:
             raise PyallocError(f"{call}: {name} {value} is out of range ({lo} to {hi})")
 
 
@@ -87,9 +90,10 @@ def malloc(size: int, device: int = 0, stream: int = 0) -> int:
 
     ``malloc(0)`` returns 0 (NULL), as the C ABI does.
     """
-    if isinstance(size, int) and size < 0:
+    _c_args("pyalloc_malloc", device=device, stream=stream)
+    if isinstance(size, int) and not isinstance(size, bool) and size < 0:
         raise PyallocError(f"pyalloc_malloc: size {size} is negative")
-    _c_args("pyalloc_malloc", size=size, device=device, stream=stream)
+    _c_args("pyalloc_malloc", size=size)
     ptr = lib().pyalloc_malloc(size, device, stream)
     if not ptr:
         if size == 0:

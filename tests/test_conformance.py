@@ -223,6 +223,18 @@ def test_integers_the_c_types_cannot_hold_are_refused_not_wrapped(allocator: All
     assert allocator.stats()["allocated_bytes.all.current"] == 0
 
 
+def test_arguments_that_are_not_whole_numbers_are_a_type_error_naming_them(allocator: Allocator) -> None:
+    # ctypes said "argument 1: TypeError: wrong type"; True was taken as 1 byte
+    for call, match in ((lambda: pyalloc.malloc("abc"), "size must be a whole number, got 'abc'"),  # type: ignore[arg-type]
+                        (lambda: pyalloc.malloc(1.5), "size must be a whole number, got 1.5"),  # type: ignore[arg-type]
+                        (lambda: pyalloc.malloc(True), "size must be a whole number, got True"),
+                        (lambda: pyalloc.malloc(64, device=None), "device must be a whole number"),  # type: ignore[arg-type]
+                        (lambda: pyalloc.free(None, 64), "ptr must be a whole number")):  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=match):
+            call()
+    assert allocator.stats()["allocated_bytes.all.current"] == 0
+
+
 def test_a_user_pool_cannot_take_a_built_in_pools_name(allocator: Allocator) -> None:
     # its figures would have shared the stats' pool.large.* keys with the built-in pool's
     for name in ("small", "large", "plan", "long"):
