@@ -357,7 +357,8 @@ def test_an_offload_stats_path_that_cannot_be_written_is_refused_before_the_prog
 
 
 @pytest.mark.parametrize("command", [["replay", "mlp"], ["selftest"],
-                                     ["stress", "--quick", "--workloads", "mlp", "--policies", "pyalloc", "--no-progress"]])
+                                     ["stress", "--quick", "--workloads", "mlp", "--policies", "pyalloc", "--no-progress"],
+                                     ["doctor", "--pyalloc", "--", sys.executable, "-c", "print('ran')"]])
 def test_replays_refuse_a_bad_pyalloc_conf_as_every_command_does(command: list[str]) -> None:
     from pyalloc.traces.trace import workloads_dir
 

@@ -64,7 +64,7 @@ def _parse_steps(text: str | None) -> int | None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ..pytorch.run import child_environment
+    from ..pytorch.run import child_environment, validate_conf
 
     command: list[str] = list(args.command)
     if command and command[0] == "--":
@@ -74,6 +74,8 @@ def _doctor(args: argparse.Namespace) -> int:
     steps = _parse_steps(args.steps)
     if not available("torch"):  # the doctor runs inside the program's torch: none here, none there
         raise MissingDependency(missing_message("torch", "pyalloc doctor"))
+    if args.pyalloc:  # the program's allocator is pyalloc, configured by $PYALLOC_CONF: as pyalloc run
+        validate_conf(None)
     folder = Path(tempfile.mkdtemp(prefix="pyalloc-doctor-"))
     try:
         env = child_environment(dict(os.environ), None)

@@ -150,7 +150,7 @@ def _validate_offload(args: argparse.Namespace) -> None:
             raise UsageError(f"{where} {given}: {problem}")
 
 
-def _validate_conf(conf: str | None) -> None:
+def validate_conf(conf: str | None) -> None:
     """Rejects a bad $PYALLOC_CONF or --conf here, in one line, before the command
     starts, rather than in every child (where it would only show at the first
     allocation).
@@ -190,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
             "run: missing command (usage: pyalloc run [--conf CONF] [--offload[=BUDGET]] [--] CMD ARGS...)"
         )
     _validate_offload(args)
-    _validate_conf(args.conf)
+    validate_conf(args.conf)
     env = child_environment(dict(os.environ), args.conf, args.offload, args.offload_stats)
     sys.stdout.flush()
     sys.stderr.flush()
