@@ -46,7 +46,8 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("args, message", [
     (["--only", "growth,offlaod"], "--only: unknown check 'offlaod' (known: environment, growth"),
-    (["--budget", "nan"], "--budget must be a number of seconds, at least 10, got nan"),
+    (["--budget", "nan"], "--budget must be a finite number of seconds, at least 10, got nan"),
+    (["--budget", "inf"], "--budget must be a finite number of seconds, at least 10, got inf"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--out", "/proc/gpu-check"], "--out /proc/gpu-check: cannot write in /proc"),
 ])

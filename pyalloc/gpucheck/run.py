@@ -411,7 +411,7 @@ def _check_options(args: argparse.Namespace) -> Path:
     success, a NaN budget, and an unwritable --out found only after every check had run).
     Returns the report folder (made when the report is written)."""
     if not math.isfinite(args.budget) or args.budget < 10:
-        raise UsageError(f"--budget must be a number of seconds, at least 10, got {args.budget}")
+        raise UsageError(f"--budget must be a finite number of seconds, at least 10, got {args.budget}")
     for flag, value in (("--start-batch", args.start_batch), ("--max-batch", args.max_batch), ("--steps", args.steps)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
