@@ -32,12 +32,15 @@ LAYER_OF: dict[str, str] = {
     "pyalloc.gpumemd": "gpumemd",
     "pyalloc.gpucheck": "gpucheck",
     "pyalloc.sizes": "sizes",
+    "pyalloc._finalizers": "finalizers",
     "pyalloc.diagnosis": "diagnosis",
     "pyalloc": "facade",
 }
-# The size syntax (pyalloc.sizes) imports nothing and every layer may use it.
+# The size syntax (pyalloc.sizes) and the finalizers' Ctrl-C keeper (pyalloc._finalizers) import
+# nothing of pyalloc's, and every layer may use them.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "sizes": frozenset(),
+    "finalizers": frozenset(),
     CORE: frozenset({CORE}),
     "command contract": frozenset(),
     "cupy": frozenset({CORE}),
@@ -50,7 +53,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "diagnosis": frozenset({CORE, "command contract", "pytorch", "gpumemd", "diagnosis"}),
     "facade": frozenset({CORE, "cupy", "pytorch", "offloading", "diagnosis"}),
 }
-MAY_IMPORT = {layer: allowed | {"sizes"} if layer != "sizes" else allowed for layer, allowed in MAY_IMPORT.items()}
+UTILITIES = frozenset({"sizes", "finalizers"})
+MAY_IMPORT = {layer: allowed | UTILITIES if layer not in UTILITIES else allowed for layer, allowed in MAY_IMPORT.items()}
 # Third-party packages a layer must never import, anywhere in its code.
 NEVER: dict[str, frozenset[str]] = {
     "gpumemd": frozenset({"torch", "cupy"}),
