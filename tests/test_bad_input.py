@@ -154,9 +154,11 @@ def test_a_minimum_capacity_search_for_more_than_any_device_says_so(size: int, t
     ('{"version": 1, "device_capacity": 2199023255552}', [],
      "the header's device_capacity of 2,199,023,255,552 bytes is more than the largest device the backends model"),
     ('{"version": 1}', ["--capacity", "2TiB"], "--capacity 2TiB: at most 1 TiB"),
+    ('{"version": 1, "device_capacity": 1024}', [],
+     "the header's device_capacity of 1,024 bytes is less than one 2 MiB granule"),
 ])
-def test_a_capacity_over_the_largest_modelled_device_is_one_line_naming_it(header: str, flags: list[str], said: str,
-                                                                           tmp_path: Path) -> None:
+def test_a_capacity_outside_what_the_backends_model_is_one_line_naming_it(
+        header: str, flags: list[str], said: str, tmp_path: Path) -> None:
     """It failed inside the library, naming a capacity in bytes that the user never gave."""
     path = tmp_path / "t.jsonl"
     path.write_text(header + '\n{"op": "alloc", "id": 1, "size": 4096}\n')

@@ -101,6 +101,8 @@ def test_a_tiny_decoder_keeps_params_and_optimizer_state_from_the_first_step_on(
     for size, n in params.items():
         assert kept[size] >= 3 * n, (size, kept[size], n)
     assert kept[32 * MiB] == 1
+    # AdamW's step counters live on the CPU: no device allocation (one per parameter was, 4 bytes)
+    assert sum(params.values()) * 3 + 1 == sum(kept.values()), kept
     assert "cuBLAS workspace" in rec.source and "meta device" in rec.source
 
 

@@ -218,6 +218,13 @@ def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
                          if traces else "the snapshot has no device trace")
     if not isinstance(traces[device], list):
         raise TraceError(name, 0, f"not a PyTorch memory snapshot: device {device}'s trace is not a list")
+    if not any(isinstance(e, dict) and e.get("action") == "alloc" for e in traces[device]):
+        others = [i for i, t in enumerate(traces) if i != device and isinstance(t, list)
+                  and any(isinstance(e, dict) and e.get("action") == "alloc" for e in t)]
+        if others:  # (an empty replay of device 0 reported zeros, a review)
+            raise TraceError(name, 0, f"device {device}'s trace has no allocation; device"
+                             f"{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                             f"{'have' if len(others) > 1 else 'has'}: choose one (--snapshot-device)")
     trace = Trace(source=f"PyTorch snapshot {name}, device {device}", header={"version": 1})
     live: dict[int, int] = {}
     next_id = 0
