@@ -202,7 +202,9 @@ def test_pyallocs_own_trace_ring_converts_with_a_mark_after_each_step(allocator:
         allocator.free_all()
         allocator.configure("trace=0")
     assert trace.ops == [ALLOC] + [ALLOC, ALLOC, FREE, FREE, MARK] * 3
-    assert trace.sizes[:3] == [4096, 1024, 3 * MiB]  # a snapshot holds block sizes (1000 rounds up)
+    # the sizes requested, as PyTorch's trace holds them (the block sizes until 2026-11-29: 1000
+    # was 1024, a request served from a cached block larger still, where the format says requested)
+    assert trace.sizes[:3] == [4096, 1000, 3 * MiB]
     assert trace.times == sorted(trace.times)
 
 

@@ -254,7 +254,7 @@ PYALLOC_INLINE void* DeviceAllocator::take(Pool& pool, Block* block, size_t size
   live_.make_room();
   void* p = hand_out(pool, block, rest, size, rounded);
   if (PYALLOC_UNLIKELY(stats_.any_pending())) stats_.note_active_peaks();
-  trace_.record(TraceAction::kAlloc, block->addr, block->size, block->stream);
+  trace_.record(TraceAction::kAlloc, block->addr, block->requested, block->stream);
   return p;
 }
 
@@ -269,7 +269,7 @@ PYALLOC_INLINE FreeResult DeviceAllocator::free(uintptr_t addr, size_t size, Str
   if (PYALLOC_UNLIKELY(divert_ & kDivertPlanner)) watch_free(block);
   count_freed(block);
   live_.erase(entry);
-  trace_.record(TraceAction::kFreeRequested, addr, block->size, block->stream);
+  trace_.record(TraceAction::kFreeRequested, addr, block->requested, block->stream);
 
   if (PYALLOC_UNLIKELY(divert_ & kDivertCapture) && (!block->uses.empty() || block->segment->arena)) {
     defer_free(block);  // Note [Capture]
@@ -286,7 +286,7 @@ PYALLOC_INLINE FreeResult DeviceAllocator::free(uintptr_t addr, size_t size, Str
 
 // The block becomes free: coalesce with free neighbours and cache it.
 PYALLOC_INLINE void DeviceAllocator::finish_free(Block* block) {
-  trace_.record(TraceAction::kFreeCompleted, block->addr, block->size, block->stream);
+  trace_.record(TraceAction::kFreeCompleted, block->addr, block->requested, block->stream);
   make_spare_room(2);
   give_back(block);
 }
