@@ -1271,13 +1271,9 @@ def test_a_replay_whose_arguments_changed_is_caught_by_the_check(baselines, monk
     assert st["replays_stale_total"] == 1 and session._search is None
 
 
-@pytest.mark.parametrize("change", ["eps", "scale"])
-def test_a_changed_constant_is_caught_by_the_trace_between_checks(change, baselines, monkeypatch) -> None:
-    """With no checked re-run due (Note [Call traces]): a constant changed between steps while every
-    shape stays, a module attribute (layer norm's eps) or a Python float the module's code reads
-    from elsewhere and passes to torch (a scale), shows in the region's trace of top-level torch
-    calls; the region refills through the module's code (exact) and the next step is profiled
-    again."""
+def _scaled_blocks(monkeypatch) -> list[float]:
+    """Every _Block scales its input by ``scale[0]`` (a Python float read from elsewhere), and no
+    checked re-run comes due; returns ``scale``."""
     from pyalloc.offloading import session as session_module
 
     scale = [1.0]
@@ -1288,6 +1284,17 @@ def test_a_changed_constant_is_caught_by_the_trace_between_checks(change, baseli
 
     monkeypatch.setattr(_Block, "forward", scaled_forward)
     monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1000)
+    return scale
+
+
+@pytest.mark.parametrize("change", ["eps", "scale"])
+def test_a_changed_constant_is_caught_by_the_trace_between_checks(change, baselines, monkeypatch) -> None:
+    """With no checked re-run due (Note [Call traces]): a constant changed between steps while every
+    shape stays, a module attribute (layer norm's eps) or a Python float the module's code reads
+    from elsewhere and passes to torch (a scale), shows in the region's trace of top-level torch
+    calls; the region refills through the module's code (exact) and the next step is profiled
+    again."""
+    scale = _scaled_blocks(monkeypatch)
     session, model, x = _selective_session("gpt", 0.5, baselines, _layer_norm_cheapest)
     plan = session._search.plan  # type: ignore[union-attr]
     assert plan.recipes and set(plan.traces) == set(plan.recipes)
@@ -1321,14 +1328,7 @@ def test_a_constant_changed_every_step_has_its_region_re_run_whole(baselines, mo
     offers those calls no selective variant: they are re-run whole, through their own code."""
     from pyalloc.offloading import session as session_module
 
-    scale = [1.0]
-    block_forward = _Block.forward
-
-    def scaled_forward(self: _Block, x: torch.Tensor) -> torch.Tensor:
-        return block_forward(self, x * scale[0])
-
-    monkeypatch.setattr(_Block, "forward", scaled_forward)
-    monkeypatch.setattr(session_module, "REPLAY_CHECK_EVERY", 1000)
+    scale = _scaled_blocks(monkeypatch)
     monkeypatch.setattr(session_module, "TRACE_CHANGES", 1)
     session, model, x = _selective_session("gpt", 0.5, baselines, _layer_norm_cheapest)
     blocks = {k for k, call in session._search.plan.regions.items()  # type: ignore[union-attr]
@@ -1346,6 +1346,55 @@ def test_a_constant_changed_every_step_has_its_region_re_run_whole(baselines, mo
     assert blocks <= {c.key for c in profile.calls if c.varies}
     _layer_norm_cheapest(profile)
     assert not blocks & set(make_plan(profile, session.budget, selective=True).recipes)
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_an_operator_that_fills_what_it_saved_runs_before_its_re_run_stops(selective: bool) -> None:
+    """RReLU saves its noise, an empty tensor, before its operator fills it: a re-run stopped as
+    the last dropped save came in handed back the empty noise (gradients of 1e30 and NaN, no
+    error; a review). The operator that saved it runs; the stop comes after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.RReLU(), nn.Linear(256, 64)) for _ in range(3)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32, 64)
+    session = offload(budget=_saved_bytes_peak(copy.deepcopy(model), x) // 2, selective=selective,
+                      pressure_callback=False)
+    for seed in range(4):
+        expected = _step(reference, x, seed)
+        with session:
+            _assert_bitwise_equal(expected, _step(model, x, seed))
+    assert session.stats()["recomputed_tensors_total"] > 0
+
+
+def test_quantization_aware_training_keeps_its_observers_out_of_re_runs() -> None:
+    """The fused observer and fake-quantizer of QAT writes its running min and max, scale and
+    zero point in place without bumping a version: its calls were re-run (and its operator
+    replayed by DTR in the profiled steps), which moved them again: gradients 1e-7 apart, and a
+    selective re-run crashed the process (a review). Exact, every step."""
+    import torch.ao.quantization as quantization
+
+    class Quantized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.dq = quantization.QuantStub(), quantization.DeQuantStub()
+            self.body = nn.Sequential(*[nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+                                        for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dq(self.body(self.q(x)))
+
+    torch.manual_seed(0)
+    model = Quantized()
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's own: reduce_range deprecated)
+        model = quantization.prepare_qat(model.train())
+    reference = copy.deepcopy(model)
+    xs = [torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    _train_exactly(reference, model, xs, offload(budget=_saved_bytes_peak(copy.deepcopy(model), xs[0]) // 2,
+                                                 pressure_callback=False))
+    for a, b in zip(reference.buffers(), model.buffers()):
+        assert torch.equal(a, b)  # the observers moved as often as the plain run's
 
 
 class _Interrupted(BaseException):

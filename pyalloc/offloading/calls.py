@@ -62,6 +62,23 @@ def _has_hidden_effects(name: str) -> bool:
         or name in _IN_PLACE_OPERATORS
 
 
+def _writes_an_argument(name: str) -> bool:
+    """Whether the aten operator of that name writes an argument other than an ``out=`` one:
+    ``fused_moving_avg_obs_fake_quant`` (quantization-aware training) writes the observer's
+    running min and max, scale and zero point, and bumps no version counter; a replay moved
+    them again (a review, 2026-11-29)."""
+    packet = getattr(torch.ops.aten, name, None) if name and not name.startswith("__") else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    for overload in packet.overloads():
+        if "out" in overload:
+            continue
+        schema = getattr(packet, overload)._schema
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return True
+    return False
+
+
 _IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv",
                                                         "mod", "pow", "and", "or", "xor", "lshift", "rshift"))
 
@@ -86,7 +103,7 @@ def _call_kind(func: Any) -> int:
         descriptor = getattr(func, "__self__", None)
         prop = getattr(descriptor, "__name__", None) or getattr(getattr(descriptor, "fget", None), "__name__", "")
         kind = _RECORD if name == "__get__" and prop in _VIEW_PROPERTIES else _PASS
-    elif _has_hidden_effects(name):
+    elif _has_hidden_effects(name) or _writes_an_argument(name):
         kind = _NO_REPLAY
     else:
         kind = _RECORD

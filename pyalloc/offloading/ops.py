@@ -126,6 +126,19 @@ class OpInfo:
         return any(o is None for o in self.outputs)
 
 
+def _written_leaves(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The tensors ``func`` writes, among its arguments."""
+    positions = _mutated_positions(func, args, kwargs)
+    if not positions:
+        return []
+    leaves, _ = tree_flatten((args, kwargs))
+    return [leaves[i] for i in positions]
+
+
+def _same_storage(a: Any, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
     """Positions, among the flattened ``(args, kwargs)`` leaves, of the tensors ``func`` writes."""
     schema = func._schema
@@ -575,15 +588,27 @@ class SelectiveRerun(TorchDispatchMode):
         self.verify = verify  # compare the computed operators' arguments with the replay's
         self.stale = False  # they differed: the replay would not compute what the module does
         self.index = 0
-        self.done = False  # set by the capture hook once every dropped save is in
+        self.done = False  # every dropped save is in: the next operator stops the re-run
+        self.last: torch.Tensor | None = None  # the last dropped save, while its operator may fill it
         self.paused = False  # while the capture hook runs its own operators
+
+    def saved_all(self, last: torch.Tensor) -> None:
+        """Every dropped save is in, ``last`` the last: the next operator stops the re-run, but
+        for one that writes ``last``. Autograd saves an operator's inputs before it runs the
+        operator, and one may write them: RReLU's noise is an empty tensor its operator fills;
+        stopped there, the refill handed back the empty one (gradients of 1e30 and NaN, a review,
+        2026-11-29). That one runs, and the one after it stops."""
+        self.done, self.last = True, last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
         if self.done:
-            raise StopRerun()
+            last, self.last = self.last, None
+            if last is None or not any(leaf is not None and _same_storage(leaf, last) for leaf in
+                                       _written_leaves(func, args, kwargs)):
+                raise StopRerun()
         r = self.recipe
         j = self.index
         if j >= len(r.funcs) or r.funcs[j] is not func:

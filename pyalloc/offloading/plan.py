@@ -72,10 +72,12 @@ Note [State a re-run reads]
     out wrong with no error (a review's three models, 2026-11-28: up to 6e-3 apart). The profiled
     step compares each call's module before and after it (:func:`module_state`: buffers'
     versions, plain attributes, private generators' states; a training batch norm's statistics
-    excepted, which its forward does not read and a re-run puts back) and notes an operator given
-    a generator of its own (the operator recorder); such a call, and every call around it, is
-    never re-run (``CallInfo.mutates_state``), and DTR does not recompute a call given a
-    generator. What is not seen: state kept outside the module (a global, another object's
+    excepted, which its forward does not read and a re-run puts back), looks for an operator
+    inside the call whose schema writes one of its tree's buffers (a version does not always
+    move: quantization-aware training's fused observer writes its min and max with none), and
+    notes an operator given a generator of its own (the operator recorder); such a call, and
+    every call around it, is never re-run (``CallInfo.mutates_state``), and DTR does not
+    recompute a call given a generator, nor an operator that writes an argument. What is not seen: state kept outside the module (a global, another object's
     attribute) or in a container attribute; ``check=True`` compares re-runs with what they
     replace (Note [Recompute check] in check.py). A buffer that starts to change after the
     profiled step is put back for the re-run (Note [Buffers a re-run reads] in regions.py).
@@ -590,12 +592,32 @@ class Profile:
                 else:
                     self.written_buffers.add((id(owner), name))
 
-    def _note_read_buffers(self, call: CallInfo, module: torch.nn.Module) -> None:
-        """Notes the buffers ``module``'s tree reads and their versions as its call returns."""
+    def _owners(self, module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+        """Every (module, buffer name) of ``module``'s tree."""
         owners = self._tree_buffers.get(id(module))
         if owners is None:
             owners = self._tree_buffers[id(module)] = [(m, name) for m in module.modules() for name in m._buffers]
-        entries = [(owner, name, b, b._version) for owner, name in owners
+        return owners
+
+    def _wrote_buffers(self, call: CallInfo, module: torch.nn.Module) -> bool:
+        """Whether an operator inside the call wrote a buffer of its module tree: what the
+        buffers' versions do not always say. ``torch.fused_moving_avg_obs_fake_quant`` (the
+        observer and fake-quantizer of quantization-aware training) writes its running min, max,
+        scale and zero point in place and bumps no version: its re-runs moved them again, and
+        the gradients came out wrong, or a selective re-run crashed in it (a review, 2026-11-29).
+        Note [State a re-run reads]."""
+        written = {k for op in self.ops[call.first_op:] for k in op.writes}
+        if not written:
+            return False
+        # (running statistics by name, whatever the class: a batch norm written through
+        # ``_native_batch_norm_legit``, whose schema says it writes them, does not read them)
+        return any(self._key(b) in written for owner, name in self._owners(module)
+                   if (b := owner._buffers.get(name)) is not None
+                   and not (owner.training and name in _BATCH_NORM_STATISTICS))
+
+    def _note_read_buffers(self, call: CallInfo, module: torch.nn.Module) -> None:
+        """Notes the buffers ``module``'s tree reads and their versions as its call returns."""
+        entries = [(owner, name, b, b._version) for owner, name in self._owners(module)
                    if (b := owner._buffers.get(name)) is not None and not training_statistics(owner, name)]
         if entries:
             self._read_buffers.append((call, entries))
@@ -711,7 +733,8 @@ class Profile:
             call.kwarg_keys = [self._key(t) for t in keywords]
         call.end = self._clock()
         module = call.module()
-        changed = module is not None and not same_state(state, module_state(module))
+        changed = module is not None and (not same_state(state, module_state(module))
+                                          or self._wrote_buffers(call, module))
         self.state_changed |= changed
         if call.mutates_state or changed:
             for open_call in [call, *(c for c, *_ in self._open)]:  # a re-run of any call around it runs it again

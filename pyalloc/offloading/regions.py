@@ -333,6 +333,21 @@ class _Rerun:
         return out
 
 
+@contextlib.contextmanager
+def _at_module_boundaries(hook: Callable[..., None]) -> Iterator[None]:
+    """Within: ``hook`` runs as every module call begins and ends (global module hooks, the
+    session's: Note [Session hooks] in hooks.py)."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    handles = [register_module_forward_pre_hook(StepHook(hook, True)),
+               register_module_forward_hook(StepHook(hook, False))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class _Kept:
     """A module tree's buffers before a re-run, to put back after it (Note [Buffers a re-run
     reads]): a copy of each that a re-run may write (a training batch norm's statistics) or that
@@ -403,23 +418,32 @@ class Region(_Rerun):
                 mode = SelectiveRerun(self.recipe, sources, verify)
         last_wanted = max(self.wanted, default=-1)
         stops = [0]  # stops raised: one the module swallowed leaves the re-run returning normally
+        saved_all = [False]  # every dropped save is in: the rest of the forward is not needed
+        thread = threading.get_ident()
 
         def capture(t: torch.Tensor) -> None:
             if mode is None:
                 captured.append(t.detach())
                 if len(captured) > last_wanted:
-                    stops[0] += 1
-                    raise StopRerun()  # every dropped save is in: the rest of the forward is not needed
+                    saved_all[0] = True  # stopped at the next module boundary (SelectiveRerun.saved_all)
                 return
             mode.paused = True  # detach is an operator: not the module's
             captured.append(t.detach())
             mode.paused = False
             if len(captured) > last_wanted:
-                mode.done = True  # every dropped save is in: stop at the next operator
+                mode.saved_all(captured[-1])
+
+        def boundary(*_: Any) -> None:
+            """A module call begins or ends inside a whole re-run: the operator that made the last
+            dropped save has run (an operator calls no module)."""
+            if saved_all[0] and threading.get_ident() == thread:
+                stops[0] += 1
+                raise StopRerun()
 
         whole = self.step.region_seconds
         try:
-            self.run(self.args, self.kwargs, capture, mode, None if mode is not None else whole)
+            with _at_module_boundaries(boundary) if mode is None else contextlib.nullcontext():
+                self.run(self.args, self.kwargs, capture, mode, None if mode is not None else whole)
             if stops[0] > 0:  # caught inside the forward (a bare except): what ran after may differ
                 self.step.stale = True
         except StopRerun:
@@ -430,7 +454,8 @@ class Region(_Rerun):
             mode = None
             self.step.session._stats["selective_fallbacks_total"] += 1
             try:
-                self.run(self.args, self.kwargs, capture, None, whole)
+                with _at_module_boundaries(boundary):
+                    self.run(self.args, self.kwargs, capture, None, whole)
             except StopRerun:
                 pass
         if mode is not None and mode.stale:
