@@ -34,6 +34,7 @@ from . import clock
 from . import rng
 from .args import TensorMap, flatten, unflatten
 from .guard import entry
+from .ops import written_arguments
 
 if TYPE_CHECKING:
     from .saved import SavedActivation
@@ -73,8 +74,7 @@ def _writes_an_argument(name: str) -> bool:
     for overload in packet.overloads():
         if "out" in overload:
             continue
-        schema = getattr(packet, overload)._schema
-        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        if written_arguments(getattr(packet, overload)._schema):
             return True
     return False
 

@@ -139,10 +139,15 @@ def _same_storage(a: Any, b: torch.Tensor) -> bool:
     return isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def written_arguments(schema: Any) -> list[Any]:
+    """The arguments an operator's schema says it writes (``Tensor(a!)``)."""
+    return [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
 def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
     """Positions, among the flattened ``(args, kwargs)`` leaves, of the tensors ``func`` writes."""
     schema = func._schema
-    written = [a for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    written = written_arguments(schema)
     if not written:
         return []
     leaves, _ = tree_flatten((args, kwargs))

@@ -415,6 +415,11 @@ def same_state(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
         all(k == k2 and torch.equal(s, s2) for (k, s), (k2, s2) in zip(generators, after[2]))
 
 
+def tree_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """Every (module, buffer name) of ``module``'s tree."""
+    return [(m, name) for m in module.modules() for name in m._buffers]
+
+
 def training_statistics(owner: torch.nn.Module, name: str) -> bool:
     """Whether buffer ``name`` of ``owner`` is a training batch norm's running statistics, which
     its forward writes and does not read (and a re-run puts back: batchnorm.py)."""
@@ -593,10 +598,9 @@ class Profile:
                     self.written_buffers.add((id(owner), name))
 
     def _owners(self, module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-        """Every (module, buffer name) of ``module``'s tree."""
         owners = self._tree_buffers.get(id(module))
         if owners is None:
-            owners = self._tree_buffers[id(module)] = [(m, name) for m in module.modules() for name in m._buffers]
+            owners = self._tree_buffers[id(module)] = tree_buffers(module)
         return owners
 
     def _wrote_buffers(self, call: CallInfo, module: torch.nn.Module) -> bool:

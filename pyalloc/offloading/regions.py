@@ -27,7 +27,7 @@ from . import guard
 from .guard import same_trace
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, put_back, run_replay, view_of
 from .plan import (KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, signature, storage_key, tensor_leaves,
-                   training_statistics)
+                   training_statistics, tree_buffers)
 from .saved import ABANDONED_MESSAGE
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ class _Rerun:
         step = self.step
         self.note_inputs(tensor_leaves((args, kwargs)))
         t0 = step.now()
-        kept = _Kept(self.module)
+        kept = _Kept(step.buffer_owners(self.module))
         step.recomputing += 1
         try:
             # The step's own hook must not see the re-run's saves (they are not the step's), and the
@@ -357,17 +357,18 @@ class _Kept:
 
     __slots__ = ("copies", "versions")
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, owners: list[tuple[torch.nn.Module, str]]) -> None:
+        """``owners``: every (module, buffer name) of the tree (PlannedStep.buffer_owners)."""
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.versions: list[tuple[str, torch.Tensor, int]] = []
-        for owner in module.modules():
-            for name, b in owner._buffers.items():
-                if b is None:
-                    continue
-                if training_statistics(owner, name) or b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES:
-                    self.copies.append((b, b.clone()))
-                else:
-                    self.versions.append((f"{type(owner).__name__}.{name}", b, b._version))
+        for owner, name in owners:
+            b = owner._buffers.get(name)
+            if b is None:
+                continue
+            if training_statistics(owner, name) or b.untyped_storage().nbytes() <= SNAPSHOT_MAX_BYTES:
+                self.copies.append((b, b.clone()))
+            else:
+                self.versions.append((f"{type(owner).__name__}.{name}", b, b._version))
 
     def put_back(self) -> None:
         for b, saved in self.copies:
@@ -857,7 +858,7 @@ class PlannedStep:
         re-run reads])."""
         owners = self.plan.buffer_owners.get(id(module))
         if owners is None:
-            owners = self.plan.buffer_owners[id(module)] = [(m, name) for m in module.modules() for name in m._buffers]
+            owners = self.plan.buffer_owners[id(module)] = tree_buffers(module)
         return owners
 
     def compare(self, original: Original, got: torch.Tensor, kind: str, rerun: "_Rerun | None", seq: int,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import numbers
 import threading
 import time
@@ -128,11 +127,10 @@ class ActivationOffload:
                  check: bool | None = None) -> None:
         if isinstance(budget, str):
             budget = parse_size(budget)  # (ValueError naming it)
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)):
-            if not (isinstance(budget, numbers.Real) and not isinstance(budget, bool)
-                    and math.isfinite(budget) and budget == int(budget)):
-                raise ValueError(f"budget must be a whole number of bytes or a size such as '2GiB', got {budget!r}")
+        if isinstance(budget, float) and budget.is_integer():
             budget = int(budget)  # (a whole float: 2e9)
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)):
+            raise ValueError(f"budget must be a whole number of bytes or a size such as '2GiB', got {budget!r}")
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be a non-negative number of bytes, got {budget}")
         if policy not in POLICIES:
