@@ -156,12 +156,36 @@ Note [Idle steps]
     diverges would have it; a counted step over the budget + 5% does the same, above the floor.
     The step that changed shape runs unplanned, as a diverging planned step keeps every save from
     where it differs.
+
+Note [Moves that cannot help]
+    The greedy tries tens of candidates a round and takes one, and a deep model has hundreds of
+    candidates and rounds: trying each by taking its move, estimating and taking it back made a
+    plan's time grow with the cube of the depth (a 24-layer GPT-like model: 27 s a plan, 50%
+    of its saved bytes). What a try costs now, with the plan it picks unchanged:
+
+    - a chosen candidate that rules a candidate out (:meth:`_Planner._move`) rules it out while
+      it stays chosen, since that depends on the two alone: the next tries of the candidate end
+      at one lookup. Which chosen candidates a move meets is read from indexes by call and by
+      storage, not from a walk of every chosen candidate;
+    - a move's effect is computed without making it (:meth:`_Planner._change`): the held bytes
+      of the storages it touches, as running sums by the order of their saves, and kept for the
+      next try of the same move while none of those storages changes;
+    - in a round that must lower the estimate, a move is dropped as soon as one term of its
+      estimate reaches the current one: the end of forward, a chosen re-run at the peak that
+      the move keeps with nothing before it made smaller, or a re-run the move adds (most
+      candidates are of these: they free bytes saved after the re-run that holds the peak).
+      The rest are estimated whole.
+
+    Taking a move and taking it back left what it replaced at the end of the chosen list, where
+    later sorts meet ties; a try still moves them there, so that the plans are the ones the
+    slower greedy made (tests/test_offload_plan_tries.py checks each try against the move taken).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import sys
 import threading
 import weakref
@@ -960,6 +984,19 @@ class _Planner:
         self.pinned: dict[ProfileKey, int] = {}
         self.packing: dict[ProfileKey, int] = {}  # chosen PACK candidates per storage (0 or 1)
         self.chosen: list[_Candidate] = []
+        # indexes of ``chosen`` (_join, _part): each one's place (increasing along the list), the
+        # re-runs (not packs) chosen at each call, those calls in order, and by storage the
+        # chosen candidates that drop, pin or pack it
+        self._place: dict[int, int] = {}
+        self._places = 0
+        self._at_call: dict[int, list[_Candidate]] = {}
+        self._calls_at: list[int] = []
+        self._by_key: dict[ProfileKey, list[_Candidate]] = {}
+        self._blocked: dict[int, _Candidate] = {}  # candidate -> the chosen one that last ruled it out
+        # Note [Moves that cannot help]: each storage's last change of counts, by moves taken
+        self._taken = 0
+        self._stamp: dict[ProfileKey, int] = {}
+        self._changes: dict[int, tuple[Any, ...]] = {}  # candidate -> its move's change, as of ``_taken`` (_cuts)
         self.nbytes: dict[ProfileKey, int]  # whole
         self.packed_nbytes: dict[ProfileKey, int]  # noise that can be held as masks: the masks' bytes
         self.saves: dict[ProfileKey, list[int]]
@@ -1164,17 +1201,50 @@ class _Planner:
     # -- state -----------------------------------------------------------------------------
 
     def _value(self, key: ProfileKey) -> int:
-        """What the saves of a storage (one of ``nbytes``) hold now: nothing when a chosen
-        candidate drops it and none pins it, its masks' bytes when a chosen PACK holds it so,
-        else its bytes; a pinned storage is held whole by the re-run that needs it, packed or not
-        (its masks then come on top). (The greedy calls this hundreds of thousands of times: one
-        function.)"""
-        pinned = self.pinned.get(key, 0) > 0
-        if self.dropped.get(key, 0) > 0 and not pinned:
+        """What the saves of a storage (one of ``nbytes``) hold now (:meth:`_held`). (The greedy
+        calls this hundreds of thousands of times.)"""
+        return self._held(key, self.dropped.get(key, 0), self.pinned.get(key, 0), self.packing.get(key, 0))
+
+    def _held(self, key: ProfileKey, dropped: int, pinned: int, packing: int) -> int:
+        """What the saves of a storage hold with these counts of chosen candidates that drop,
+        pin and pack it: nothing when one drops it and none pins it, its masks' bytes when one
+        packs it, else its bytes; a pinned storage is held whole by the re-run that needs it,
+        packed or not (its masks then come on top)."""
+        if dropped > 0 and pinned <= 0:
             return 0
-        if self.packing.get(key, 0) > 0:
-            return self.packed_nbytes[key] + (self.nbytes[key] if pinned else 0)
+        if packing > 0:
+            return self.packed_nbytes[key] + (self.nbytes[key] if pinned > 0 else 0)
         return self.nbytes[key]
+
+    def _change(self, move: "Move") -> tuple[dict[ProfileKey, int], int, list[ProfileKey]]:
+        """What a move (``replaced`` out, ``added`` in) changes, without making it: the held
+        bytes of each storage whose held bytes change, the bytes of pins no save holds, and the
+        storages it touches."""
+        counts: dict[ProfileKey, list[int]] = {}  # storage -> changes of [dropped, pinned, packing]
+        outside: dict[ProfileKey, list[int]] = {}  # a pin no save holds -> [change, bytes]
+        for sign, group in ((-1, move[0]), (1, move[1])):
+            for c in group:
+                if c.packs is not None:
+                    counts.setdefault(c.packs, [0, 0, 0])[2] += sign
+                    continue
+                for k in c.drops:
+                    counts.setdefault(k, [0, 0, 0])[0] += sign
+                for k, n in c.pins.items():
+                    if k in self.nbytes:
+                        counts.setdefault(k, [0, 0, 0])[1] += sign
+                    else:
+                        outside.setdefault(k, [0, n])[0] += sign
+        change = {}
+        for k, (dropped, pinned, packing) in counts.items():
+            delta = self._held(k, self.dropped.get(k, 0) + dropped, self.pinned.get(k, 0) + pinned,
+                               self.packing.get(k, 0) + packing) - self._value(k)
+            if delta:
+                change[k] = delta
+        extra = 0
+        for k, (delta, n) in outside.items():
+            was = self.pinned.get(k, 0)
+            extra += ((was + delta > 0) - (was > 0)) * n
+        return change, extra, [*counts, *outside]
 
     def _apply(self, c: _Candidate, sign: int) -> None:
         if c.packs is not None:
@@ -1188,11 +1258,13 @@ class _Planner:
             else:  # a storage no save holds (a re-run's input): in the total only
                 before = self.pinned.get(k, 0) > 0
                 self.pinned[k] = self.pinned.get(k, 0) + sign
+                self._stamp[k] = self._taken
                 self.total += ((self.pinned[k] > 0) - before) * n
 
     def _count(self, key: ProfileKey, counts: dict[ProfileKey, int], sign: int) -> None:
         before = self._value(key)
         counts[key] = counts.get(key, 0) + sign
+        self._stamp[key] = self._taken
         delta = self._value(key) - before
         if delta:
             self.total += delta
@@ -1210,67 +1282,186 @@ class _Planner:
         held = self._held_bytes
         extra = self.total - held.prefix(len(self.order))  # pins of storages no save holds
         for c in self.chosen:
-            if c.kind == PACK:
-                continue
-            before = held.prefix(bisect.bisect_left(self.first, c.call.end_pack if c.recipe is not None
-                                                    else c.call.first_pack))
-            peak = max(peak, before + extra + c.transient)
+            if c.kind != PACK:
+                peak = max(peak, held.prefix(self._before(c)) + extra + c.transient)
         return peak
 
-    def seconds(self) -> float:
-        """Re-run time per step: a call re-run for several chosen candidates counts once (a
-        regenerated output is cached while dropped saves still need it); a selective region
-        costs its recipe's time; an output regenerated by a refill, the refill's."""
-        whole = [c for c in self.chosen if c.kind == REGION and c.recipe is None]
-        outputs = {i for c in self.chosen if c.kind == OUTPUT for i in c.chain} - {c.call.index for c in whole}
-        return sum(c.seconds for c in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
-            + sum(c.seconds for c in self.chosen if c.recipe is not None or c.kind in (PRODUCT, PACK))
+    def _before(self, c: _Candidate) -> int:
+        """How many storages (in ``order``) are saved before ``c``'s re-run: all of its call's
+        saves for a selective region (its re-run reads its kept ones), none of them else."""
+        return bisect.bisect_left(self.first, c.call.end_pack if c.recipe is not None else c.call.first_pack)
 
-    def _try(self, c: _Candidate) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
+    def _peaks(self) -> "Peaks":
+        """The estimate, and the chosen re-runs whose peak is that estimate, each with its
+        ``_before``: what :meth:`_try` needs to see that a move cannot lower the estimate."""
+        held = self._held_bytes
+        extra = self.total - held.prefix(len(self.order))
+        terms = [(held.prefix(b) + extra + c.transient, b, c)
+                 for c in self.chosen if c.kind != PACK for b in (self._before(c),)]
+        peak = max([self.total] + [t for t, _, _ in terms])
+        return peak, [(b, c) for t, b, c in terms if t == peak]
+
+    def seconds(self, chosen: list[_Candidate] | None = None) -> float:
+        """Re-run time per step (of ``chosen``, else of the chosen candidates): a call re-run
+        for several chosen candidates counts once (a regenerated output is cached while dropped
+        saves still need it); a selective region costs its recipe's time; an output regenerated
+        by a refill, the refill's."""
+        chosen = self.chosen if chosen is None else chosen
+        whole = [c for c in chosen if c.kind == REGION and c.recipe is None]
+        outputs = {i for c in chosen if c.kind == OUTPUT for i in c.chain} - {c.call.index for c in whole}
+        return sum(c.seconds for c in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
+            + sum(c.seconds for c in chosen if c.recipe is not None or c.kind in (PRODUCT, PACK))
+
+    def _try(self, c: _Candidate, peaks: "Peaks | None" = None) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
         """The estimate and recompute time with ``c`` taken, what it replaces and what comes
-        with it, or None. ``c`` replaces chosen candidates inside it (a region) or another way
-        to drop the same output; a chosen output that keeps (pins) what ``c`` drops switches to
-        its variant that regenerates it through ``c``'s call instead."""
-        if c.kind != REGION and any(d.kind != REGION and d.kind != c.kind and d.drops & c.drops for d in self.chosen):
-            return None  # an output and a product, both dropping the same storage
-        if any(d is c for d in self.chosen):
+        with it, or None where a chosen candidate rules it out (:meth:`_move`). With ``peaks``
+        (the state's :meth:`_peaks`), None too where the move cannot bring the estimate below
+        them (Note [Moves that cannot help])."""
+        if id(c) in self._place:
             return None
-        # a pack of what ``c`` drops packs nothing any more
-        replaced = [d for d in self.chosen if d.packs is not None and d.packs in c.drops]
-        for d in self.chosen:
-            if not d.overlaps(c):
-                continue
-            if PRODUCT in (c.kind, d.kind):  # a product is in the way of a region around it only
-                if c.kind == REGION and c.contains(d):
-                    replaced.append(d)
-                elif d.kind == REGION and d.contains(c):
+        blocker = self._blocked.get(id(c))
+        if blocker is not None and id(blocker) in self._place:
+            return None
+        move = self._move(c)
+        if isinstance(move, _Candidate):
+            self._blocked[id(c)] = move
+            return None
+        replaced, added = move
+        for d in replaced:  # where taking the move and undoing it left them (ties in later sorts)
+            self.chosen.remove(d)
+            self.chosen.append(d)
+            self._place[id(d)] = self._places
+            self._places += 1
+        ranks, sums, extra_change = self._cuts(c, move)
+
+        def changed_before(b: int) -> int:  # what the move changes in the first ``b`` storages
+            return sums[bisect.bisect_left(ranks, b)]
+
+        total = self.total + sums[-1] + extra_change
+        held = self._held_bytes
+        extra = self.total - held.prefix(len(self.order)) + extra_change
+        if peaks is not None:  # Note [Moves that cannot help]
+            now, holders = peaks
+            if total >= now or any(changed_before(b) + extra_change >= 0 and not any(d is r for r in replaced)
+                                   for b, d in holders):
+                return None
+            for a in added:
+                if a.kind != PACK and (held.prefix(b := self._before(a)) + changed_before(b) + extra
+                                       + a.transient >= now):
                     return None
+        chosen = [d for d in self.chosen if not any(d is r for r in replaced)] + added
+        peak = total
+        for d in chosen:
+            if d.kind != PACK:
+                b = self._before(d)
+                peak = max(peak, held.prefix(b) + changed_before(b) + extra + d.transient)
+        return peak, self.seconds(chosen), replaced, added
+
+    def _cuts(self, c: _Candidate, move: "Move") -> tuple[list[int], list[int], int]:
+        """What ``c``'s move changes (:meth:`_change`) as the ranks of the storages it changes,
+        the running sums of their changes (from 0), and the change of pins no save holds; kept
+        for the next try of ``c`` while none of the storages it touches changes and the move is
+        the same (Note [Moves that cannot help])."""
+        ids = (tuple(map(id, move[0])), tuple(map(id, move[1])))
+        kept = self._changes.get(id(c))
+        if kept is not None and kept[0] == ids and all(self._stamp.get(k, -1) < kept[1] for k in kept[2]):
+            return kept[3], kept[4], kept[5]
+        change, extra, keys = self._change(move)
+        cuts = sorted((self.rank[k], delta) for k, delta in change.items())
+        ranks = [rank for rank, _ in cuts]
+        sums = list(itertools.accumulate((delta for _, delta in cuts), initial=0))
+        self._changes[id(c)] = (ids, self._taken, keys, ranks, sums, extra)
+        return ranks, sums, extra
+
+    def _move(self, c: _Candidate) -> "Move | _Candidate":
+        """What taking ``c`` replaces and what comes with it, or the chosen candidate that rules
+        it out. ``c`` replaces chosen candidates inside it (a region) or another way to drop the
+        same output; a chosen output that keeps (pins) what ``c`` drops switches to its variant
+        that regenerates it through ``c``'s call instead. Whether a chosen candidate rules ``c``
+        out depends on the two alone, so it does for as long as it stays chosen: :meth:`_try`
+        remembers it (a deep model's greedy tries the same ruled-out candidates round after
+        round)."""
+        place = self._place
+        near = {id(d): d for k in c.drops for d in self._by_key.get(k, ())}
+        touching = sorted(near.values(), key=lambda d: place[id(d)])  # in the order of ``chosen``
+        if c.kind != REGION:
+            for d in touching:
+                if d.kind != REGION and d.kind != c.kind and d.drops & c.drops:
+                    return d  # an output and a product, both dropping the same storage
+        # a pack of what ``c`` drops packs nothing any more
+        replaced = [d for d in touching if d.packs is not None and d.packs in c.drops]
+        lo, hi = c.call.index, c.call.last_desc
+        for d in self._overlapping(c):  # packing re-runs nothing: it is in no call's way
+            inside = lo <= d.call.index <= hi  # c.contains(d)
+            if PRODUCT in (c.kind, d.kind):  # a product is in the way of a region around it only
+                if c.kind == REGION and inside:
+                    replaced.append(d)
+                elif d.kind == REGION and d.call.index <= lo <= d.call.last_desc:  # d.contains(c)
+                    return d
                 continue
             if d.call is c.call and d.kind != c.kind:
-                return None
-            if d.call is not c.call and (c.kind != REGION or not c.contains(d)):
-                return None
+                return d
+            if d.call is not c.call and (c.kind != REGION or not inside):
+                return d
             replaced.append(d)
         added = [c]
-        for d in self.chosen:
-            if d.kind == OUTPUT and d not in replaced and c.drops & set(d.pins):
+        for d in touching:
+            if d.kind == OUTPUT and d not in replaced and not c.drops.isdisjoint(d.pins):
                 options = [v for v in self.variants.get(d.call.index, ())
-                           if c.call.index in v.chain and not (c.drops & set(v.pins))]
+                           if c.call.index in v.chain and c.drops.isdisjoint(v.pins)]
                 if not options:
-                    return None
+                    return d
                 replaced.append(d)
                 added.append(min(options, key=lambda v: v.seconds))
-        self._take((replaced, added))
-        result = (self.estimate(), self.seconds(), replaced, added)
-        self._take((added, replaced))
-        return result
+        return replaced, added
+
+    def _overlapping(self, c: _Candidate) -> list[_Candidate]:
+        """The chosen re-runs (not packs) that ``c`` (not a pack) contains or is contained by
+        (:meth:`_Candidate.overlaps`), in the order of ``chosen``: those at the calls around
+        ``c``'s, at its own, and at the calls it made."""
+        if c.kind == PACK:
+            return []
+        out: list[_Candidate] = []
+        i = c.call.index
+        while i >= 0:
+            out += self._at_call.get(i, ())
+            i = self.calls[i].parent
+        calls = self._calls_at
+        for j in range(bisect.bisect_right(calls, c.call.index), bisect.bisect_right(calls, c.call.last_desc)):
+            out += self._at_call[calls[j]]
+        return sorted(out, key=lambda d: self._place[id(d)])
+
+    def _join(self, c: _Candidate) -> None:
+        """Appends ``c`` to ``chosen`` and its indexes."""
+        self.chosen.append(c)
+        self._place[id(c)] = self._places
+        self._places += 1
+        if c.kind != PACK:
+            at = self._at_call.setdefault(c.call.index, [])
+            if not at:
+                bisect.insort(self._calls_at, c.call.index)
+            at.append(c)
+        for k in {*c.drops, *c.pins, *([c.packs] if c.packs is not None else [])}:
+            self._by_key.setdefault(k, []).append(c)
+
+    def _part(self, c: _Candidate) -> None:
+        """Removes ``c`` from ``chosen`` and its indexes."""
+        self.chosen.remove(c)
+        del self._place[id(c)]
+        if c.kind != PACK:
+            at = self._at_call[c.call.index]
+            at.remove(c)
+            if not at:
+                self._calls_at.remove(c.call.index)
+        for k in {*c.drops, *c.pins, *([c.packs] if c.packs is not None else [])}:
+            self._by_key[k].remove(c)
 
     def seed(self, regions: list[_Candidate]) -> None:
         """Starts from these regions (those that fit with each other)."""
         for c in regions:
-            if not any(d.overlaps(c) for d in self.chosen):
+            if not self._overlapping(c):
                 self._apply(c, +1)
-                self.chosen.append(c)
+                self._join(c)
 
     def seeds(self) -> list[list[_Candidate]]:
         """Starting points besides nothing: every call of one module type as a region, for the
@@ -1322,10 +1513,11 @@ class _Planner:
     def _take(self, move: "Move") -> None:
         for d in move[0]:
             self._apply(d, -1)
-            self.chosen.remove(d)
+            self._part(d)
         for a in move[1]:
             self._apply(a, +1)
-            self.chosen.append(a)
+            self._join(a)
+        self._taken += 1  # after this move's stamps: what _cuts kept before it is stale
 
     def _refine(self, budget: int, density: dict[int, float]) -> None:
         """Once the plan fits: each region re-run whole is tried as its largest selective variant
@@ -1384,15 +1576,17 @@ class _Planner:
             self._take((list(self.chosen), before))
 
     Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
+    Peaks = tuple[int, list[tuple[int, _Candidate]]]  # the estimate; the re-runs at it, with their _before
 
     def _closing(self, budget: int, by_seconds: list[_Candidate], dropped: dict[int, int]) -> "Move | None":
-        now = self.estimate()
+        peaks = self._peaks()
+        now = peaks[0]
         chosen = {id(c) for c in self.chosen}
         tries = 0
         for c in by_seconds:
             if id(c) in chosen or dropped[id(c)] < now - budget:
                 continue
-            tried = self._try(c)
+            tried = self._try(c, peaks)
             if tried is not None and tried[0] <= budget:
                 return tried[2], tried[3]
             tries += 1
@@ -1401,7 +1595,8 @@ class _Planner:
         return None
 
     def _densest(self, by_density: list[_Candidate], density: dict[int, float]) -> "Move | None":
-        now, spent = self.estimate(), self.seconds()
+        peaks, spent = self._peaks(), self.seconds()
+        now = peaks[0]
         chosen = {id(c) for c in self.chosen}
         best: tuple[float, list[_Candidate], list[_Candidate]] | None = None
         tries = 0
@@ -1411,7 +1606,7 @@ class _Planner:
             if best is not None and (density[id(c)] < best[0] * PRUNE or tries >= TRIES_PER_ROUND):
                 break
             tries += 1
-            tried = self._try(c)
+            tried = self._try(c, peaks)
             if tried is None or tried[0] >= now:
                 continue
             ratio = (now - tried[0]) / max(tried[1] - spent, 1e-9)
