@@ -159,26 +159,32 @@ Note [Idle steps]
 
 Note [Moves that cannot help]
     The greedy tries tens of candidates a round and takes one, and a deep model has hundreds of
-    candidates and rounds: trying each by taking its move, estimating and taking it back made a
-    plan's time grow with the cube of the depth (a 24-layer GPT-like model: 27 s a plan, 50%
-    of its saved bytes). What a try costs now, with the plan it picks unchanged:
+    candidates and rounds. Trying each by taking its move, estimating and taking it back made a
+    plan's time grow with the cube of the depth: on a GPT-like decoder at half its saved bytes,
+    the first plan took 7.5 s at 24 layers and 45 s at 48 (docs/benchmarks/
+    2026-11-29-planner-time-cpu.md). A try now costs little but where it is needed:
 
-    - a chosen candidate that rules a candidate out (:meth:`_Planner._move`) rules it out while
-      it stays chosen, since that depends on the two alone: the next tries of the candidate end
-      at one lookup. Which chosen candidates a move meets is read from indexes by call and by
-      storage, not from a walk of every chosen candidate;
+    - what rules a candidate out is a chosen candidate, and depends on the two alone: it rules
+      the candidate out while it stays chosen, and the next tries end at one lookup;
+    - the chosen candidates a move meets come from indexes by call and by storage
+      (:meth:`_Planner._overlapping`, ``_by_key``), not from a walk of every chosen one;
     - a move's effect is computed without making it (:meth:`_Planner._change`): the held bytes
-      of the storages it touches, as running sums by the order of their saves, and kept for the
-      next try of the same move while none of those storages changes;
+      of the storages it touches, as running sums in the order of their saves;
     - in a round that must lower the estimate, a move is dropped as soon as one term of its
-      estimate reaches the current one: the end of forward, a chosen re-run at the peak that
-      the move keeps with nothing before it made smaller, or a re-run the move adds (most
-      candidates are of these: they free bytes saved after the re-run that holds the peak).
-      The rest are estimated whole.
+      estimate reaches the current one: a re-run it adds that alone saves as much, the end of
+      forward, a chosen re-run at the peak that the move keeps with nothing saved before it made
+      smaller, or a re-run it adds. Only the rest are estimated whole.
 
-    Taking a move and taking it back left what it replaced at the end of the chosen list, where
-    later sorts meet ties; a try still moves them there, so that the plans are the ones the
-    slower greedy made (tests/test_offload_plan_tries.py checks each try against the move taken).
+    What a try found (the move, its effect, the chosen re-run at the peak it left as it was) is
+    kept per candidate until what it was read from changes: the counts of a storage it touched
+    (``_readers``), or a re-run chosen or let go around its call (``_at``, :meth:`_Planner._near`).
+    tests/test_offload_plan_tries.py checks every try against the move taken and taken back and
+    against a reference move found by walking every chosen candidate.
+
+    The plans are those of the slower greedy but for ties: taking a move and taking it back left
+    what it replaced at the end of the chosen list, where later sorts break ties; on the
+    benchmark's four models and a 12-layer decoder at 90%, 50%, 25% and 0% of their saved bytes,
+    37 plans of 40 are the same and 3 are others of the same estimate and re-run time.
 """
 
 from __future__ import annotations
@@ -190,7 +196,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Container, Iterator
+from typing import Any, Callable, Container, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -942,6 +948,14 @@ class _Candidate:
         return self.contains(other) or other.contains(self)
 
 
+Move = tuple[list[_Candidate], list[_Candidate]]
+"""What a greedy move takes out of the chosen candidates, and what it puts in."""
+
+Peaks = tuple[int, list[tuple[int, _Candidate]]]
+"""A planner's estimate, and the chosen re-runs whose peak is that estimate, each with how many
+storages are saved before it (``_Planner._peaks``)."""
+
+
 class _PrefixSums:
     """Sums of a list's first ``i`` values, the values changing one at a time (a Fenwick tree):
     both in O(log n), where summing the storages held before each chosen re-run was O(n) per
@@ -992,11 +1006,17 @@ class _Planner:
         self._at_call: dict[int, list[_Candidate]] = {}
         self._calls_at: list[int] = []
         self._by_key: dict[ProfileKey, list[_Candidate]] = {}
-        self._blocked: dict[int, _Candidate] = {}  # candidate -> the chosen one that last ruled it out
-        # Note [Moves that cannot help]: each storage's last change of counts, by moves taken
-        self._taken = 0
-        self._stamp: dict[ProfileKey, int] = {}
-        self._changes: dict[int, tuple[Any, ...]] = {}  # candidate -> its move's change, as of ``_taken`` (_cuts)
+        # what tries found, per candidate, kept until what it was read from changes (Note [Moves
+        # that cannot help]): the chosen candidate that last ruled it out; its move, the move's
+        # change (_cuts) and a chosen re-run at the peak that the move left as it was, each
+        # forgotten when the counts of a storage it read change or a re-run is chosen or let go
+        # around its call (those who read each storage, and the candidates at each call)
+        self._blocked: dict[int, _Candidate] = {}
+        self._moves: dict[int, Move] = {}
+        self._cut: dict[int, tuple[list[int], list[int], int]] = {}
+        self._no_help: dict[int, _Candidate] = {}
+        self._readers: dict[ProfileKey, set[int]] = {}
+        self._at: dict[int, set[int]] = {}
         self.nbytes: dict[ProfileKey, int]  # whole
         self.packed_nbytes: dict[ProfileKey, int]  # noise that can be held as masks: the masks' bytes
         self.saves: dict[ProfileKey, list[int]]
@@ -1216,7 +1236,7 @@ class _Planner:
             return self.packed_nbytes[key] + (self.nbytes[key] if pinned > 0 else 0)
         return self.nbytes[key]
 
-    def _change(self, move: "Move") -> tuple[dict[ProfileKey, int], int, list[ProfileKey]]:
+    def _change(self, move: Move) -> tuple[dict[ProfileKey, int], int, list[ProfileKey]]:
         """What a move (``replaced`` out, ``added`` in) changes, without making it: the held
         bytes of each storage whose held bytes change, the bytes of pins no save holds, and the
         storages it touches."""
@@ -1258,13 +1278,13 @@ class _Planner:
             else:  # a storage no save holds (a re-run's input): in the total only
                 before = self.pinned.get(k, 0) > 0
                 self.pinned[k] = self.pinned.get(k, 0) + sign
-                self._stamp[k] = self._taken
+                self._forget(self._readers.pop(k, ()))
                 self.total += ((self.pinned[k] > 0) - before) * n
 
     def _count(self, key: ProfileKey, counts: dict[ProfileKey, int], sign: int) -> None:
         before = self._value(key)
         counts[key] = counts.get(key, 0) + sign
-        self._stamp[key] = self._taken
+        self._forget(self._readers.pop(key, ()))
         delta = self._value(key) - before
         if delta:
             self.total += delta
@@ -1291,7 +1311,7 @@ class _Planner:
         saves for a selective region (its re-run reads its kept ones), none of them else."""
         return bisect.bisect_left(self.first, c.call.end_pack if c.recipe is not None else c.call.first_pack)
 
-    def _peaks(self) -> "Peaks":
+    def _peaks(self) -> Peaks:
         """The estimate, and the chosen re-runs whose peak is that estimate, each with its
         ``_before``: what :meth:`_try` needs to see that a move cannot lower the estimate."""
         held = self._held_bytes
@@ -1312,26 +1332,20 @@ class _Planner:
         return sum(c.seconds for c in whole) + sum(self.calls[i].rerun_seconds for i in outputs) \
             + sum(c.seconds for c in chosen if c.recipe is not None or c.kind in (PRODUCT, PACK))
 
-    def _try(self, c: _Candidate, peaks: "Peaks | None" = None) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
+    def _try(self, c: _Candidate, peaks: Peaks | None = None) -> tuple[int, float, list[_Candidate], list[_Candidate]] | None:
         """The estimate and recompute time with ``c`` taken, what it replaces and what comes
         with it, or None where a chosen candidate rules it out (:meth:`_move`). With ``peaks``
         (the state's :meth:`_peaks`), None too where the move cannot bring the estimate below
         them (Note [Moves that cannot help])."""
-        if id(c) in self._place:
-            return None
-        blocker = self._blocked.get(id(c))
-        if blocker is not None and id(blocker) in self._place:
-            return None
-        move = self._move(c)
-        if isinstance(move, _Candidate):
-            self._blocked[id(c)] = move
+        move = self._move_of(c)
+        if move is None:
             return None
         replaced, added = move
-        for d in replaced:  # where taking the move and undoing it left them (ties in later sorts)
-            self.chosen.remove(d)
-            self.chosen.append(d)
-            self._place[id(d)] = self._places
-            self._places += 1
+        if peaks is not None:  # Note [Moves that cannot help], before what the move changes
+            if any(a.kind != PACK and a.transient >= peaks[0] for a in added):
+                return None  # a re-run that alone saves as much as is held at the peak
+            if (d := self._no_help.get(id(c))) is not None and any(d is h for _, h in peaks[1]):
+                return None
         ranks, sums, extra_change = self._cuts(c, move)
 
         def changed_before(b: int) -> int:  # what the move changes in the first ``b`` storages
@@ -1342,9 +1356,12 @@ class _Planner:
         extra = self.total - held.prefix(len(self.order)) + extra_change
         if peaks is not None:  # Note [Moves that cannot help]
             now, holders = peaks
-            if total >= now or any(changed_before(b) + extra_change >= 0 and not any(d is r for r in replaced)
-                                   for b, d in holders):
+            if total >= now:
                 return None
+            for b, d in holders:
+                if changed_before(b) + extra_change >= 0 and not any(d is r for r in replaced):
+                    self._no_help[id(c)] = d
+                    return None
             for a in added:
                 if a.kind != PACK and (held.prefix(b := self._before(a)) + changed_before(b) + extra
                                        + a.transient >= now):
@@ -1357,23 +1374,50 @@ class _Planner:
                 peak = max(peak, held.prefix(b) + changed_before(b) + extra + d.transient)
         return peak, self.seconds(chosen), replaced, added
 
-    def _cuts(self, c: _Candidate, move: "Move") -> tuple[list[int], list[int], int]:
+    def _move_of(self, c: _Candidate) -> Move | None:
+        """``c``'s move (:meth:`_move`), kept until a chosen candidate that it met or that could
+        be in its way changes; None where ``c`` is chosen or a chosen candidate rules it out."""
+        if id(c) in self._place:
+            return None
+        blocker = self._blocked.get(id(c))
+        if blocker is not None and id(blocker) in self._place:
+            return None
+        move = self._moves.get(id(c))
+        if move is None:
+            found = self._move(c)
+            if isinstance(found, _Candidate):
+                self._blocked[id(c)] = found
+                return None
+            move = self._moves[id(c)] = found
+            self._at.setdefault(c.call.index, set()).add(id(c))
+            for k in c.drops:
+                self._readers.setdefault(k, set()).add(id(c))
+        return move
+
+    def _cuts(self, c: _Candidate, move: Move) -> tuple[list[int], list[int], int]:
         """What ``c``'s move changes (:meth:`_change`) as the ranks of the storages it changes,
         the running sums of their changes (from 0), and the change of pins no save holds; kept
-        for the next try of ``c`` while none of the storages it touches changes and the move is
-        the same (Note [Moves that cannot help])."""
-        ids = (tuple(map(id, move[0])), tuple(map(id, move[1])))
-        kept = self._changes.get(id(c))
-        if kept is not None and kept[0] == ids and all(self._stamp.get(k, -1) < kept[1] for k in kept[2]):
-            return kept[3], kept[4], kept[5]
+        until the counts of a storage it touches change (Note [Moves that cannot help])."""
+        kept = self._cut.get(id(c))
+        if kept is not None:
+            return kept
         change, extra, keys = self._change(move)
         cuts = sorted((self.rank[k], delta) for k, delta in change.items())
         ranks = [rank for rank, _ in cuts]
         sums = list(itertools.accumulate((delta for _, delta in cuts), initial=0))
-        self._changes[id(c)] = (ids, self._taken, keys, ranks, sums, extra)
-        return ranks, sums, extra
+        for k in keys:
+            self._readers.setdefault(k, set()).add(id(c))
+        kept = self._cut[id(c)] = (ranks, sums, extra)
+        return kept
 
-    def _move(self, c: _Candidate) -> "Move | _Candidate":
+    def _forget(self, candidates: Iterable[int]) -> None:
+        """Drops what tries found for these candidates but the chosen one that ruled them out."""
+        for i in candidates:
+            self._moves.pop(i, None)
+            self._cut.pop(i, None)
+            self._no_help.pop(i, None)
+
+    def _move(self, c: _Candidate) -> Move | _Candidate:
         """What taking ``c`` replaces and what comes with it, or the chosen candidate that rules
         it out. ``c`` replaces chosen candidates inside it (a region) or another way to drop the
         same output; a chosen output that keeps (pins) what ``c`` drops switches to its variant
@@ -1431,8 +1475,20 @@ class _Planner:
             out += self._at_call[calls[j]]
         return sorted(out, key=lambda d: self._place[id(d)])
 
+    def _near(self, c: _Candidate) -> None:
+        """Forgets the moves of the candidates at the calls around ``c``'s, at its own and at
+        the calls it made: a re-run chosen or let go there is in their way or inside them."""
+        i = c.call.index
+        while i >= 0:
+            self._forget(self._at.pop(i, ()))
+            i = self.calls[i].parent
+        for i in range(c.call.index + 1, c.call.last_desc + 1):
+            self._forget(self._at.pop(i, ()))
+
     def _join(self, c: _Candidate) -> None:
         """Appends ``c`` to ``chosen`` and its indexes."""
+        if c.kind != PACK:
+            self._near(c)
         self.chosen.append(c)
         self._place[id(c)] = self._places
         self._places += 1
@@ -1446,6 +1502,8 @@ class _Planner:
 
     def _part(self, c: _Candidate) -> None:
         """Removes ``c`` from ``chosen`` and its indexes."""
+        if c.kind != PACK:
+            self._near(c)
         self.chosen.remove(c)
         del self._place[id(c)]
         if c.kind != PACK:
@@ -1484,7 +1542,7 @@ class _Planner:
 
         Each round takes the cheapest move that closes the gap, else the move with the most
         bytes per second; with ``closing`` False, always the latter (several cheap pieces can
-        cost less than the one large region that closes the gap at once: make_plan tries both). Trying a candidate costs O(storages), so both searches try few: the
+        cost less than the one large region that closes the gap at once: make_plan tries both). A try that must be estimated costs O(storages) (Note [Moves that cannot help]), so both searches try few: the
         best-looking candidates first (bytes dropped per second of their own re-runs), stopping
         at those that look less than ``PRUNE`` as good as the best move found so far or after
         ``TRIES_PER_ROUND``; closers in order of their own re-run time, stopping at the first
@@ -1510,14 +1568,13 @@ class _Planner:
             return self.nbytes[c.packs] - self.packed_nbytes[c.packs]
         return sum(self.nbytes[k] for k in c.drops)
 
-    def _take(self, move: "Move") -> None:
+    def _take(self, move: Move) -> None:
         for d in move[0]:
             self._apply(d, -1)
             self._part(d)
         for a in move[1]:
             self._apply(a, +1)
             self._join(a)
-        self._taken += 1  # after this move's stamps: what _cuts kept before it is stale
 
     def _refine(self, budget: int, density: dict[int, float]) -> None:
         """Once the plan fits: each region re-run whole is tried as its largest selective variant
@@ -1575,10 +1632,7 @@ class _Planner:
         if self.estimate() > budget or self.seconds() >= spent:
             self._take((list(self.chosen), before))
 
-    Move = tuple[list[_Candidate], list[_Candidate]]  # replaced, added
-    Peaks = tuple[int, list[tuple[int, _Candidate]]]  # the estimate; the re-runs at it, with their _before
-
-    def _closing(self, budget: int, by_seconds: list[_Candidate], dropped: dict[int, int]) -> "Move | None":
+    def _closing(self, budget: int, by_seconds: list[_Candidate], dropped: dict[int, int]) -> Move | None:
         peaks = self._peaks()
         now = peaks[0]
         chosen = {id(c) for c in self.chosen}
@@ -1594,7 +1648,7 @@ class _Planner:
                 break
         return None
 
-    def _densest(self, by_density: list[_Candidate], density: dict[int, float]) -> "Move | None":
+    def _densest(self, by_density: list[_Candidate], density: dict[int, float]) -> Move | None:
         peaks, spent = self._peaks(), self.seconds()
         now = peaks[0]
         chosen = {id(c) for c in self.chosen}
