@@ -160,9 +160,10 @@ Note [Idle steps]
 Note [Moves that cannot help]
     The greedy tries tens of candidates a round and takes one, and a deep model has hundreds of
     candidates and rounds. Trying each by taking its move, estimating and taking it back made a
-    plan's time grow with the cube of the depth: on a GPT-like decoder at half its saved bytes,
-    the first plan took 7.5 s at 24 layers and 45 s at 48 (docs/benchmarks/
-    2026-11-29-planner-time-cpu.md). A try now costs little but where it is needed:
+    plan's time grow towards the cube of the depth: on a GPT-like decoder at half its saved
+    bytes, a session's first plan took 7.8 s at 24 layers and 38.5 s at 48, now 1.8 and 6.9 s
+    (docs/benchmarks/2026-11-29-planner-time-cpu.md). A try now costs little but where it is
+    needed:
 
     - what rules a candidate out is a chosen candidate, and depends on the two alone: it rules
       the candidate out while it stays chosen, and the next tries end at one lookup;
