@@ -172,6 +172,7 @@ def test_the_offload_check_runs_every_column_and_checkpoint_and_pyalloc_are_exac
         assert ours["regions"] + ours["outputs"] > 0 and not ours["below_floor_warned"]
         # and it says what it expected them to cost: more than nothing, on the clock it planned by
         assert ours["plan_recompute_seconds"] > 0 and ours["predicted_ratio"] > 1.0
+        assert ours["planning_seconds"] > 0  # and what making its plans took
 
 
 def test_the_offload_check_is_in_the_targets_and_in_gpu_check_md(offload_run: tuple[dict[str, Any], str]) -> None:
@@ -429,5 +430,9 @@ def test_the_offload_report_says_what_pyalloc_predicted_even_when_its_timing_ran
                     "out of memory when timed.")
     row.update(step_seconds=0.2, time_ratio=1.25, exact=True)
     assert run._offload_table("offload (gpt-like)", figures)[-1].endswith("1.1x the plain step predicted, 1.25x measured.")
+    row["planning_seconds"] = 0.4567
+    assert run._offload_table("offload (gpt-like)", figures)[-1].endswith(
+        "1.25x measured. Making its plans took 0.457 s.")
+    del row["planning_seconds"]
     del row["predicted_ratio"]  # a report from before the prediction: no such line
     assert "predicted" not in run._offload_table("offload (gpt-like)", figures)[-1]

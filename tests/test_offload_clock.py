@@ -151,6 +151,7 @@ def test_no_other_step_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> 
     dtr = offload(budget=saved_bytes_peak(model, x) // 2, policy="dtr", pressure_callback=False)
     kinds = _steps(dtr, model, x, 3, device, monkeypatch)  # DTR records every torch call, timed
     assert [w for _, w, _ in kinds] == [0, 0, 0] and dtr.stats()["saved_tensors_total"] > 0
+    assert dtr.stats()["planning_seconds_total"] == 0  # DTR makes no plan
 
 
 def test_a_session_waits_for_cuda_only_once_the_process_uses_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -477,7 +477,8 @@ def _at_common_batch(bench: Bench, columns: list[Column], batch: int, steps: int
                                      outputs=int(stats["plan_outputs"]), below_floor_warned=column.floor_warned,
                                      # what the plan expected its re-runs and packs to cost, on the
                                      # device's clock (Note [Device time] in offloading/clock.py)
-                                     plan_recompute_seconds=predicted, predicted_ratio=round(1 + predicted / base, 3))
+                                     plan_recompute_seconds=predicted, predicted_ratio=round(1 + predicted / base, 3),
+                                     planning_seconds=round(float(stats["planning_seconds_total"]), 3))
         column.stop()
     return repeatable, determinism, len(times["baseline"]), rows
 

@@ -378,6 +378,8 @@ def _offload_table(name: str, figures: dict[str, Any]) -> list[str]:
                       f"{ours.get('outputs', '?')} outputs re-run, {ours['plan_recompute_seconds'] * 1e3:.3g} ms "
                       f"a step on the device's clock as its profile and plan search measured them: "
                       f"{ours['predicted_ratio']}x the plain step predicted, {measured}."]
+        if ours.get("planning_seconds") is not None:  # (reports before 2026-11-29 have none)
+            lines[-1] += f" Making its plans took {ours['planning_seconds']:.3g} s."
     return lines
 
 

@@ -204,6 +204,7 @@ class ActivationOffload:
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
+            "planning_seconds_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
             "rerun_buffers_changed_total",
             "recompute_checked_total", "recompute_mismatches_total", "noise_packed_total",
@@ -352,7 +353,9 @@ class ActivationOffload:
             once_more = profile.state_changed and not self._state_changed_last
             self._state_changed_last = profile.state_changed
             if profile.packs and not once_more:  # (Note [State built on the first call] in plan.py)
+                t0 = time.perf_counter()
                 self._search = PlanSearch(profile, self.budget, self.selective)
+                st["planning_seconds_total"] += time.perf_counter() - t0
                 self._replay_checks = 0
             return
         run, self._planned = self._planned, None
@@ -389,8 +392,10 @@ class ActivationOffload:
             return
         if not run.counted:  # a settled plan's step between two counted ones (COUNT_EVERY)
             return
+        t0 = time.perf_counter()
         if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds, run.region_seconds):
             st["replans_total"] += 1
+        st["planning_seconds_total"] += time.perf_counter() - t0
         if search.settled and search.plan.empty and peak > search.limit and not search.below_floor:
             self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
             return
@@ -537,7 +542,8 @@ class ActivationOffload:
         asynchronous copies, the time spent issuing them; a CUDA session's replays in the steps
         of its plan search, the time after waiting for the device: Note [Device time] in
         clock.py). ``plan_recompute_seconds`` is what the plan expects its re-runs, refills and
-        packs to cost a step, on that clock. ``budget_bytes`` is -1 without a
+        packs to cost a step, on that clock. ``planning_seconds_total`` is the time spent making
+        plans (wall time, between steps, on the step's thread). ``budget_bytes`` is -1 without a
         budget.
         """
         st = self._stats

@@ -141,6 +141,8 @@ def bench_model(name: str, workload: Workload, batch: int, reps: int) -> list[di
             "budget_MiB": round(budget / 2**20, 2) if budget is not None else None,
             "peak_vs_budget": round(peak / budget, 3) if budget else None,
             "floor_MiB": round(st["plan_floor_bytes"] / 2**20, 2) if st else None,
+            # time spent making plans over the whole run (the profiled step's own cost is not in it)
+            "planning_s": round(st["planning_seconds_total"], 2) if st else None,
             "below_floor_warned": floor_warned.get(c.name),
             "regions": st.get("plan_regions"), "outputs": st.get("plan_outputs"),
             "exact": exact[c.name],
