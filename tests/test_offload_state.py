@@ -148,6 +148,57 @@ def test_steps_that_keep_differing_from_the_profile_are_told_once() -> None:
             assert "differed from the profiled step" in str(unsettled[0].message)
 
 
+def test_steps_that_keep_differing_run_under_dtr_and_keep_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Unsettled steps]: before, those steps took turns forever, a profiled step and a
+    planned step that differed and kept every save (the budget broken on every other step);
+    after three in a row, steps run under per-operator DTR, a step is profiled again now and
+    then, and every step's gradients stay the plain step's."""
+    import copy
+
+    from pyalloc.offloading import session as session_module
+
+    monkeypatch.setattr(session_module, "UNSETTLED_DTR_STEPS", 4)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                            for _ in range(4)])
+    plain = copy.deepcopy(model)
+    budget = 330_000
+    session = offload(budget=budget, pressure_callback=False)
+    peaks: list[int] = []  # each step's most evictable bytes held
+    note_peak = session._note_peak
+
+    def noted() -> None:
+        note_peak()
+        peaks[-1] = max(peaks[-1], session.resident_bytes - session.unevictable_bytes)
+
+    monkeypatch.setattr(session, "_note_peak", noted)
+    kinds = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", session_module.OffloadUnsettledWarning)
+        for i in range(16):
+            x = torch.randn(16, (8, 12)[i % 2], 32)
+            plain(x).square().mean().backward()
+            before = session.stats()
+            peaks.append(0)
+            with session:
+                model(x).square().mean().backward()
+            after = session.stats()
+            kinds.append("profiled" if after["profile_steps_total"] > before["profile_steps_total"] else
+                         "dtr" if after["unsettled_dtr_steps_total"] > before["unsettled_dtr_steps_total"] else
+                         "planned")
+            if kinds[-1] == "planned":  # a planned step counts its saves itself
+                peaks[-1] = int(after["step_saved_bytes_peak"])
+            for p, q in zip(plain.parameters(), model.parameters()):
+                assert torch.equal(p.grad, q.grad), i  # type: ignore[arg-type]
+            plain.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+    # three planned steps that differed, four under DTR, one profiled again, one planned that
+    # differed once more, and DTR again at once
+    assert kinds == ["profiled", "planned"] * 3 + ["dtr"] * 4 + ["profiled", "planned"] + ["dtr"] * 4, kinds
+    assert all(peaks[i] <= budget for i, kind in enumerate(kinds) if kind == "dtr"), list(zip(kinds, peaks))
+    assert max(peaks[i] for i, kind in enumerate(kinds) if kind == "planned") > budget  # what DTR spares them
+
+
 @pytest.mark.parametrize("budget", ["half", "never reached"])
 def test_a_model_copied_or_saved_inside_a_step_carries_none_of_the_sessions_hooks(budget: str) -> None:
     """``copy.deepcopy(model)`` (an EMA, a snapshot) or ``torch.save(model)`` inside a planned or

@@ -17,6 +17,20 @@
 Limits: tensors smaller than ``min_evict_bytes``, parameters, leaves and non-strided tensors are
 never evicted. Evicting a tensor that something else still references frees no real memory; the
 budget counts the bytes the session itself keeps resident.
+
+Note [Unsettled steps]
+    A planned step that differs from its profile (another input shape, a mixture of experts
+    that routes otherwise) keeps every save from where it differs, and the next step is
+    profiled again. Steps that keep differing (a loader with dynamic padding, shapes that take
+    turns) used to alternate forever: a profiled step, under DTR with every operator recorded,
+    then a planned step that differed and kept every save, the budget broken on every other
+    step (on a GPU, the out-of-memory error the budget was there to prevent). After
+    ``UNSETTLED_WARN_AFTER`` such steps in a row the session runs the next
+    ``UNSETTLED_DTR_STEPS`` steps under per-operator DTR alone (no profile, nothing recorded
+    for a plan): the budget holds on any graph, at DTR's cost on every operator. Then a step is
+    profiled again; the planned step after it either matches (the workload settled, and plans
+    apply again) or differs once more, and DTR takes the next steps at once. The session says
+    so once (:class:`OffloadUnsettledWarning`); ``unsettled_dtr_steps_total`` counts the steps.
 """
 
 from __future__ import annotations
@@ -81,8 +95,8 @@ class OffloadFloorWarning(UserWarning):
 
 
 class OffloadUnsettledWarning(UserWarning):
-    """Steps keep differing from the profiled one, so the plan never applies and the budget is
-    not kept on them."""
+    """Steps keep differing from the profiled one, so the plan never applies: the session runs
+    them under DTR (Note [Unsettled steps])."""
 
 
 TRACE_CHANGES = 2
@@ -93,7 +107,11 @@ guard.py)."""
 
 UNSETTLED_WARN_AFTER = 3
 """Planned steps in a row that differ from the profile (each one profiled again after) before the
-session says so once."""
+session says so once, and runs ``UNSETTLED_DTR_STEPS`` steps under per-operator DTR."""
+
+UNSETTLED_DTR_STEPS = 50
+"""Steps run under per-operator DTR, once planned steps keep differing from the profile, before a
+step is profiled again (Note [Unsettled steps])."""
 
 
 class OffloadError(RuntimeError):
@@ -170,6 +188,8 @@ class ActivationOffload:
         self._process_wide = False  # started by `pyalloc run --offload` (pyalloc.offloading.process)
         self._inside: int | None = None  # the thread whose step runs under the session now
         self._diverged_in_a_row = 0  # planned steps that differed from the profile (_note_diverged)
+        self._dtr_left = 0  # steps still to run under DTR alone (Note [Unsettled steps])
+        self._dtr_step = False  # whether the step running is one of them
         self._unsettled_warned = False
         self._inert = False  # left behind in a forked child: packs and calls pass through
         self._peeking = False  # unpacks change nothing (the profile reads batch-norm statistics)
@@ -204,7 +224,7 @@ class ActivationOffload:
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
-            "planning_seconds_total",
+            "planning_seconds_total", "unsettled_dtr_steps_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
             "rerun_buffers_changed_total",
             "recompute_checked_total", "recompute_mismatches_total", "noise_packed_total",
@@ -288,7 +308,8 @@ class ActivationOffload:
             planned = self.policy == "plan" and self._plan is not None
             idle = planned and self._idle()
             settled = self._search is not None and self._search.settled
-            if self.policy == "plan" and not planned:
+            self._dtr_step = self.policy == "plan" and not planned and self._dtr_left > 0
+            if self.policy == "plan" and not planned and not self._dtr_step:
                 # the profiled step's times make the plan: on the device's clock (Note [Device
                 # time] in clock.py); first in, last out (the profile's stop reads it)
                 stack.enter_context(clock.device_time(self._device_wait()))
@@ -307,7 +328,7 @@ class ActivationOffload:
                     self._settled_run = self._settled_run + 1 if settled else 0
                 self._planned.install(stack)
             else:
-                if self.policy == "plan":
+                if self.policy == "plan" and not self._dtr_step:
                     whole = {key for key, n in self._trace_changes.items() if n >= TRACE_CHANGES}
                     self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe, self._written_after,
                                             whole)
@@ -345,6 +366,11 @@ class ActivationOffload:
         profile has the next one profiled again."""
         assert self.budget is not None
         st = self._stats
+        if self._dtr_step:  # Note [Unsettled steps]
+            self._dtr_step = False
+            self._dtr_left -= 1
+            st["unsettled_dtr_steps_total"] += 1
+            return
         profile, self._profile = self._profile, None
         if profile is not None:
             profile.stop()
@@ -407,17 +433,22 @@ class ActivationOffload:
                           f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
 
     def _note_diverged(self, diverged: bool) -> None:
-        """Counts planned steps that differed from the profile in a row; says once when they keep
-        doing so (a loader whose batches change shape, train and eval steps in turn): such a step
-        keeps every save, so the budget holds on none of them."""
+        """Counts planned steps that differed from the profile in a row; when they keep doing so
+        (a loader whose batches change shape, a mixture of experts routing otherwise each step),
+        runs the next steps under DTR and says so once (Note [Unsettled steps])."""
         self._diverged_in_a_row = self._diverged_in_a_row + 1 if diverged else 0
-        if self._diverged_in_a_row >= UNSETTLED_WARN_AFTER and not self._unsettled_warned:
+        if self._diverged_in_a_row < UNSETTLED_WARN_AFTER:
+            return
+        self._dtr_left = UNSETTLED_DTR_STEPS
+        if not self._unsettled_warned:
             self._unsettled_warned = True
             warnings.warn(f"pyalloc.offload: {self._diverged_in_a_row} steps in a row differed from the "
-                          "profiled step (other input shapes, train and eval in turn, another graph): "
-                          "a step that differs keeps every save, so the budget is not kept on them; "
-                          "give the steps the same shapes (pad or bucket the sequence lengths), or use "
-                          "one session per shape", OffloadUnsettledWarning, stacklevel=4)
+                          "profiled step (other input shapes, another graph): such a step keeps every save "
+                          f"from where it differs, so the next {UNSETTLED_DTR_STEPS} steps run under "
+                          "per-operator DTR, which keeps the budget on any graph at a cost on every "
+                          "operator, before one is profiled again; give the steps the same shapes (pad or "
+                          "bucket the sequence lengths) for a plan to apply", OffloadUnsettledWarning,
+                          stacklevel=4)
 
     def _trace_entries(self) -> list[tuple[Any, ...]] | None:
         """Where the session's CallTrace writes the call it sees (None: nowhere): the profile's
