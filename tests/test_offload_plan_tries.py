@@ -1,6 +1,7 @@
 """The planner's tries (Note [Moves that cannot help] in plan.py): each try's answer is the one
-taking the move, estimating and taking it back gives, whether it ends at a remembered candidate
-that rules it out, at a move seen not to lower the estimate, or at a whole estimate."""
+taking the move and estimating gives, whether it ends at a remembered candidate that rules it out,
+at a move seen not to lower the estimate, or at a whole estimate, and whether what it read was
+remembered from an earlier try or not."""
 
 from __future__ import annotations
 
@@ -49,25 +50,31 @@ def _reference_move(planner: _Planner, c: _Candidate) -> Any:
 
 
 class _Checked(_Planner):
-    """A planner whose every try is checked against the move taken and taken back."""
+    """A planner whose every try is checked against the reference move taken on a replica: a
+    planner of the same profile with the same candidates chosen, in the same order (taking the
+    move on the planner itself would forget what its tries remembered, so that no answer from
+    memory would be checked)."""
 
     seen: Counter[str]
+    profile: Profile
 
     def _try(self, c: _Candidate, peaks: Any = None) -> Any:
         chosen = list(self.chosen)
         # the indexes against the definitions they stand for
         assert self._overlapping(c) == [d for d in chosen if d.overlaps(c)]
         assert [id(d) for d in chosen] == sorted((id(d) for d in chosen), key=lambda i: self._place[i])
-        move = None if id(c) in self._place else self._move(c)
-        reference = None if id(c) in self._place else _reference_move(self, c)
-        assert (reference is None) == (move is None or isinstance(move, _Candidate))
-        assert reference is None or (reference[0] == move[0] and reference[1] == move[1])  # type: ignore[index]
+        remembered = id(c) in self._moves or id(c) in self._cut or id(c) in self._no_help
+        move = None if id(c) in self._place else _reference_move(self, c)
         expected = None
-        if move is not None and not isinstance(move, _Candidate):
-            self._take(move)
-            expected = (self.estimate(), self.seconds())
-            self._take((move[1], move[0]))
+        if move is not None:
+            replica = _Planner(self.profile, like=self)
+            for d in chosen:
+                replica._apply(d, +1)
+                replica._join(d)
+            replica._take(move)
+            expected = (replica.estimate(), replica.seconds())
         got = super()._try(c, peaks)
+        assert list(self.chosen) == chosen  # a try changes nothing chosen
         if expected is None:
             assert got is None
             self.seen["ruled out"] += 1
@@ -78,6 +85,8 @@ class _Checked(_Planner):
             assert (got[0], got[1]) == expected
             assert got[2] == move[0] and got[3] == move[1]  # type: ignore[index]
             self.seen["estimated"] += 1
+        if remembered and move is not None:
+            self.seen["from memory"] += 1
         return got
 
 
@@ -100,14 +109,14 @@ def test_every_try_answers_what_the_move_taken_gives(name: str) -> None:
         model, x = ResNetish(), torch.randn(4, 3, 32, 32)
     profile = _profile(model, x)
     base = _Checked(profile)
-    base.seen = Counter()
+    base.seen, base.profile = Counter(), profile
     saved = sum(base.nbytes.values())
     for fraction in (0.5, 0.25, 0.0):
         for seed in [[], *base.seeds()]:
             for closing in (True, False):
                 planner = _Checked(profile, like=base)
-                planner.seen = base.seen
+                planner.seen, planner.profile = base.seen, profile
                 planner.seed(seed)
                 planner.run(int(saved * fraction), closing)
     # every way a try ends was taken, many times
-    assert min(base.seen[k] for k in ("ruled out", "could not help", "estimated")) >= 50, base.seen
+    assert min(base.seen[k] for k in ("ruled out", "could not help", "estimated", "from memory")) >= 50, base.seen
