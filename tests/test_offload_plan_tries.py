@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from pyalloc.offloading.bench_models import GPTSmallish, ResNetish, train_step
+from pyalloc.offloading.bench_models import GPTSmallish, ResNetish
 from pyalloc.offloading.plan import OUTPUT, PRODUCT, REGION, Profile, _Candidate, _Planner
+
+from offload_fixture import profiled, step
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -90,16 +92,6 @@ class _Checked(_Planner):
         return got
 
 
-def _profile(model: torch.nn.Module, x: torch.Tensor) -> Profile:
-    train_step(model, x)
-    profile = Profile()
-    profile.start()
-    with profile.saving():
-        train_step(model, x)
-    profile.stop()
-    return profile
-
-
 @pytest.mark.parametrize("name", ["gpt", "resnet"])
 def test_every_try_answers_what_the_move_taken_gives(name: str) -> None:
     torch.manual_seed(0)
@@ -107,7 +99,8 @@ def test_every_try_answers_what_the_move_taken_gives(name: str) -> None:
         model, x = GPTSmallish(d=32, layers=6, heads=2, seq=32), torch.randint(0, 1024, (4, 32))
     else:
         model, x = ResNetish(), torch.randn(4, 3, 32, 32)
-    profile = _profile(model, x)
+    step(model, x, 0)  # (state made on the first call is not the profile's)
+    profile = profiled(model, x)
     base = _Checked(profile)
     base.seen, base.profile = Counter(), profile
     saved = sum(base.nbytes.values())

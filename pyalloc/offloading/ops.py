@@ -126,15 +126,6 @@ class OpInfo:
         return any(o is None for o in self.outputs)
 
 
-def _written_leaves(func: Any, args: tuple, kwargs: dict) -> list[Any]:
-    """The tensors ``func`` writes, among its arguments."""
-    positions = _mutated_positions(func, args, kwargs)
-    if not positions:
-        return []
-    leaves, _ = tree_flatten((args, kwargs))
-    return [leaves[i] for i in positions]
-
-
 def _same_storage(a: Any, b: torch.Tensor) -> bool:
     return isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -144,21 +135,24 @@ def written_arguments(schema: Any) -> list[Any]:
     return [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes, among its arguments."""
+    schema = func._schema
+    out = []
+    for a in written_arguments(schema):
+        idx = next(i for i, b in enumerate(schema.arguments) if b is a)
+        value = args[idx] if idx < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        out += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+    return out
+
+
 def _mutated_positions(func: Any, args: tuple, kwargs: dict) -> list[int]:
     """Positions, among the flattened ``(args, kwargs)`` leaves, of the tensors ``func`` writes."""
-    schema = func._schema
-    written = written_arguments(schema)
+    written = {id(t) for t in _written_tensors(func, args, kwargs)}
     if not written:
         return []
     leaves, _ = tree_flatten((args, kwargs))
-    targets = []
-    for a in written:
-        idx = next(i for i, b in enumerate(schema.arguments) if b is a)
-        value = args[idx] if idx < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(v, torch.Tensor):
-                targets.append(id(v))
-    return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and id(x) in targets]
+    return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and id(x) in written]
 
 
 def geometry(t: torch.Tensor) -> Geometry:
@@ -611,8 +605,7 @@ class SelectiveRerun(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.done:
             last, self.last = self.last, None
-            if last is None or not any(leaf is not None and _same_storage(leaf, last) for leaf in
-                                       _written_leaves(func, args, kwargs)):
+            if last is None or not any(_same_storage(t, last) for t in _written_tensors(func, args, kwargs)):
                 raise StopRerun()
         r = self.recipe
         j = self.index

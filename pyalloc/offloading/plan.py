@@ -179,8 +179,8 @@ Note [Moves that cannot help]
     What a try found (the move, its effect, the chosen re-run at the peak it left as it was) is
     kept per candidate until what it was read from changes: the counts of a storage it touched
     (``_readers``), or a re-run chosen or let go around its call (``_at``, :meth:`_Planner._near`).
-    tests/test_offload_plan_tries.py checks every try against the move taken and taken back and
-    against a reference move found by walking every chosen candidate.
+    tests/test_offload_plan_tries.py checks every try against a reference move, found by walking
+    every chosen candidate and taken on a replica planner.
 
     The plans are those of the slower greedy but for ties: taking a move and taking it back left
     what it replaced at the end of the chosen list, where later sorts break ties; on the
@@ -948,6 +948,10 @@ class _Candidate:
     def overlaps(self, other: "_Candidate") -> bool:
         return self.contains(other) or other.contains(self)
 
+    def storages(self) -> set[ProfileKey]:
+        """The storages it drops, pins or packs."""
+        return {*self.drops, *self.pins, *([self.packs] if self.packs is not None else [])}
+
 
 Move = tuple[list[_Candidate], list[_Candidate]]
 """What a greedy move takes out of the chosen candidates, and what it puts in."""
@@ -1297,15 +1301,14 @@ class _Planner:
         selective region's own kept saves too, which its re-run reads) plus what the re-run saves
         (a whole re-run saves all the call's saves again, kept ones included), whichever is
         more."""
-        peak = self.total
-        if not self.chosen:
-            return peak
+        return max([self.total, *(term for term, _, _ in self._reruns())])
+
+    def _reruns(self) -> list[tuple[int, int, _Candidate]]:
+        """Each chosen re-run (not a pack) with what is held while it runs, and its ``_before``."""
         held = self._held_bytes
         extra = self.total - held.prefix(len(self.order))  # pins of storages no save holds
-        for c in self.chosen:
-            if c.kind != PACK:
-                peak = max(peak, held.prefix(self._before(c)) + extra + c.transient)
-        return peak
+        return [(held.prefix(b) + extra + c.transient, b, c)
+                for c in self.chosen if c.kind != PACK for b in (self._before(c),)]
 
     def _before(self, c: _Candidate) -> int:
         """How many storages (in ``order``) are saved before ``c``'s re-run: all of its call's
@@ -1315,11 +1318,8 @@ class _Planner:
     def _peaks(self) -> Peaks:
         """The estimate, and the chosen re-runs whose peak is that estimate, each with its
         ``_before``: what :meth:`_try` needs to see that a move cannot lower the estimate."""
-        held = self._held_bytes
-        extra = self.total - held.prefix(len(self.order))
-        terms = [(held.prefix(b) + extra + c.transient, b, c)
-                 for c in self.chosen if c.kind != PACK for b in (self._before(c),)]
-        peak = max([self.total] + [t for t, _, _ in terms])
+        terms = self._reruns()
+        peak = max([self.total, *(t for t, _, _ in terms)])
         return peak, [(b, c) for t, b, c in terms if t == peak]
 
     def seconds(self, chosen: list[_Candidate] | None = None) -> float:
@@ -1460,17 +1460,19 @@ class _Planner:
                 added.append(min(options, key=lambda v: v.seconds))
         return replaced, added
 
+    def _enclosing(self, i: int) -> Iterator[int]:
+        """Call ``i`` and the calls it was made in, innermost first."""
+        while i >= 0:
+            yield i
+            i = self.calls[i].parent
+
     def _overlapping(self, c: _Candidate) -> list[_Candidate]:
         """The chosen re-runs (not packs) that ``c`` (not a pack) contains or is contained by
         (:meth:`_Candidate.overlaps`), in the order of ``chosen``: those at the calls around
         ``c``'s, at its own, and at the calls it made."""
         if c.kind == PACK:
             return []
-        out: list[_Candidate] = []
-        i = c.call.index
-        while i >= 0:
-            out += self._at_call.get(i, ())
-            i = self.calls[i].parent
+        out = [d for i in self._enclosing(c.call.index) for d in self._at_call.get(i, ())]
         calls = self._calls_at
         for j in range(bisect.bisect_right(calls, c.call.index), bisect.bisect_right(calls, c.call.last_desc)):
             out += self._at_call[calls[j]]
@@ -1479,40 +1481,34 @@ class _Planner:
     def _near(self, c: _Candidate) -> None:
         """Forgets the moves of the candidates at the calls around ``c``'s, at its own and at
         the calls it made: a re-run chosen or let go there is in their way or inside them."""
-        i = c.call.index
-        while i >= 0:
-            self._forget(self._at.pop(i, ()))
-            i = self.calls[i].parent
-        for i in range(c.call.index + 1, c.call.last_desc + 1):
+        for i in [*self._enclosing(c.call.index), *range(c.call.index + 1, c.call.last_desc + 1)]:
             self._forget(self._at.pop(i, ()))
 
     def _join(self, c: _Candidate) -> None:
         """Appends ``c`` to ``chosen`` and its indexes."""
-        if c.kind != PACK:
-            self._near(c)
         self.chosen.append(c)
         self._place[id(c)] = self._places
         self._places += 1
         if c.kind != PACK:
+            self._near(c)
             at = self._at_call.setdefault(c.call.index, [])
             if not at:
                 bisect.insort(self._calls_at, c.call.index)
             at.append(c)
-        for k in {*c.drops, *c.pins, *([c.packs] if c.packs is not None else [])}:
+        for k in c.storages():
             self._by_key.setdefault(k, []).append(c)
 
     def _part(self, c: _Candidate) -> None:
         """Removes ``c`` from ``chosen`` and its indexes."""
-        if c.kind != PACK:
-            self._near(c)
         self.chosen.remove(c)
         del self._place[id(c)]
         if c.kind != PACK:
+            self._near(c)
             at = self._at_call[c.call.index]
             at.remove(c)
             if not at:
                 self._calls_at.remove(c.call.index)
-        for k in {*c.drops, *c.pins, *([c.packs] if c.packs is not None else [])}:
+        for k in c.storages():
             self._by_key[k].remove(c)
 
     def seed(self, regions: list[_Candidate]) -> None:

@@ -309,7 +309,8 @@ class ActivationOffload:
             idle = planned and self._idle()
             settled = self._search is not None and self._search.settled
             self._dtr_step = self.policy == "plan" and not planned and self._dtr_left > 0
-            if self.policy == "plan" and not planned and not self._dtr_step:
+            profiled = self.policy == "plan" and not planned and not self._dtr_step
+            if profiled:
                 # the profiled step's times make the plan: on the device's clock (Note [Device
                 # time] in clock.py); first in, last out (the profile's stop reads it)
                 stack.enter_context(clock.device_time(self._device_wait()))
@@ -328,7 +329,7 @@ class ActivationOffload:
                     self._settled_run = self._settled_run + 1 if settled else 0
                 self._planned.install(stack)
             else:
-                if self.policy == "plan" and not self._dtr_step:
+                if profiled:
                     whole = {key for key, n in self._trace_changes.items() if n >= TRACE_CHANGES}
                     self._profile = Profile(lambda: self._overhead_s, self._peek, self._probe, self._written_after,
                                             whole)

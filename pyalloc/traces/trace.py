@@ -218,9 +218,11 @@ def from_snapshot(snapshot: Any, name: str, device: int = 0) -> Trace:
                          if traces else "the snapshot has no device trace")
     if not isinstance(traces[device], list):
         raise TraceError(name, 0, f"not a PyTorch memory snapshot: device {device}'s trace is not a list")
-    if not any(isinstance(e, dict) and e.get("action") == "alloc" for e in traces[device]):
-        others = [i for i, t in enumerate(traces) if i != device and isinstance(t, list)
-                  and any(isinstance(e, dict) and e.get("action") == "alloc" for e in t)]
+    def allocates(entries: Any) -> bool:
+        return isinstance(entries, list) and any(isinstance(e, dict) and e.get("action") == "alloc" for e in entries)
+
+    if not allocates(traces[device]):
+        others = [i for i, t in enumerate(traces) if i != device and allocates(t)]
         if others:  # (an empty replay of device 0 reported zeros, a review)
             raise TraceError(name, 0, f"device {device}'s trace has no allocation; device"
                              f"{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
