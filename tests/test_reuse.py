@@ -106,16 +106,36 @@ def test_reuse_off_maps_new_granules_as_before() -> None:
         pyalloc.check(0)
 
 
-def test_near_the_limit_the_pressure_ladder_decides() -> None:
-    """Past 95% of what it may reserve, a miss grows as before, and stitches once the device is full."""
+def test_near_the_limit_a_miss_reuses_as_it_does_with_no_limit() -> None:
+    """A limit does not change what a growth below it does: 24 + 12 MiB would pass 95% of a
+    30 MiB device (28.5 MiB), and the miss still takes the 4 cached granules first and maps 2,
+    as with no limit. Until 2026-11-29 it mapped 6 new granules there and the pressure ladder
+    stitched once the device was full: a device that held the run with no limit's peak reserved
+    could fail under it (resnet50_b256_s224: 10,988 MiB reserved with no limit, 11,026 needed)."""
     a = rebuilt("sim", "vmm=shared", "capacity=30MiB")
     try:
         _hole_between_live_blocks(a)
-        big = a.malloc(12 * MiB)  # 24 + 12 MiB would pass 28.5 MiB: no reuse; 6 MiB left to grow
+        big = a.malloc(12 * MiB)
+        s = a.stats()
+        assert big != 0
+        assert s["num_reuses"] == 1 and s["reused_bytes"] == 8 * MiB
+        assert s["reserved_bytes.all.current"] == 28 * MiB
+        assert s["num_stitches"] == 0 and s["num_ooms"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)
+
+
+def test_with_reuse_off_near_the_limit_the_pressure_ladder_stitches() -> None:
+    """reuse=0: a miss maps new granules until the device is full, then ladder step 2 stitches."""
+    a = rebuilt("sim", "vmm=shared", "capacity=30MiB,reuse=0")
+    try:
+        _hole_between_live_blocks(a)
+        big = a.malloc(12 * MiB)  # 6 MiB left to grow: 3 new granules, then the cached ones
         s = a.stats()
         assert big != 0
         assert s["num_reuses"] == 0
-        assert s["num_stitches"] == 1  # ladder step 2 took the cached granules
+        assert s["num_stitches"] == 1
         assert s["num_ooms"] == 0
     finally:
         a.free_all()

@@ -98,10 +98,19 @@
 // Now a growth takes its granules from free blocks of its own arena first
 // (reuse_granules: the smallest free blocks that hold whole granules first,
 // their interior granules unmapped and mapped into the window), and new ones
-// only for the rest, while reserved memory stays below 95% of what the
-// allocator may reserve; above that, the pressure ladder and shared granules
-// decide, as before. A cache hit changes nothing: only a miss that would
+// only for the rest. A cache hit changes nothing: only a miss that would
 // have mapped new granules moves cached ones instead.
+// Near the limit as well. Until 2026-11-29 reuse stopped once reserved
+// memory would pass 95% of what the allocator may reserve, and growth mapped
+// new granules until the device was full and the pressure ladder stitched:
+// a limit changed the decisions made below it, and a device that held the
+// run with no limit's peak reserved failed under it (resnet50_b256_s224
+// reserves 10,988 MiB with no limit and needed a capacity of 11,026;
+// llama1b_b32_s4096_ckpt 69,156 and 69,230). Reusing whatever the limit,
+// the minimum capacities are 10,978 and 69,156 MiB, vit_l_b256_s224 40,278
+// instead of 40,292, llama7b_b2_s4096_ckpt 64,490 instead of 64,500,
+// batch_growth 1,626 instead of 1,628; size_sweep 1,090 instead of 1,088
+// (docs/benchmarks/2026-11-29-reuse-near-the-limit-cpu.md).
 // Letting reserved memory pass the peak of allocated memory by a slack
 // before reusing (1/1024, 1/256, 1/64: tried) moved as many granules on the
 // random churn of tools/bench/scale.py, kept moving some on every iteration
@@ -396,12 +405,11 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
 }
 
 // Whether a growth that needs `fresh` bytes of new granules takes cached free
-// granules first (Note [Reuse before growing]): with reuse on, while reserved
-// memory would stay below reuse_below_.
-bool DeviceAllocator::reuses_first(size_t fresh) {
+// granules first (Note [Reuse before growing]): with reuse on, however near
+// the limit reserved memory is.
+bool DeviceAllocator::reuses_first(size_t fresh) const {
   // Never during a capture: moving granules synchronizes and remaps (Note [Capture]).
-  return fresh != 0 && capturing_ == 0 &&
-         static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)) + fresh < reuse_below_;
+  return reusing_ && fresh != 0 && capturing_ == 0;
 }
 
 // Note [Cold donors]

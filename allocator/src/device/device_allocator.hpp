@@ -333,7 +333,7 @@ class DeviceAllocator {
   Fill map_window(Segment* arena, uintptr_t lo, uintptr_t hi, uintptr_t req_lo, uintptr_t req_hi,
                   std::vector<PhysHandle>* spares);
   Block* grow_arena(Pool& pool, size_t rounded, StreamId stream, bool stitch);
-  bool reuses_first(size_t fresh);
+  bool reuses_first(size_t fresh) const;
   size_t reuse_granules(Pool& pool, Segment* arena, size_t n, uintptr_t skip_lo, uintptr_t skip_hi,
                         std::vector<PhysHandle>* spares, bool* synchronized, bool any = false);
   Block* stitch(Pool& pool, size_t rounded, StreamId stream);  // ladder step 2
@@ -477,12 +477,8 @@ class DeviceAllocator {
   // standing mark, warm donors too).
   size_t reserved_high_ = 0;
   uint64_t high_set_at_ = 0;
-  bool reusing_ = true;  // Note [Reuse before growing]
+  bool reusing_ = true;  // Note [Reuse before growing]: near the limit as well
   size_t extent_bytes_ = size_t{32} << 20;  // Note [Extents]
-  // Reserved bytes below which an arena's growth takes cached free granules
-  // before new ones (0: never); 95% of what the allocator may reserve, like
-  // share_from_: above it the pressure ladder's rules apply.
-  size_t reuse_below_ = 0;
 
   std::vector<Block*> spare_blocks_;  // Block objects not in use: recycled, or from a slab
   std::vector<std::unique_ptr<Block[]>> block_slabs_;  // every Block, kBlockSlab at a time
