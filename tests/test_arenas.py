@@ -58,9 +58,12 @@ def test_free_memory_on_both_sides_of_a_hole_joins_into_one_block(arenas: Alloca
     del a, c
 
 
-def test_stitching_moves_free_granules_to_where_a_request_fits(arenas: Allocator) -> None:
-    """PyTorch's placement fails here (see the plain OOM-report test); stitching serves it."""
-    pyalloc.configure(fresh_conf(arenas.backend, "vmm=on").replace("capacity=256MiB", "capacity=40MiB"))
+@pytest.mark.parametrize("reuse", ["1", "0"])
+def test_stitching_moves_free_granules_to_where_a_request_fits(arenas: Allocator, reuse: str) -> None:
+    """PyTorch's placement fails here (see the plain OOM-report test); moving the free slivers'
+    granules serves it: reuse before growing does (Note [Reuse before growing], near the limit
+    too), and with reuse=0 the pressure ladder's stitching."""
+    pyalloc.configure(fresh_conf(arenas.backend, f"vmm=on,reuse={reuse}").replace("capacity=256MiB", "capacity=40MiB"))
     blocks = [arenas.malloc(3 * MiB) for _ in range(12)]  # 36 MiB of 3 MiB blocks: 18 granules
     live = blocks[1::2]
     if arenas.backend == "host":
@@ -75,8 +78,9 @@ def test_stitching_moves_free_granules_to_where_a_request_fits(arenas: Allocator
     big = arenas.malloc(8 * MiB)  # 4 MiB of the device is left: needs granules from the slivers
     s = arenas.stats()
     assert big != 0
-    assert s["num_stitches"] == 1
-    assert s["stitched_bytes"] >= 4 * MiB
+    moved = "reuse" if reuse == "1" else "stitche"
+    assert s[f"num_{moved}s"] == 1
+    assert s[f"{moved}d_bytes"] >= 4 * MiB
     assert s["reserved_bytes.all.current"] <= 40 * MiB
     assert s["num_ooms"] == 0
     if arenas.backend == "host":

@@ -84,19 +84,24 @@ def test_a_small_block_in_a_freed_extent_keeps_that_extent_alone(arenas: Allocat
         assert holds(small, MiB, 0x3C)
 
 
-def test_stitching_gives_whole_extents_back_and_live_bytes_stay(arenas: Allocator) -> None:
+@pytest.mark.parametrize("reuse", ["1", "0"])
+def test_stitching_gives_whole_extents_back_and_live_bytes_stay(arenas: Allocator, reuse: str) -> None:
     """Near a full device, memory moves by giving whole chunks back and creating the window's
-    anew: the live blocks' bytes are untouched, and a request that no free block holds is served."""
-    a = rebuilt(arenas.backend, "vmm=shared", "capacity=160MiB")
+    anew: the live blocks' bytes are untouched, and a request that no free block holds is served.
+    By reuse before growing (Note [Reuse before growing]: near the limit too), or with reuse=0
+    by the pressure ladder's stitching once the device is full."""
+    a = rebuilt(arenas.backend, "vmm=shared", f"capacity=160MiB,reuse={reuse}")
     blocks = [a.malloc(32 * MiB + MiB) for _ in range(4)]  # 132 MiB over singles and 2 MiB pieces
     for i, p in enumerate(blocks):
         if a.backend == "host":
             fill(p, 32 * MiB + MiB, 0x10 + i)
     a.free(blocks[0])
     a.free(blocks[2])
-    big = a.malloc(56 * MiB)  # no free block holds it, and only 28 MiB is unreserved: stitching
+    big = a.malloc(56 * MiB)  # no free block holds it, and only 28 MiB is unreserved
     s = a.stats()
-    assert big != 0 and s["num_ooms"] == 0 and s["num_stitches"] >= 1
+    assert big != 0 and s["num_ooms"] == 0
+    moved = "num_reuses" if reuse == "1" else "num_stitches"
+    assert s[moved] >= 1
     if a.backend == "host":
         assert holds(blocks[1], 32 * MiB + MiB, 0x11) and holds(blocks[3], 32 * MiB + MiB, 0x13)
         fill(big, 56 * MiB, 0x77)

@@ -110,7 +110,15 @@
 // the minimum capacities are 10,978 and 69,156 MiB, vit_l_b256_s224 40,278
 // instead of 40,292, llama7b_b2_s4096_ckpt 64,490 instead of 64,500,
 // batch_growth 1,626 instead of 1,628; size_sweep 1,090 instead of 1,088
-// (docs/benchmarks/2026-11-29-reuse-near-the-limit-cpu.md).
+// (docs/benchmarks/2026-11-29-reuse-near-the-limit-cpu.md). Near the limit
+// (past share_from_) a growth looks at the kDonorLook smallest free blocks
+// of a granule or more, not at all of them: on a random churn at 1.05 times
+// its peak live bytes (tools/bench/scale.py) the free blocks there are mostly
+// pieces of extents that live blocks hold too, which cannot donate, and a
+// walk over all of them looked at 125 blocks a growth for 6 donors: 500
+// instructions per operation at 10^3 live blocks against 486 before reuse
+// went past 95%, 485 with the walk cut at 16. The stress suite's minimum
+// capacities and peaks did not move with the cut.
 // Letting reserved memory pass the peak of allocated memory by a slack
 // before reusing (1/1024, 1/256, 1/64: tried) moved as many granules on the
 // random churn of tools/bench/scale.py, kept moving some on every iteration
@@ -151,6 +159,9 @@ namespace pyalloc {
 namespace {
 // An arena's address space, in device sizes (Note [Reuse before growing]).
 constexpr size_t kArenaSpan = 8;
+// The free blocks a growth near the limit looks at for donors (Note [Reuse
+// before growing]).
+constexpr size_t kDonorLook = 16;
 }  // namespace
 
 size_t DeviceAllocator::granule() {
@@ -475,7 +486,11 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
   donors.clear();
   size_t found = 0;
   const uint64_t cold_after = static_cast<uint64_t>(stats_.allocation.current(kStatAll)) / 4;
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
+  const size_t look = reserved + n * g >= share_from_ ? kDonorLook : SIZE_MAX;  // near the limit: a few
+  size_t looked = 0;
   pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {
+    if (++looked > look) return false;
     uintptr_t lo, hi, a, z;
     const bool cold = any || b->freed_at == 0 || frees_ - b->freed_at >= cold_after;
     if (b->segment != arena || !cold || !interior_outside(b, g, skip_lo, skip_hi, &lo, &hi) ||
