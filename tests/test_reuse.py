@@ -140,3 +140,34 @@ def test_with_reuse_off_near_the_limit_the_pressure_ladder_stitches() -> None:
     finally:
         a.free_all()
         pyalloc.check(0)
+
+
+@pytest.mark.parametrize("capacity, reuses", [("112MiB", 0), ("1GiB", 1)])
+def test_near_the_limit_the_walk_for_donors_stops_after_16_blocks(capacity: str, reuses: int) -> None:
+    """Near the limit a growth looks at the 16 smallest free blocks of a granule or more for
+    donors, not at all of them (Note [Reuse before growing]: on a random churn near its peak they
+    are mostly pieces of extents that cannot donate). 17 warm one-granule free blocks come before
+    the one cold donor here: on a 112 MiB device (the request takes reserved memory past 95% of
+    it) the growth maps new granules; far from the limit it walks on and reuses the donor's."""
+    a = rebuilt("sim", "vmm=shared", f"capacity={capacity},extent=2MiB")
+    try:
+        for _ in range(400):
+            a.malloc(512)  # many live blocks: a block freed below is warm for 100 frees
+        x = a.malloc(16 * MiB)
+        a.malloc(4 * MiB)
+        smalls = []
+        for _ in range(17):
+            a.malloc(2 * MiB)
+            smalls.append(a.malloc(2 * MiB))
+        a.free(x)
+        a.malloc(3 * MiB)  # the front of x's free block: the rest is what a split leaves, cold
+        for p in smalls:
+            a.free(p)  # 17 free granules between live ones, freed moments ago: warm
+        before = a.stats()
+        a.malloc(20 * MiB)
+        s = a.stats()
+        assert s["num_reuses"] - before["num_reuses"] == reuses
+        assert s["num_ooms"] == 0 and s["num_stitches"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)
