@@ -498,3 +498,39 @@ def test_regenerating_a_tensor_replays_each_call_once() -> None:
         assert torch.equal(a.grad, b.grad)
     st = session.stats()
     assert st["recomputed_tensors_total"] >= 1 and st["replays_total"] < 200, st["replays_total"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("mode", ["both", "recompute"])
+def test_an_eviction_that_skips_hopeless_candidates_evicts_what_scoring_them_all_does(
+        name: str, mode: str, baselines) -> None:
+    """cost.score skips the walk through a candidate's producers when the candidate's own call
+    already scores no better than the best so far: at every eviction, the tensor evicted and how
+    (drop or swap) are those of scoring every candidate in full at that moment."""
+    from pyalloc.offloading import cost
+    from pyalloc.offloading.saved import RESIDENT
+
+    s = offload(budget=baselines[name][3] // 4, policy="dtr", swap=mode == "both", pressure_callback=False)
+    evicted: list[tuple[int, str]] = []
+    drop, swap_out, evict_one = s._drop, s._swap_out, s._evict_one
+    s._drop = lambda h: (evicted.append((h.seq, "drop")), drop(h))[1]  # type: ignore[method-assign]
+    s._swap_out = lambda h: (evicted.append((h.seq, "swap")), swap_out(h))[1]  # type: ignore[method-assign]
+    checked = [0]
+
+    def evict_checked(exclude):
+        best = None
+        for h in list(s._handles.values()):
+            if h is exclude or h.state != RESIDENT or not h.evictable:
+                continue
+            score, how = cost.score(h, s._clock, s.swap, s.recompute, s._free_neighbours)  # in full
+            if score != float("inf") and (best is None or score < best[0]):
+                best = (score, h.seq, how)
+        freed = evict_one(exclude)
+        assert (evicted[-1] if freed else None) == (best[1:] if best is not None else None)
+        checked[0] += 1
+        return freed
+
+    s._evict_one = evict_checked  # type: ignore[method-assign]
+    grads, _, _ = _run(name, s)
+    _assert_bitwise_equal(grads, baselines[name][0])
+    assert checked[0] > 3

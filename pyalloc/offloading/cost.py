@@ -79,12 +79,19 @@ def free_neighbour_bytes(query: NeighbourQuery | None, h: SavedActivation) -> in
 
 
 def score(h: SavedActivation, clock: int, swap: bool, recompute: bool,
-          free_neighbours: NeighbourQuery | None) -> tuple[float, str]:
+          free_neighbours: NeighbourQuery | None, beat: float = float("inf")) -> tuple[float, str]:
     """DTR's h = cost / (size x staleness), with MegEngine's free-neighbour term in the size,
-    and the cheaper way to evict, "drop" or "swap" (see Note [Free neighbours])."""
-    rc = call_cost(h.producer[0]) if recompute and h.producer is not None else float("inf")
+    and the cheaper way to evict, "drop" or "swap" (see Note [Free neighbours]).
+
+    ``beat``: the best score so far of an eviction's candidates. A re-run costs at least its own
+    call, so when that bound already scores ``beat`` or more, the walk through the producers of
+    its missing inputs (``call_cost``, most of an eviction's time) is skipped and the score is
+    returned as infinite: the candidate would lose anyway, and the choice is the same."""
     sc = swap_cost(h) if swap else float("inf")
+    room = (h.nbytes + free_neighbour_bytes(free_neighbours, h)) * (clock - h.last_use + 1)
+    call = h.producer[0] if recompute and h.producer is not None else None
+    if beat != float("inf") and min(call.cost_s if call is not None else float("inf"), sc) / room >= beat:
+        return float("inf"), "drop"
+    rc = call_cost(call) if call is not None else float("inf")
     how = "drop" if rc <= sc else "swap"
-    cost = min(rc, sc)
-    staleness = clock - h.last_use + 1
-    return cost / ((h.nbytes + free_neighbour_bytes(free_neighbours, h)) * staleness), how
+    return min(rc, sc) / room, how

@@ -758,7 +758,8 @@ class ActivationOffload:
         for h in list(self._handles.values()):
             if h is exclude or h.state != RESIDENT or not h.evictable:
                 continue
-            score, how = cost.score(h, self._clock, self.swap, self.recompute, self._free_neighbours)
+            score, how = cost.score(h, self._clock, self.swap, self.recompute, self._free_neighbours,
+                                    best[0] if best is not None else float("inf"))
             if score == float("inf") or (best is not None and score >= best[0]):
                 continue
             best = (score, h, how)
