@@ -1,10 +1,10 @@
 """Reuse before growing (Note [Reuse before growing] in allocator/src/device/arena.cpp).
 
 An arena that finds no cached block for a request takes the whole granules
-inside its other free blocks before it maps new ones, while reserved memory
-stays below 95% of what the allocator may reserve. On the host backend the
-granules are real memfd chunks, so the live blocks' bytes are checked after the
-move. Every call is followed by ``pyalloc_check``.
+inside its other free blocks before it maps new ones, however near the limit
+reserved memory is (there looking at 16 free blocks at most). On the host backend the granules are real memfd chunks,
+so the live blocks' bytes are checked after the move. Every call is followed
+by ``pyalloc_check``.
 """
 
 from __future__ import annotations
@@ -142,14 +142,15 @@ def test_with_reuse_off_near_the_limit_the_pressure_ladder_stitches() -> None:
         pyalloc.check(0)
 
 
+@pytest.mark.parametrize("share", ["1", "0"])
 @pytest.mark.parametrize("capacity, reuses", [("112MiB", 0), ("1GiB", 1)])
-def test_near_the_limit_the_walk_for_donors_stops_after_16_blocks(capacity: str, reuses: int) -> None:
+def test_near_the_limit_the_walk_for_donors_stops_after_16_blocks(capacity: str, reuses: int, share: str) -> None:
     """Near the limit a growth looks at the 16 smallest free blocks of a granule or more for
     donors, not at all of them (Note [Reuse before growing]: on a random churn near its peak they
     are mostly pieces of extents that cannot donate). 17 warm one-granule free blocks come before
     the one cold donor here: on a 112 MiB device (the request takes reserved memory past 95% of
     it) the growth maps new granules; far from the limit it walks on and reuses the donor's."""
-    a = rebuilt("sim", "vmm=shared", f"capacity={capacity},extent=2MiB")
+    a = rebuilt("sim", "vmm=shared", f"capacity={capacity},extent=2MiB,share={share}")  # with sharing or without
     try:
         for _ in range(400):
             a.malloc(512)  # many live blocks: a block freed below is warm for 100 frees
@@ -168,6 +169,33 @@ def test_near_the_limit_the_walk_for_donors_stops_after_16_blocks(capacity: str,
         s = a.stats()
         assert s["num_reuses"] - before["num_reuses"] == reuses
         assert s["num_ooms"] == 0 and s["num_stitches"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)
+
+
+def test_near_the_limit_a_reuse_that_leaves_its_window_short_is_not_counted() -> None:
+    """Near the limit, granules moved that, with what may still be reserved, do not fill the
+    window go back (the single ones released) and the pressure ladder's stitching serves the
+    request: such a move served nothing, and num_reuses and reused_bytes leave it out (a
+    review's reproducer: a 4 MiB cold hole on the request's stream, 8 MiB freed on another
+    stream, 6 MiB left to reserve). Moving only when the window would be filled cost memory and
+    instructions elsewhere (Note [Reuse before growing])."""
+    a = rebuilt("sim", "vmm=shared", "capacity=30MiB,extent=2MiB")
+    try:
+        a.malloc(8 * MiB, 0)
+        hole = a.malloc(4 * MiB, 0)
+        a.malloc(8 * MiB, 0)
+        other = a.malloc(8 * MiB, 1)
+        a.free(hole)
+        a.free(other)
+        before = a.stats()
+        big = a.malloc(10 * MiB, 0)  # 5 granules: 1 may still be reserved, 2 in the hole
+        s = a.stats()
+        assert big != 0 and s["num_ooms"] == 0
+        assert s["num_reuses"] == before["num_reuses"] and s["reused_bytes"] == before["reused_bytes"]
+        assert s["num_stitches"] - before["num_stitches"] == 1
+        assert s["reserved_bytes.all.current"] == 30 * MiB
     finally:
         a.free_all()
         pyalloc.check(0)

@@ -111,8 +111,20 @@
 // instead of 40,292, llama7b_b2_s4096_ckpt 64,490 instead of 64,500,
 // batch_growth 1,626 instead of 1,628; size_sweep 1,090 instead of 1,088
 // (docs/benchmarks/2026-11-29-reuse-near-the-limit-cpu.md). Near the limit
-// (past share_from_) a growth looks at the kDonorLook smallest free blocks
-// of a granule or more, not at all of them: on a random churn at 1.05 times
+// a window that what was moved and what may still be reserved do not fill
+// gives the moved granules back (single ones released, to be made again by
+// the ladder's stitching: backend calls a growth below the limit would not
+// make; a review counted 39 of 74 reuses of a random churn at 256 MiB so),
+// and only a reuse that served its window is counted (num_reuses,
+// reused_bytes). Moving only when the window would be filled was tried: it
+// saves those calls, and cost two_stream 4 MiB (924 -> 928, 1.022 times its
+// live bytes) and the churn of tools/bench/scale.py at 10^3 live blocks and
+// 1.05 times its peak 8 instructions an operation (485 -> 493: flat
+// instructions 1.51, over issue 18's 1.5). And there (past near_limit_, 95%
+// of the limit, with sharing on or off) a growth looks at the kDonorLook
+// smallest free blocks of a granule or more, not at all of them, so that a
+// limit still changes one decision below it, where to look for donors: on a
+// random churn at 1.05 times
 // its peak live bytes (tools/bench/scale.py) the free blocks there are mostly
 // pieces of extents that live blocks hold too, which cannot donate, and a
 // walk over all of them looked at 125 blocks a growth for 6 donors: 500
@@ -363,20 +375,17 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   // [Extents]).
   std::vector<PhysHandle>& spares = spares_;
   spares.clear();
+  size_t reused = 0;  // granules moved from cold (or warm) donors
   if (!stitch && reuses_first(need * g)) {
     bool synchronized = false;  // one wait on the arena's stream for both walks
-    size_t n = reuse_granules(pool, arena, need, lo, hi, &spares, &synchronized);
+    reused = reuse_granules(pool, arena, need, lo, hi, &spares, &synchronized);
     // Past a standing high-water mark, warm donors too (Note [Cold donors]).
     const size_t reserved_now = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
-    const size_t fresh = (need - std::min(need, n)) * g;
+    const size_t fresh = (need - std::min(need, reused)) * g;
     const uint64_t settled = static_cast<uint64_t>(stats_.allocation.current(kStatAll)) / 4;
     if (reserved_now + fresh > reserved_high_ && frees_ - high_set_at_ >= settled) {
-      n += reuse_granules(pool, arena, (reserved_now + fresh - reserved_high_ + g - 1) / g, lo, hi, &spares,
-                          &synchronized, true);
-    }
-    if (n > 0) {
-      stats_.num_reuses += 1;
-      stats_.reused_bytes += static_cast<int64_t>(n * g);
+      reused += reuse_granules(pool, arena, (reserved_now + fresh - reserved_high_ + g - 1) / g, lo, hi, &spares,
+                               &synchronized, true);
     }
   }
   auto take_free = [&](size_t granules) {
@@ -397,6 +406,10 @@ Block* DeviceAllocator::grow_arena(Pool& pool, size_t rounded, StreamId stream, 
   // than our limit): free memory of ours goes back to it, once.
   if (fill == Fill::kNoMemory && stitch && take_free(need - std::min(need, spares.size())) > 0) {
     fill = map_window(arena, lo, hi, w.lo, w.lo + rounded, &spares);
+  }
+  if (reused > 0 && fill == Fill::kDone) {  // counted when they served the window
+    stats_.num_reuses += 1;
+    stats_.reused_bytes += static_cast<int64_t>(reused * g);
   }
   Block* block = nullptr;
   if (fill != Fill::kNoMemory) {
@@ -487,7 +500,7 @@ size_t DeviceAllocator::reuse_granules(Pool& pool, Segment* arena, size_t n, uin
   size_t found = 0;
   const uint64_t cold_after = static_cast<uint64_t>(stats_.allocation.current(kStatAll)) / 4;
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current(kStatAll));
-  const size_t look = reserved + n * g >= share_from_ ? kDonorLook : SIZE_MAX;  // near the limit: a few
+  const size_t look = reserved + n * g >= near_limit_ ? kDonorLook : SIZE_MAX;  // near the limit: a few
   size_t looked = 0;
   pool.free_blocks.for_each_at_least(arena->stream, g, [&](Block* b) {
     if (++looked > look) return false;

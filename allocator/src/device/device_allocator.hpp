@@ -463,6 +463,10 @@ class DeviceAllocator {
   // from a shared window first (SIZE_MAX: never).
   size_t share_from_ = SIZE_MAX;
   size_t share_limit_ = SIZE_MAX;  // what the allocator may reserve, when share_from_ is set
+  // Reserved bytes from which a growth's walk for donors is cut at kDonorLook
+  // blocks (95% of the limit, sharing on or off; SIZE_MAX: never): Note
+  // [Reuse before growing].
+  size_t near_limit_ = SIZE_MAX;
   // The sliver indexes' upkeep (free-set changes they followed) since they
   // were last asked, and what building them walked: drop_sliver_indexes
   // drops them once the first passes twice the second (Note [Sliver index]).
