@@ -3,7 +3,7 @@
 ``pyalloc.offload(budget=...)`` wraps a training step. Two policies:
 
 - ``plan`` (the default with a budget and recompute on): the first step is profiled (run under
-  DTR, below, so that it keeps the budget too); later steps drop what a plan names and
+  DTR, below, which keeps what it can evict within the budget too); later steps drop what a plan names and
   recompute it by re-running modules, with nothing recorded per operator (Note [Planned
   recompute] in :mod:`.plan`; :mod:`.regions` runs it). Recompute only: on CPU a swap to host
   memory frees nothing, and on CUDA ``policy="dtr"`` swaps.
@@ -27,7 +27,10 @@ Note [Unsettled steps]
     step (on a GPU, the out-of-memory error the budget was there to prevent). After
     ``UNSETTLED_WARN_AFTER`` such steps in a row the session runs the next
     ``UNSETTLED_DTR_STEPS`` steps under per-operator DTR alone (no profile, nothing recorded
-    for a plan): the budget holds on any graph, at DTR's cost on every operator. Then a step is
+    for a plan): the saves DTR can evict stay within the budget on any graph, at DTR's cost on
+    every operator (leaves the step made, which DTR never evicts, stay on top: a CPU dropout's
+    noise, an LSTM's workspaces; at half the saved bytes of the benchmark models such steps held
+    0.51-1.11 of the plain step's saved bytes, 2026-11-29). Then a step is
     profiled again; the planned step after it either matches (the workload settled, and plans
     apply again) or differs once more, and DTR takes the next steps at once. The session says
     so once (:class:`OffloadUnsettledWarning`); ``unsettled_dtr_steps_total`` counts the steps.
@@ -446,9 +449,9 @@ class ActivationOffload:
             warnings.warn(f"pyalloc.offload: {self._diverged_in_a_row} steps in a row differed from the "
                           "profiled step (other input shapes, another graph): such a step keeps every save "
                           f"from where it differs, so the next {UNSETTLED_DTR_STEPS} steps run under "
-                          "per-operator DTR, which keeps the budget on any graph at a cost on every "
-                          "operator, before one is profiled again; give the steps the same shapes (pad or "
-                          "bucket the sequence lengths) for a plan to apply", OffloadUnsettledWarning,
+                          "per-operator DTR, which keeps the saves it can evict within the budget at a "
+                          "cost on every operator, before one is profiled again; give the steps the same "
+                          "shapes (pad or bucket the sequence lengths) for a plan to apply", OffloadUnsettledWarning,
                           stacklevel=4)
 
     def _trace_entries(self) -> list[tuple[Any, ...]] | None:
