@@ -90,7 +90,7 @@ def score(h: SavedActivation, clock: int, swap: bool, recompute: bool,
     sc = swap_cost(h) if swap else float("inf")
     room = (h.nbytes + free_neighbour_bytes(free_neighbours, h)) * (clock - h.last_use + 1)
     call = h.producer[0] if recompute and h.producer is not None else None
-    if beat != float("inf") and min(call.cost_s if call is not None else float("inf"), sc) / room >= beat:
+    if min(call.cost_s if call is not None else float("inf"), sc) / room >= beat:
         return float("inf"), "drop"
     rc = call_cost(call) if call is not None else float("inf")
     how = "drop" if rc <= sc else "swap"

@@ -130,17 +130,22 @@ def _same_storage(a: Any, b: torch.Tensor) -> bool:
     return isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def _written(argument: Any) -> bool:
+    """Whether an operator's schema says it writes this argument (``Tensor(a!)``)."""
+    return argument.alias_info is not None and argument.alias_info.is_write
+
+
 def written_arguments(schema: Any) -> list[Any]:
-    """The arguments an operator's schema says it writes (``Tensor(a!)``)."""
-    return [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    """The arguments an operator's schema says it writes."""
+    return [a for a in schema.arguments if _written(a)]
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes, among its arguments."""
-    schema = func._schema
     out = []
-    for a in written_arguments(schema):
-        idx = next(i for i, b in enumerate(schema.arguments) if b is a)
+    for idx, a in enumerate(func._schema.arguments):
+        if not _written(a):
+            continue
         value = args[idx] if idx < len(args) and not a.kwarg_only else kwargs.get(a.name)
         out += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
     return out

@@ -383,9 +383,8 @@ class ActivationOffload:
             once_more = profile.state_changed and not self._state_changed_last
             self._state_changed_last = profile.state_changed
             if profile.packs and not once_more:  # (Note [State built on the first call] in plan.py)
-                t0 = time.perf_counter()
-                self._search = PlanSearch(profile, self.budget, self.selective)
-                st["planning_seconds_total"] += time.perf_counter() - t0
+                with self._planning():
+                    self._search = PlanSearch(profile, self.budget, self.selective)
                 self._replay_checks = 0
             return
         run, self._planned = self._planned, None
@@ -422,10 +421,11 @@ class ActivationOffload:
             return
         if not run.counted:  # a settled plan's step between two counted ones (COUNT_EVERY)
             return
-        t0 = time.perf_counter()
-        if search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds, run.region_seconds):
+        with self._planning():
+            replanned = search.measured(peak, run.rerun_seconds, run.selective_seconds, run.refill_seconds,
+                                        run.region_seconds)
+        if replanned:
             st["replans_total"] += 1
-        st["planning_seconds_total"] += time.perf_counter() - t0
         if search.settled and search.plan.empty and peak > search.limit and not search.below_floor:
             self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
             return
@@ -435,6 +435,15 @@ class ActivationOffload:
                           f"{search.floor_bytes} bytes of saved activations (what no module re-run can "
                           f"free: inputs kept for recompute, saves outside recomputable modules, one "
                           f"re-run's saves); steps run at the floor", OffloadFloorWarning, stacklevel=4)
+
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """Adds the time of the block (making or tuning a plan) to ``planning_seconds_total``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._stats["planning_seconds_total"] += time.perf_counter() - t0
 
     def _note_diverged(self, diverged: bool) -> None:
         """Counts planned steps that differed from the profile in a row; when they keep doing so

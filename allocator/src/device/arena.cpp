@@ -110,27 +110,25 @@
 // the minimum capacities are 10,978 and 69,156 MiB, vit_l_b256_s224 40,278
 // instead of 40,292, llama7b_b2_s4096_ckpt 64,490 instead of 64,500,
 // batch_growth 1,626 instead of 1,628; size_sweep 1,090 instead of 1,088
-// (docs/benchmarks/2026-11-29-reuse-near-the-limit-cpu.md). Near the limit
-// a window that what was moved and what may still be reserved do not fill
-// gives the moved granules back (single ones released, to be made again by
-// the ladder's stitching: backend calls a growth below the limit would not
-// make; a review counted 39 of 74 reuses of a random churn at 256 MiB so),
-// and only a reuse that served its window is counted (num_reuses,
-// reused_bytes). Moving only when the window would be filled was tried: it
-// saves those calls, and cost two_stream 4 MiB (924 -> 928, 1.022 times its
-// live bytes) and the churn of tools/bench/scale.py at 10^3 live blocks and
-// 1.05 times its peak 8 instructions an operation (485 -> 493: flat
-// instructions 1.51, over issue 18's 1.5). And there (past near_limit_, 95%
-// of the limit, with sharing on or off) a growth looks at the kDonorLook
-// smallest free blocks of a granule or more, not at all of them, so that a
-// limit still changes one decision below it, where to look for donors: on a
-// random churn at 1.05 times
-// its peak live bytes (tools/bench/scale.py) the free blocks there are mostly
-// pieces of extents that live blocks hold too, which cannot donate, and a
-// walk over all of them looked at 125 blocks a growth for 6 donors: 500
-// instructions per operation at 10^3 live blocks against 486 before reuse
-// went past 95%, 485 with the walk cut at 16. The stress suite's minimum
-// capacities and peaks did not move with the cut.
+// (docs/benchmarks/2026-11-29-reuse-near-the-limit-cpu.md). Two things
+// differ near the limit (past near_limit_, 95% of it, sharing on or off):
+//   - The walk for donors looks at the kDonorLook smallest free blocks of a
+//     granule or more, not at all of them. On a random churn at 1.05 times
+//     its peak live bytes (tools/bench/scale.py) the free blocks there are
+//     mostly pieces of extents that live blocks hold too, which cannot
+//     donate: the whole walk looked at 125 blocks a growth for 6 donors, 500
+//     instructions per operation at 10^3 live blocks against 486 before reuse
+//     went past 95%, and 485 cut at 16. The stress suite's minimum capacities
+//     and peaks did not move with the cut.
+//   - A window that what was moved and what may still be reserved do not
+//     fill gives the moved granules back (single ones released, made again
+//     by the ladder's stitching: backend calls a growth below the limit does
+//     not make; a review counted 39 of 74 reuses of a random churn at 256 MiB
+//     so), and only a reuse that served its window is counted (num_reuses,
+//     reused_bytes). Moving only when the window would be filled saves those
+//     calls, and cost two_stream 4 MiB (924 -> 928, 1.022 times its live
+//     bytes) and the churn above 8 instructions an operation (485 -> 493:
+//     flat instructions 1.51, over issue 18's 1.5): not kept.
 // Letting reserved memory pass the peak of allocated memory by a slack
 // before reusing (1/1024, 1/256, 1/64: tried) moved as many granules on the
 // random churn of tools/bench/scale.py, kept moving some on every iteration

@@ -70,8 +70,8 @@ void DeviceAllocator::set_memory_fraction(double fraction) {
 // 98% (docs/benchmarks/2026-11-22-shared-granules-cpu.md).
 void DeviceAllocator::update_share_from() {
   const size_t limit = std::min(reserved_limit(), device_total());
-  share_from_ = sharing_ && vmm_ != VmmMode::kOff && limit != 0 ? limit / 20 * 19 : SIZE_MAX;
   near_limit_ = limit != 0 ? limit / 20 * 19 : SIZE_MAX;
+  share_from_ = sharing_ && vmm_ != VmmMode::kOff ? near_limit_ : SIZE_MAX;
   share_limit_ = limit;
   if (divert_ & kDivertSlivers) drop_sliver_indexes(false);
   settle_whole_count(static_cast<size_t>(stats_.reserved_bytes.current(kStatAll)));
