@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pyalloc.offloading.dropout import exact_product_seconds, product_nodes, product_refill
+from pyalloc.offloading import plan as plan_module
 from pyalloc.offloading.plan import PRODUCT, REGION, _Planner, make_plan
 from pyalloc.offloading.session import offload
 
@@ -85,16 +86,25 @@ def test_a_product_whose_noise_has_history_or_whose_operand_saved_nothing_is_not
     assert exact_product_seconds(w) is not None
 
 
-def test_the_plan_drops_dropout_products_and_gradients_stay_bit_identical() -> None:
+def test_the_plan_drops_dropout_products_and_gradients_stay_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = _model(), _input()
     expected = [_step(copy.deepcopy(model), x, s) for s in range(STEPS)]
-    # the products (a fifth of the saves here) and a few cheap outputs reach this budget (at 85%,
-    # with the noise held packed, one output could reach it alone, by measured times: the test
-    # failed in 4 of 7 runs of the offload tests)
-    budget = saved_bytes_peak(model, x) * 70 // 100
+    # What this test checks is the products' refill in planned steps, not the search's choice
+    # between them and re-runs, which rests on measured times (at 70% with measured refills the
+    # plan took no product once in a full run of the suite): the profiled step reads each product's
+    # refill as free, and the budget is one that three quarters of the products' bytes reach, so
+    # the cheapest plan that keeps it drops products.
+    def free_refill(t: torch.Tensor) -> tuple[tuple[str, ...], str, float, torch.Tensor] | None:
+        found = exact_product_seconds(t)
+        return None if found is None else (found[0], found[1], 0.0, found[3])
+
+    monkeypatch.setattr(plan_module, "exact_product_seconds", free_refill)
+    planner = _Planner(profiled(_model(), _input()), selective=False)
+    products = sum(c.transient for c in planner.candidates if c.kind == PRODUCT)
+    assert products * 8 >= planner.total  # an eighth of the saves or more
+    budget = saved_bytes_peak(model, x) - products * 3 // 4
     # whole-module plans only: with selective regions allowed, the search may take the attention
-    # as a selective region (its product then a save the region refills, not a product), by
-    # measured times: the test would depend on them
+    # as a selective region (its product then a save the region refills, not a product)
     session = offload(budget=budget, pressure_callback=False, check=True, selective=False)
     got = session_steps(session, model, x, STEPS)
     for e, g in zip(expected, got):
