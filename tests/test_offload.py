@@ -480,7 +480,8 @@ class _Decoder(nn.Module):
 def test_regenerating_a_tensor_replays_each_call_once() -> None:
     """Note [One replay a call]: the rotary decoder's profiled step at a quarter of its saved
     bytes replayed 4,408 calls to regenerate one dropped tensor (each path through ``q`` anew:
-    2^depth), 106x the plain step (a review). Exact, and each call replayed at most once."""
+    2^depth), 106x the plain step (a review). Exact, and each call replayed at most once: some
+    80 replays a regenerated tensor (the forward's calls up to it), not thousands."""
     from offload_fixture import saved_bytes_peak
 
     torch.manual_seed(0)
@@ -497,7 +498,8 @@ def test_regenerating_a_tensor_replays_each_call_once() -> None:
     for a, b in zip(reference.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
     st = session.stats()
-    assert st["recomputed_tensors_total"] >= 1 and st["replays_total"] < 200, st["replays_total"]
+    assert st["recomputed_tensors_total"] >= 1
+    assert st["replays_total"] < 200 * st["recomputed_tensors_total"], st["replays_total"]
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -21,6 +21,13 @@ Note [Recompute check]
     module (or operator) re-run, the save's index and both geometries;
     ``recompute_checked_total`` and ``recompute_mismatches_total`` count them all.
 
+    A one-dimensional byte tensor is compared by layout alone: autograd saves bytes only as an
+    operator's opaque workspace (the CPU LSTM's oneDNN workspace, cuDNN's reserve space), made
+    inside the operator and read by its backward, whose unused bytes are whatever the allocator
+    left there (a DTR replay of a CPU LSTM layer gave workspaces that differ in 66 thousand to 10
+    million of their 16 million bytes, and gradients bit for bit the same). Gradients that match
+    say the bytes its backward reads came back.
+
     Costs: a host copy of every dropped save (on CUDA a synchronising device-to-host copy at each
     drop and each refill), so the memory a plan frees is spent on the host instead. Debugging only;
     the numbers the model computes are unchanged (the copies read, nothing else).
@@ -92,6 +99,11 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _workspace(t: torch.Tensor) -> bool:
+    """An operator's opaque workspace, whose values are not compared (Note [Recompute check])."""
+    return t.dtype == torch.uint8 and t.dim() == 1
+
+
 class RecomputeCheck:
     """The session's record of recomputed tensors compared; see Note [Recompute check]."""
 
@@ -112,7 +124,7 @@ class RecomputeCheck:
             return True
         self.checked += 1
         values = got.detach().to("cpu", copy=True)
-        same_values = _same_values(original.values, values)
+        same_values = _workspace(original.values) or _same_values(original.values, values)
         now = geometry(got)
         if same_values and _layout(now) == _layout(original.geometry):
             return True

@@ -37,7 +37,7 @@ class SavedActivation:
     """
 
     __slots__ = ("session", "tensor", "state", "nbytes", "dtype", "device", "shape", "stride",
-                 "span", "evictable", "producer", "last_use", "seq", "host", "pending", "ready",
+                 "span", "evictable", "counted", "producer", "last_use", "seq", "host", "pending", "ready",
                  "pos", "original", "__weakref__")
 
     def __init__(self, session: "ActivationOffload", t: torch.Tensor, seq: int) -> None:
@@ -58,11 +58,14 @@ class SavedActivation:
         self.pending: Copy | None = None  # the swap-out copy, while it may be in flight (CUDA)
         self.ready: Any = None  # event the compute stream waits on before use (CUDA swap-in)
         self.original: Any = None  # check.Original while dropped, with the session's check on
+        # against the budget: a save with history, or a leaf the step made (the session's
+        # _attribute says which), not a parameter, a view of one (weight.t()) or the batch
+        self.counted = not t.is_leaf and not (t._base is not None and t._base.is_leaf)
         self.evictable = (
             t.layout == torch.strided
             and type(t) in (torch.Tensor, torch.nn.Parameter)
             and not isinstance(t, torch.nn.Parameter)
-            and not t.is_leaf
+            and not (t.is_leaf and t.requires_grad)  # a leaf without history: only if the step made it (_attribute)
             and not (t._base is not None and t._base.is_leaf)  # a view of a parameter (weight.t())
             and t.device.type in ("cpu", "cuda")
             and self.nbytes >= session.min_evict_bytes

@@ -14,9 +14,30 @@
   reusable host buffer (swap, :mod:`.swap`) or drops it and regenerates it on use by replaying
   the call that produced it (recompute, :mod:`.calls`).
 
-Limits: tensors smaller than ``min_evict_bytes``, parameters, leaves and non-strided tensors are
-never evicted. Evicting a tensor that something else still references frees no real memory; the
-budget counts the bytes the session itself keeps resident.
+Limits: tensors smaller than ``min_evict_bytes``, parameters, non-strided tensors and leaves the
+step did not make are never evicted (Note [Leaves DTR evicts]). Evicting a tensor that something
+else still references frees no real memory; the budget counts the bytes the session itself keeps
+resident, the ones it cannot evict included (over the budget by themselves, they are DTR's floor:
+said once, with an :class:`OffloadFloorWarning`).
+
+Note [Leaves DTR evicts]
+    Tensors without history (leaves) are much of what a step saves on some models: a CPU
+    dropout's noise, an LSTM's oneDNN workspaces (Note [Step-made leaves] in plan.py). DTR used to
+    keep every leaf, as if all were parameters or the input batch, so its steps held the budget
+    in what it could evict and those leaves on top: at half the saved bytes, everything it held
+    (parameters and batch included) peaked at 0.67, 0.82, 0.51 and 1.11 of the plain step's saved
+    bytes on the benchmark's GPT-like, BERT-like, ResNet-like and LSTM models (2026-11-29). A leaf
+    that does not require grad is evicted like any save when a recorded call made it: as that
+    call's output (``torch.rand_like(h)``, ``x > 0``) or saved while the call ran,
+    not an alias of its inputs (the noise ``dropout`` draws and saves inside ``native_dropout``);
+    the call's replay regenerates it, the generator's state replayed. Other leaves (the batch,
+    buffers, a table built before the step, what the program made with grad off or with a
+    constructor, ``torch.zeros(n)``, that nothing records) stay and are not counted: nothing
+    could regenerate them, and most are held by something else anyway. A workspace's unused
+    bytes are whatever the allocator left there, so the recompute check compares byte tensors by
+    layout only (Note [Recompute check] in check.py). At half the saved bytes the four models'
+    DTR steps now peak at 0.49-0.50 of the plain step's saved bytes in what counts
+    (``counted_resident_bytes_peak``), 0.51-0.61 with parameters and batch.
 
 Note [Unsettled steps]
     A planned step that differs from its profile (another input shape, a mixture of experts
@@ -27,10 +48,8 @@ Note [Unsettled steps]
     step (on a GPU, the out-of-memory error the budget was there to prevent). After
     ``UNSETTLED_WARN_AFTER`` such steps in a row the session runs the next
     ``UNSETTLED_DTR_STEPS`` steps under per-operator DTR alone (no profile, nothing recorded
-    for a plan): the saves DTR can evict stay within the budget on any graph, at DTR's cost on
-    every operator (leaves the step made, which DTR never evicts, stay on top: a CPU dropout's
-    noise, an LSTM's workspaces; at half the saved bytes of the benchmark models such steps held
-    0.51-1.11 of the plain step's saved bytes, 2026-11-29). Then a step is
+    for a plan): the saves stay within the budget on any graph, above DTR's floor (Note [Leaves
+    DTR evicts]), at DTR's cost on every operator. Then a step is
     profiled again; the planned step after it either matches (the workload settled, and plans
     apply again) or differs once more, and DTR takes the next steps at once. The session says
     so once (:class:`OffloadUnsettledWarning`); ``unsettled_dtr_steps_total`` counts the steps.
@@ -201,6 +220,7 @@ class ActivationOffload:
         self._pack_seq = 0
         self.resident_bytes = 0
         self.unevictable_bytes = 0
+        self.uncounted_bytes = 0  # resident and not counted against the budget: parameters, the batch, buffers
         self.swapped_bytes = 0
         self._handles: "weakref.WeakValueDictionary[int, SavedActivation]" = weakref.WeakValueDictionary()
         self._profile: Profile | None = None  # the step being profiled (policy "plan")
@@ -225,6 +245,7 @@ class ActivationOffload:
             "saved_tensors_total", "swap_outs_total", "swap_ins_total", "drops_total", "recomputed_tensors_total",
             "replays_total", "prefetches_total", "swap_out_bytes_total", "swap_in_bytes_total", "dropped_bytes_total",
             "swap_seconds_total", "recompute_seconds_total", "resident_bytes_peak", "evictable_resident_bytes_peak",
+            "counted_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
             "planning_seconds_total", "unsettled_dtr_steps_total",
@@ -411,6 +432,7 @@ class ActivationOffload:
             st["step_saved_bytes_peak"] = peak
             st["resident_bytes_peak"] = max(st["resident_bytes_peak"], peak)
             st["evictable_resident_bytes_peak"] = max(st["evictable_resident_bytes_peak"], peak)
+            st["counted_resident_bytes_peak"] = max(st["counted_resident_bytes_peak"], peak)
         if run.stale:
             st["replays_stale_total"] += 1
             for key in run.traces_changed:
@@ -609,7 +631,7 @@ class ActivationOffload:
                    plan_recompute_seconds=plan.recompute_seconds if plan else 0.0)
         out.update(budget_bytes=self.budget if self.budget is not None else -1,
                    resident_bytes=self.resident_bytes, swapped_out_bytes=self.swapped_bytes,
-                   unevictable_bytes=self.unevictable_bytes,
+                   unevictable_bytes=self.unevictable_bytes, uncounted_bytes=self.uncounted_bytes,
                    evictions_total=st["swap_outs_total"] + st["drops_total"],
                    copies_in_flight=len(self._host),
                    host_pool_reserved_bytes=self.pool.reserved_bytes,
@@ -627,6 +649,8 @@ class ActivationOffload:
         st["resident_bytes_peak"] = max(st["resident_bytes_peak"], self.resident_bytes)
         st["evictable_resident_bytes_peak"] = max(
             st["evictable_resident_bytes_peak"], self.resident_bytes - self.unevictable_bytes)
+        st["counted_resident_bytes_peak"] = max(
+            st["counted_resident_bytes_peak"], self.resident_bytes - self.uncounted_bytes)
 
     # -- pack / unpack ---------------------------------------------------------------------
 
@@ -670,25 +694,36 @@ class ActivationOffload:
             self.resident_bytes += h.nbytes
             if not h.evictable:
                 self.unevictable_bytes += h.nbytes
+            if not h.counted:
+                self.uncounted_bytes += h.nbytes
             self._enforce_budget(exclude=None)
             self._note_peak()
             return h
 
     def _attribute(self, h: SavedActivation, t: torch.Tensor) -> None:
-        """Finds how ``t`` could be regenerated: as a call's output, or a call's internal pack."""
-        if not h.evictable:
+        """Finds how ``t`` could be regenerated: as a call's output, or a call's internal pack. A
+        leaf without history is evictable only so (Note [Leaves DTR evicts])."""
+        made = t.is_leaf and not t.requires_grad  # perhaps by the step: counted if a recorded call made it
+        if not h.evictable and not made:
             return
         prod = self._calls.producers.get(t)
+        producer: tuple[ProducerCall, str, int, int] | None = None
         if prod is not None and prod[2] == t._version:
-            h.producer = (prod[0], "out", prod[1], prod[2])
-            prod[0].out_handles[prod[1]] = weakref.ref(h)
-            return
-        if self._calls.current:
+            producer = (prod[0], "out", prod[1], prod[2])
+        elif self._calls.current:
             call, inputs = self._calls.current[-1]
             ptr = t.untyped_storage().data_ptr()
-            if any(x is t or x.untyped_storage().data_ptr() == ptr for x in inputs):
-                return  # an alias of the call's own input: replay would need it first
-            h.producer = (call, "pack", self._pack_seq - call.pack_start - 1, t._version)
+            # not an alias of the call's own input: replay would need that first
+            if not any(x is t or x.untyped_storage().data_ptr() == ptr for x in inputs):
+                producer = (call, "pack", self._pack_seq - call.pack_start - 1, t._version)
+        if made:
+            # the program's input, a buffer, or made where nothing recorded it: neither counted nor evicted
+            h.counted = producer is not None
+            h.evictable = h.evictable and h.counted
+        if h.evictable and producer is not None:
+            h.producer = producer
+            if producer[1] == "out":
+                producer[0].out_handles[producer[2]] = weakref.ref(h)
 
     @contextlib.contextmanager
     def _peek(self) -> Iterator[None]:
@@ -750,6 +785,8 @@ class ActivationOffload:
                 self.resident_bytes -= h.nbytes
                 if not h.evictable:
                     self.unevictable_bytes -= h.nbytes
+                if not h.counted:
+                    self.uncounted_bytes -= h.nbytes
             elif h.state == SWAPPED:
                 self.swapped_bytes -= h.nbytes
             self._host.release_host(h)
@@ -761,9 +798,23 @@ class ActivationOffload:
     def _enforce_budget(self, exclude: SavedActivation | None) -> None:
         if self.budget is None:
             return
-        while self.resident_bytes - self.unevictable_bytes > self.budget:
+        while self.resident_bytes - self.uncounted_bytes > self.budget:
             if not self._evict_one(exclude):
+                self._below_dtr_floor()
                 break
+
+    def _below_dtr_floor(self) -> None:
+        """Over the budget with nothing left to evict: said once, when what DTR cannot evict alone
+        is over it (a tensor being unpacked, held for its use, is not a floor). Not in a profiled
+        step: the plan's floor is the one its steps run at, and the plan search says it."""
+        floor = self.unevictable_bytes - self.uncounted_bytes
+        if self._floor_warned or self.budget is None or floor <= self.budget or self._profile is not None:
+            return
+        self._floor_warned = True
+        warnings.warn(f"pyalloc.offload: the budget of {self.budget} bytes is below the floor of {floor} "
+                      f"bytes of saved activations that per-operator DTR cannot evict (saves under "
+                      f"min_evict_bytes, aliases of a call's inputs, what no recorded call made); steps "
+                      f"keep those and evict the rest", OffloadFloorWarning, stacklevel=5)
 
     def _evict_one(self, exclude: SavedActivation | None) -> int:
         best: tuple[float, SavedActivation, str] | None = None
@@ -958,7 +1009,7 @@ class ActivationOffload:
             if other is None or other.state != SWAPPED:
                 continue
             if self.budget is not None and \
-                    self.resident_bytes - self.unevictable_bytes + other.nbytes > self.budget:
+                    self.resident_bytes - self.uncounted_bytes + other.nbytes > self.budget:
                 break
             self._swap_in(other)
             other.last_use = self._clock
