@@ -103,6 +103,20 @@ def test_a_leaf_a_recorded_call_made_counts_and_moves_and_the_batch_and_paramete
         assert torch.equal(e, g)
 
 
+def test_a_frozen_weight_and_a_view_of_the_batch_neither_count_nor_move() -> None:
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(100, 64), nn.Linear(64, 100)
+    head.weight.requires_grad_(False)  # frozen: a leaf without grad, not one the step made
+    ids = torch.randint(0, 100, (8, 33))
+    with offload(budget=0, policy="dtr", min_evict_bytes=1, pressure_callback=False) as s:
+        logits = head(emb(ids[:, :-1]))  # the slices are leaves too, views of the batch
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 100), ids[:, 1:].reshape(-1))
+        st = s.stats()
+        assert st["uncounted_bytes"] >= head.weight.numel() * 4 and st["resident_bytes"] == st["uncounted_bytes"]
+        assert st["drops_total"] + st["swap_outs_total"] >= 1  # the log-softmax's result: counted, evicted
+        loss.backward()
+
+
 def test_below_what_dtr_cannot_evict_it_warns_once_naming_that_floor() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())

@@ -703,7 +703,9 @@ class ActivationOffload:
     def _attribute(self, h: SavedActivation, t: torch.Tensor) -> None:
         """Finds how ``t`` could be regenerated: as a call's output, or a call's internal pack. A
         leaf without history is evictable only so (Note [Leaves DTR evicts])."""
-        made = t.is_leaf and not t.requires_grad  # perhaps by the step: counted if a recorded call made it
+        # perhaps made by the step (not a frozen parameter, nor a view of the batch: ids[:, 1:]):
+        # counted if a recorded call made it
+        made = t.is_leaf and not t.requires_grad and t._base is None and not isinstance(t, torch.nn.Parameter)
         if not h.evictable and not made:
             return
         prod = self._calls.producers.get(t)
