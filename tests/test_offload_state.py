@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -125,19 +126,26 @@ def test_a_compiled_module_inside_the_step_is_compiled_once_and_stays_exact() ->
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def test_steps_that_keep_differing_from_the_profile_are_told_once() -> None:
+def _blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                           for _ in range(4)])
+
+
+def test_steps_of_more_shapes_than_plans_kept_are_told_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # A review's loader alternated sequence lengths 8 and 12: every other step differed from the
-    # profile, kept every save, and the session said nothing.
+    # profile, kept every save, and the session said nothing. Now each shape has its plan (Note
+    # [Plans per shape]); a loader of more shapes than plans are kept is told.
+    from pyalloc.offloading import session as session_module
     from pyalloc.offloading.session import OffloadUnsettledWarning
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
-                            for _ in range(4)])
-    for lengths, told in (([8, 12], 1), ([8], 0)):
+    monkeypatch.setattr(session_module, "MAX_PLANS", 2)
+    model = _blocks()
+    for lengths, told in (([8, 12, 16, 20], 1), ([8, 12], 0), ([8], 0)):
         session = offload(budget=330_000, pressure_callback=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for i in range(12):
+            for i in range(16):
                 x = torch.randn(16, lengths[i % len(lengths)], 32)
                 with session:
                     model(x).square().mean().backward()
@@ -145,58 +153,90 @@ def test_steps_that_keep_differing_from_the_profile_are_told_once() -> None:
         unsettled = [w for w in caught if issubclass(w.category, OffloadUnsettledWarning)]
         assert len(unsettled) == told, [str(w.message) for w in caught]
         if told:
-            assert "differed from the profiled step" in str(unsettled[0].message)
+            assert "shapes past the 2 whose plans are kept" in str(unsettled[0].message)
+        assert session.stats()["plans_kept"] == min(2, len(lengths))
+
+
+def _kinds_of_steps(session: Any, model: nn.Module, lengths: list[int], steps: int,
+                    budget: int) -> tuple[list[str], list[int]]:
+    """Steps of ``model`` under ``session``, the sequence length taking turns through ``lengths``,
+    each step's gradients checked against the plain step's: what each step was, and the most
+    bytes it held that count against the budget."""
+    plain = copy.deepcopy(model)
+    peaks: list[int] = []
+    note_peak = session._note_peak
+
+    def noted() -> None:
+        note_peak()
+        peaks[-1] = max(peaks[-1], session.resident_bytes - session.uncounted_bytes)
+
+    session._note_peak = noted
+    kinds = []
+    for i in range(steps):
+        x = torch.randn(16, lengths[i % len(lengths)], 32)
+        plain(x).square().mean().backward()
+        before = session.stats()
+        peaks.append(0)
+        with session:
+            model(x).square().mean().backward()
+        after = session.stats()
+        grew = {k for k in ("profile_steps_total", "unsettled_dtr_steps_total", "profiles_let_go_total",
+                            "plan_switches_total") if after[k] > before[k]}
+        kinds.append("profiled" if "profile_steps_total" in grew else "dtr" if "unsettled_dtr_steps_total" in grew
+                     else "let go" if "profiles_let_go_total" in grew else "switched" if "plan_switches_total" in grew
+                     else "planned")
+        if kinds[-1] in ("planned", "switched"):  # a planned step counts its saves itself
+            peaks[-1] = int(after["step_saved_bytes_peak"])
+        for p, q in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), i  # type: ignore[arg-type]
+        plain.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    return kinds, peaks
 
 
 def test_steps_that_keep_differing_run_under_dtr_and_keep_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Unsettled steps]: before, those steps took turns forever, a profiled step and a
     planned step that differed and kept every save (the budget broken on every other step);
-    after three in a row, steps run under per-operator DTR, a step is profiled again now and
-    then, and every step's gradients stay the plain step's."""
-    import copy
-
+    after three, steps run under per-operator DTR, a step is profiled again now and then, and
+    every step's gradients stay the plain step's. One plan kept (MAX_PLANS): two shapes are
+    already too many."""
     from pyalloc.offloading import session as session_module
 
     monkeypatch.setattr(session_module, "UNSETTLED_DTR_STEPS", 4)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
-                            for _ in range(4)])
-    plain = copy.deepcopy(model)
+    monkeypatch.setattr(session_module, "MAX_PLANS", 1)
     budget = 330_000
     session = offload(budget=budget, pressure_callback=False)
-    peaks: list[int] = []  # each step's most evictable bytes held
-    note_peak = session._note_peak
-
-    def noted() -> None:
-        note_peak()
-        peaks[-1] = max(peaks[-1], session.resident_bytes - session.unevictable_bytes)
-
-    monkeypatch.setattr(session, "_note_peak", noted)
-    kinds = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", session_module.OffloadUnsettledWarning)
-        for i in range(16):
-            x = torch.randn(16, (8, 12)[i % 2], 32)
-            plain(x).square().mean().backward()
-            before = session.stats()
-            peaks.append(0)
-            with session:
-                model(x).square().mean().backward()
-            after = session.stats()
-            kinds.append("profiled" if after["profile_steps_total"] > before["profile_steps_total"] else
-                         "dtr" if after["unsettled_dtr_steps_total"] > before["unsettled_dtr_steps_total"] else
-                         "planned")
-            if kinds[-1] == "planned":  # a planned step counts its saves itself
-                peaks[-1] = int(after["step_saved_bytes_peak"])
-            for p, q in zip(plain.parameters(), model.parameters()):
-                assert torch.equal(p.grad, q.grad), i  # type: ignore[arg-type]
-            plain.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
-    # three planned steps that differed, four under DTR, one profiled again, one planned that
-    # differed once more, and DTR again at once
-    assert kinds == ["profiled", "planned"] * 3 + ["dtr"] * 4 + ["profiled", "planned"] + ["dtr"] * 4, kinds
-    assert all(peaks[i] <= budget for i, kind in enumerate(kinds) if kind == "dtr"), list(zip(kinds, peaks))
+        kinds, peaks = _kinds_of_steps(session, _blocks(), [8, 12], 16, budget)
+    # the first shape profiled and kept; the other's planned steps differ (kept every save), and
+    # the steps that would profile again are of the kept shape, let go and run under DTR; after
+    # three such differing steps, four under DTR, a profile let go again, one planned step
+    # differing once more, and DTR again at once
+    assert kinds == ["profiled", "planned", "let go", "planned", "let go", "planned"] + ["dtr"] * 4 \
+        + ["let go", "planned"] + ["dtr"] * 4, kinds
+    assert all(peaks[i] <= budget for i, kind in enumerate(kinds) if kind in ("dtr", "let go")), list(zip(kinds, peaks))
     assert max(peaks[i] for i, kind in enumerate(kinds) if kind == "planned") > budget  # what DTR spares them
+
+
+@pytest.mark.parametrize("lengths", [[8, 12], [8, 12, 16]])
+def test_steps_of_a_few_shapes_taking_turns_each_run_under_their_own_plan(lengths: list[int]) -> None:
+    """Note [Plans per shape]: a loader that takes turns among a few sequence lengths (buckets)
+    gets a plan for each; once each shape was profiled, every step runs under its shape's plan,
+    switching at the model's call, with the budget kept and gradients bit for bit."""
+    from pyalloc.offloading.session import OffloadUnsettledWarning
+
+    budget = 500_000  # above each shape's floor (430,080 bytes at length 16), under each one's saves
+    session = offload(budget=budget, pressure_callback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadUnsettledWarning)
+        kinds, peaks = _kinds_of_steps(session, _blocks(), lengths, 12 * len(lengths), budget)
+    st = session.stats()
+    assert st["plans_kept"] == len(lengths) and st["profile_steps_total"] == len(lengths), kinds
+    assert all(search.settled for search in session._searches.values())  # the promise is a settled plan's
+    settled = kinds[-3 * len(lengths):]
+    assert settled == ["switched"] * len(settled), kinds  # the last steps: each under its own shape's plan
+    assert max(peaks[-3 * len(lengths):]) <= budget * 1.05, list(zip(kinds, peaks))
 
 
 @pytest.mark.parametrize("budget", ["half", "never reached"])

@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-__all__ = ["device_time", "now", "reader", "waits"]
+__all__ = ["device_time", "now", "reader", "stop_waiting", "waits"]
 
 _local = threading.local()  # .read: this thread's clock, while device_time() sets one
 _thread_time = time.thread_time
@@ -77,3 +77,10 @@ def device_time(wait: Callable[[], None] | None) -> Iterator[None]:
         yield
     finally:
         _local.read = before
+
+
+def stop_waiting() -> None:
+    """Until the :func:`device_time` around this ends, :func:`now` reads thread time on this
+    thread: a profiled step let go runs on as a DTR step, whose readings must not wait for the
+    device (Note [Plans per shape] in session.py)."""
+    _local.read = _thread_time

@@ -845,6 +845,8 @@ class PlannedStep:
         self._in_hook = False  # the module hooks' own torch calls are not the module's
         self._peeking = False  # a refill looking at what its call saved: a dropped save is not refilled for it
         self._ordinals: dict[int, int] = {}
+        self._stack: contextlib.ExitStack | None = None  # install()'s: it takes the module hooks off
+        self._hooked: set[int] = set()  # the modules hooked (ids)
         self._open: list[tuple[torch.nn.Module, Region | Output | None]] = []
         self._regions: list[Region] = []
         self._outputs: dict[tuple[int, int], Output] = {}
@@ -910,18 +912,42 @@ class PlannedStep:
     def install(self, stack: contextlib.ExitStack) -> None:
         """Puts the hooks in place for the step; ``stack`` takes them off."""
         self.bytes.on = self.counted
-        for ref in self.plan.modules:
-            m = ref()
-            if m is None:
-                continue
-            # first among the module's own hooks, as the profile's global hooks are: a trace
-            # spans what the profiled call's did (Note [Call traces] in guard.py)
-            stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True, prepend=True).remove)
-            stack.callback(m.register_forward_hook(StepHook(self._post, False), always_call=True, prepend=True).remove)
+        self._stack = stack
+        self._hook_modules()
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
         # where the trace goes around a selective region's call: above the session's modes,
         # under the program's (guard.push_at)
         self._height = torch._C._len_torch_function_stack()
+
+    def _hook_modules(self) -> list[torch.nn.Module]:
+        """Hooks the plan's modules not hooked yet; returns those it hooked."""
+        assert self._stack is not None
+        hooked = []
+        for ref in self.plan.modules:
+            m = ref()
+            if m is None or id(m) in self._hooked:
+                continue
+            self._hooked.add(id(m))
+            hooked.append(m)
+            # first among the module's own hooks, as the profile's global hooks are: a trace
+            # spans what the profiled call's did (Note [Call traces] in guard.py)
+            self._stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True,
+                                                             prepend=True).remove)
+            self._stack.callback(m.register_forward_hook(StepHook(self._post, False), always_call=True,
+                                                         prepend=True).remove)
+        return hooked
+
+    def retarget(self, plan: Plan, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Runs the step under ``plan`` instead, from the call of ``module`` (the step's first root
+        call, whose pre-hooks run now) on; only before anything was saved or entered (Note
+        [Plans per shape] in session.py). Whether it did."""
+        if self.seq > 0 or self._open or self._ordinals:
+            return False
+        self.plan = plan
+        self.trace = [] if plan.recipes else None
+        if module in self._hook_modules():  # hooked too late for this call: its pre-hook by hand
+            self._pre(module, args, kwargs)
+        return True
 
     def tracing(self) -> bool:
         """Whether the session's CallTrace writes to :attr:`trace` now: a selective region's
@@ -1155,6 +1181,31 @@ class PlannedStep:
 
 class _DroppedSave(Exception):
     """A save read by :meth:`PlannedStep.peek` was dropped."""
+
+
+class PlanChooser:
+    """A step under one of the plans kept for several input shapes: a pre-forward hook on the
+    roots of their profiles hands the step's first root call (the model's, with its inputs) to
+    ``choose``, which picks the plan for those inputs before anything is saved (Note [Plans per
+    shape] in session.py)."""
+
+    def __init__(self, roots: list[torch.nn.Module], choose: Callable[[torch.nn.Module, tuple, dict], None]) -> None:
+        self._roots = roots
+        self._choose = choose
+        self.done = False
+        self._thread = threading.get_ident()
+
+    def install(self, stack: contextlib.ExitStack) -> None:
+        """Last: its hook is the first each root runs (the planned step's own come after)."""
+        for m in self._roots:
+            stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True, prepend=True).remove)
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self.done or not torch.is_grad_enabled() or torch.compiler.is_compiling() \
+                or threading.get_ident() != self._thread or in_backward():
+            return
+        self.done = True
+        self._choose(module, args, kwargs)
 
 
 class IdleStep:

@@ -39,10 +39,32 @@ Note [Leaves DTR evicts]
     DTR steps now peak at 0.49-0.50 of the plain step's saved bytes in what counts
     (``counted_resident_bytes_peak``), 0.51-0.61 with parameters and batch.
 
+Note [Plans per shape]
+    A plan is for one profile: its saves, by shape, in order. A loader that takes turns among a
+    few sequence lengths (buckets) made every step after the first differ from the profile, keep
+    every save, and have the next step profiled: alternating lengths 8 and 12, the steps took
+    turns, a profile and a planned step that kept everything, and after three the session fell
+    back to DTR. Now the session keeps the plan searches of the last ``MAX_PLANS`` profiles, by
+    the module and input shapes of their first root call (the model's). A step's first root
+    call picks the plan kept for its inputs (:class:`~.regions.PlanChooser`, a pre-forward hook
+    that runs before anything is saved; ``PlannedStep.retarget`` takes the other plan, hooking
+    its modules) and the plan search goes on for that shape only (``plan_switches_total``). A
+    shape with no plan kept runs as before (it keeps every save from where it differs, and the
+    next step is profiled) and is wanted: a profiled step whose shapes already have a plan is let
+    go at its first root call while another shape is wanted (``profiles_let_go_total``): its
+    profile stops, and it runs on under DTR, which keeps the budget. After ``MAX_PLANS`` such
+    steps in a row, or when nothing is wanted, the next step runs under the plans kept. Such
+    steps do not count as unsettled while there is room for the new shape's plan; once
+    ``MAX_PLANS`` plans are kept, three steps of shapes past them send the session to DTR (Note
+    [Unsettled steps]). Lengths 8 and 12 taking turns: a profile of each, a planned step that
+    differed and one let go, and every step after under its own shape's plan
+    (tests/test_offload_state.py). What is not seen: a shape that only a later root call or a
+    keyword tensor of another call has (a step differs there, as before).
+
 Note [Unsettled steps]
-    A planned step that differs from its profile (another input shape, a mixture of experts
-    that routes otherwise) keeps every save from where it differs, and the next step is
-    profiled again. Steps that keep differing (a loader with dynamic padding, shapes that take
+    A planned step that differs from its profile (a mixture of experts that routes otherwise,
+    or input shapes past the plans kept: Note [Plans per shape]) keeps every save from where it
+    differs, and the next step is profiled again. Steps that keep differing (a loader with dynamic padding, shapes that take
     turns) used to alternate forever: a profiled step, under DTR with every operator recorded,
     then a planned step that differed and kept every save, the budget broken on every other
     step (on a GPU, the out-of-memory error the budget was there to prevent). After
@@ -57,6 +79,7 @@ Note [Unsettled steps]
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import numbers
@@ -74,9 +97,9 @@ from . import clock, cost, refills
 from .args import TensorMap
 from .check import RecomputeCheck, enabled_by_environment as check_env
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
-from .plan import OUTPUT, Plan, PlanSearch, Profile
+from .plan import OUTPUT, Plan, PlanSearch, Profile, signature, tensor_leaves
 from .guard import CallTrace
-from .regions import IdleStep, PlannedStep
+from .regions import IdleStep, PlanChooser, PlannedStep
 from .saved import ABANDONED, ABANDONED_MESSAGE, DROPPED, RESIDENT, SWAPPED, SavedActivation
 from .swap import Copy, HostSwap
 
@@ -130,6 +153,13 @@ guard.py)."""
 UNSETTLED_WARN_AFTER = 3
 """Planned steps in a row that differ from the profile (each one profiled again after) before the
 session says so once, and runs ``UNSETTLED_DTR_STEPS`` steps under per-operator DTR."""
+
+MAX_PLANS = 8
+"""Plans kept for other input shapes (Note [Plans per shape])."""
+
+ShapeKey = tuple[int, tuple[Any, ...], tuple[Any, ...]]
+"""A step's first root call: its module (``id``), and its positional and keyword tensors' shapes
+and dtypes."""
 
 UNSETTLED_DTR_STEPS = 50
 """Steps run under per-operator DTR, once planned steps keep differing from the profile, before a
@@ -230,7 +260,14 @@ class ActivationOffload:
         # selective regions (by key) whose trace changed from their profile's, and how often; from
         # TRACE_CHANGES on, re-run whole (Note [Call traces] in guard.py)
         self._trace_changes: dict[tuple[int, int], int] = {}
-        self._search: PlanSearch | None = None  # the plans for the last profile
+        self._search: PlanSearch | None = None  # the plans for the step's inputs (the last profile's)
+        # the plans of the last MAX_PLANS profiles, by their first root call's module and input
+        # shapes, least recently used first (Note [Plans per shape])
+        self._searches: collections.OrderedDict[ShapeKey, PlanSearch] = collections.OrderedDict()
+        self._shape_new = False  # the step's first root call matched no plan kept (a shape not profiled)
+        self._wanted: set[ShapeKey] = set()  # shapes whose profile is wanted (Note [Plans per shape])
+        self._let_go_in_a_row = 0  # profiled steps let go in a row, of shapes whose plan is kept
+        self._shapes_past_kept = 0  # planned steps of shapes not kept while MAX_PLANS plans are (_note_diverged)
         # whether the last profile saw a module change state it reads (Note [State built on the
         # first call] in plan.py)
         self._state_changed_last = False
@@ -248,7 +285,8 @@ class ActivationOffload:
             "counted_resident_bytes_peak",
             "pressure_calls_total", "pressure_freed_bytes_total", "steps_total",
             "swap_outs_reverted_total", "profile_steps_total", "planned_steps_total", "replans_total",
-            "planning_seconds_total", "unsettled_dtr_steps_total",
+            "planning_seconds_total", "unsettled_dtr_steps_total", "plan_switches_total",
+            "profiles_let_go_total",
             "step_saved_bytes_peak", "idle_steps_total", "selective_fallbacks_total", "replays_stale_total",
             "rerun_buffers_changed_total",
             "recompute_checked_total", "recompute_mismatches_total", "noise_packed_total",
@@ -329,8 +367,9 @@ class ActivationOffload:
         stack = contextlib.ExitStack()
         try:
             self._recording = False
+            self._shape_new = False
             planned = self.policy == "plan" and self._plan is not None
-            idle = planned and self._idle()
+            idle = planned and len(self._searches) <= 1 and self._idle()
             settled = self._search is not None and self._search.settled
             self._dtr_step = self.policy == "plan" and not planned and self._dtr_left > 0
             profiled = self.policy == "plan" and not planned and not self._dtr_step
@@ -352,6 +391,8 @@ class ActivationOffload:
                         self._planned.now = clock.reader(self._device_wait())
                     self._settled_run = self._settled_run + 1 if settled else 0
                 self._planned.install(stack)
+                if self._searches:  # last: its hook runs first (Note [Plans per shape])
+                    PlanChooser(self._kept_roots(), self._choose).install(stack)
             else:
                 if profiled:
                     whole = {key for key, n in self._trace_changes.items() if n >= TRACE_CHANGES}
@@ -359,6 +400,8 @@ class ActivationOffload:
                                             whole)
                     self._profile.start()
                     stack.callback(self._profile.stop)
+                    if self._searches:  # a profile of shapes whose plan is kept is let go (Note [Plans per shape])
+                        PlanChooser(self._kept_roots(), self._choose_profiled).install(stack)
                     # the operators: what selective regions replay, which calls draw from a
                     # generator of their own, which leaf saves the step made (plan.py's Notes
                     # [Selective re-runs], [State a re-run reads], [Step-made leaves])
@@ -377,6 +420,76 @@ class ActivationOffload:
             stack.close()
             raise
         return stack
+
+    def _kept_roots(self) -> list[torch.nn.Module]:
+        """The modules of the kept plans' first root calls (the model, usually), each once."""
+        roots = {id(m): m for m in (_first_root(x) for x in self._searches.values()) if m is not None}
+        return list(roots.values())
+
+    def _choose(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The step's first root call (Note [Plans per shape]): the step runs under the plan kept
+        for its inputs' shapes; with none kept, it is a shape not profiled yet, wanted."""
+        key: ShapeKey = (id(module), signature(tensor_leaves(args)), signature(tensor_leaves(kwargs)) if kwargs else ())
+        search = self._searches.get(key)
+        if search is None:
+            self._shape_new = True
+            if len(self._wanted) < MAX_PLANS:
+                self._wanted.add(key)
+            return
+        self._searches.move_to_end(key)
+        run = self._planned
+        if search is self._search or not isinstance(run, PlannedStep):
+            return
+        if run.retarget(search.plan, module, args, kwargs):
+            self._search = search
+            run.counted = run.bytes.on = True  # (a step of another plan: counted, as a first one is)
+            if not search.settled:  # its re-runs' times judge the plan (as in _install)
+                run.now = clock.reader(self._device_wait())
+            self._stats["plan_switches_total"] += 1
+
+    def _choose_profiled(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """A profiled step's first root call (Note [Plans per shape]): of shapes whose plan is
+        kept and that no other wanted profile is waiting for, the step is let go as a profile and
+        runs on under DTR; the next step runs under the plans kept once nothing is wanted, or
+        once ``MAX_PLANS`` such steps in a row passed without the shapes wanted."""
+        key: ShapeKey = (id(module), signature(tensor_leaves(args)), signature(tensor_leaves(kwargs)) if kwargs else ())
+        search = self._searches.get(key)
+        profile = self._profile
+        if search is None or key in self._wanted or profile is None:
+            return
+        self._profile = None
+        profile.stop()
+        clock.stop_waiting()
+        self._stats["profiles_let_go_total"] += 1
+        self._let_go_in_a_row += 1
+        if not self._wanted or self._let_go_in_a_row >= MAX_PLANS:
+            self._wanted.clear()
+            self._let_go_in_a_row = 0
+            self._search = search  # the next step runs under the plans kept
+
+    def _keep(self, search: PlanSearch) -> None:
+        """Keeps ``search`` for the shapes of its profile's first root call, the least recently
+        used one let go past ``MAX_PLANS``."""
+        call = search.profile.roots()[0] if search.profile.roots() else None
+        m = call.module() if call is not None else None
+        if call is None or m is None:
+            return
+        key: ShapeKey = (id(m), call.input_signature, call.kwargs_signature)
+        self._wanted.discard(key)
+        self._let_go_in_a_row = 0
+        self._searches[key] = search
+        self._searches.move_to_end(key)
+        while len(self._searches) > MAX_PLANS:
+            self._searches.popitem(last=False)
+
+    def _drop_search(self) -> None:
+        """The plan no longer holds for its own shapes: the next step is profiled again, and
+        their profile is wanted."""
+        for key, search in list(self._searches.items()):
+            if search is self._search:
+                del self._searches[key]
+                self._wanted.add(key)
+        self._search = None
 
     def _device_wait(self) -> Callable[[], None] | None:
         """What the clock of a step that makes or judges the plan waits for (Note [Device time]
@@ -406,6 +519,7 @@ class ActivationOffload:
             if profile.packs and not once_more:  # (Note [State built on the first call] in plan.py)
                 with self._planning():
                     self._search = PlanSearch(profile, self.budget, self.selective)
+                self._keep(self._search)
                 self._replay_checks = 0
             return
         run, self._planned = self._planned, None
@@ -421,7 +535,8 @@ class ActivationOffload:
         if isinstance(run, IdleStep):
             st["idle_steps_total"] += 1
             if run.diverged:
-                self._search = None  # another shape: profile the next step again
+                self._shape_new = True  # its root call's shapes were not the plan's
+                self._search = None  # profile the next step again (the plan stays kept for its shapes)
             self._note_diverged(run.diverged)
             return
         st["saved_tensors_total"] += run.seq
@@ -439,7 +554,10 @@ class ActivationOffload:
                 self._trace_changes[key] = self._trace_changes.get(key, 0) + 1
         self._note_diverged(run.diverged)
         if run.diverged or run.stale:
-            self._search = None  # profile the next step again
+            if self._shape_new:  # a shape not profiled yet: the plan stays kept for its own
+                self._search = None
+            else:
+                self._drop_search()  # profile the next step again
             return
         if not run.counted:  # a settled plan's step between two counted ones (COUNT_EVERY)
             return
@@ -449,7 +567,7 @@ class ActivationOffload:
         if replanned:
             st["replans_total"] += 1
         if search.settled and search.plan.empty and peak > search.limit and not search.below_floor:
-            self._search = None  # an empty plan no longer fits (Note [Idle steps]): profile again
+            self._drop_search()  # an empty plan no longer fits (Note [Idle steps]): profile again
             return
         if search.below_floor and not self._floor_warned:
             self._floor_warned = True
@@ -468,22 +586,30 @@ class ActivationOffload:
             self._stats["planning_seconds_total"] += time.perf_counter() - t0
 
     def _note_diverged(self, diverged: bool) -> None:
-        """Counts planned steps that differed from the profile in a row; when they keep doing so
-        (a loader whose batches change shape, a mixture of experts routing otherwise each step),
-        runs the next steps under DTR and says so once (Note [Unsettled steps])."""
-        self._diverged_in_a_row = self._diverged_in_a_row + 1 if diverged else 0
-        if self._diverged_in_a_row < UNSETTLED_WARN_AFTER:
+        """Counts planned steps that differed from their profile in a row, and those of shapes
+        not profiled once ``MAX_PLANS`` plans are kept; when either keeps happening (a loader
+        whose batches change shape, a mixture of experts routing otherwise each step), runs the
+        next steps under DTR and says so once (Notes [Unsettled steps], [Plans per shape])."""
+        if diverged and self._shape_new:
+            if len(self._searches) < MAX_PLANS:
+                return  # a shape not profiled yet, with room to keep its plan
+            self._shapes_past_kept += 1
+            count = self._shapes_past_kept
+            told = f"{count} steps had shapes past the {MAX_PLANS} whose plans are kept"
+        else:
+            self._diverged_in_a_row = self._diverged_in_a_row + 1 if diverged else 0
+            count = self._diverged_in_a_row
+            told = f"{count} steps in a row differed from the profiled step"
+        if count < UNSETTLED_WARN_AFTER:
             return
         self._dtr_left = UNSETTLED_DTR_STEPS
         if not self._unsettled_warned:
             self._unsettled_warned = True
-            warnings.warn(f"pyalloc.offload: {self._diverged_in_a_row} steps in a row differed from the "
-                          "profiled step (other input shapes, another graph): such a step keeps every save "
-                          f"from where it differs, so the next {UNSETTLED_DTR_STEPS} steps run under "
-                          "per-operator DTR, which keeps the saves it can evict within the budget at a "
-                          "cost on every operator, before one is profiled again; give the steps the same "
-                          "shapes (pad or bucket the sequence lengths) for a plan to apply", OffloadUnsettledWarning,
-                          stacklevel=4)
+            warnings.warn(f"pyalloc.offload: {told} (other input shapes, another graph): such a step keeps "
+                          f"every save from where it differs, so the next {UNSETTLED_DTR_STEPS} steps run under "
+                          "per-operator DTR, which keeps the budget at a cost on every operator, before one is "
+                          "profiled again; give the steps the same shapes, or a few (pad or bucket the "
+                          "sequence lengths), for plans to apply", OffloadUnsettledWarning, stacklevel=4)
 
     def _trace_entries(self) -> list[tuple[Any, ...]] | None:
         """Where the session's CallTrace writes the call it sees (None: nowhere): the profile's
@@ -554,6 +680,8 @@ class ActivationOffload:
         if not (isinstance(run, PlannedStep) and run.written_after):
             return False
         self._written_after |= run.written_after
+        self._searches.clear()  # every plan kept may re-run that call
+        self._wanted.clear()
         self._search = None
         return True
 
@@ -625,7 +753,7 @@ class ActivationOffload:
                    plan_floor_bytes=search.floor_bytes if search else -1,
                    plan_settled=1 if search is not None and search.settled else 0,
                    plan_saved_bytes_peak=search.settled_peak if search is not None else -1,
-                   plan_regions=len(plan.regions) if plan else 0,
+                   plan_regions=len(plan.regions) if plan else 0, plans_kept=len(self._searches),
                    plan_selective_regions=len(plan.recipes) if plan else 0,
                    plan_outputs=len({o for o, a in zip(plan.owners, plan.actions) if a == OUTPUT}) if plan else 0,
                    plan_recompute_seconds=plan.recompute_seconds if plan else 0.0)
@@ -1046,6 +1174,11 @@ class ActivationOffload:
         finally:
             self._busy.on = False
             self._lock.release()
+
+
+def _first_root(search: PlanSearch) -> torch.nn.Module | None:
+    roots = search.profile.roots()
+    return roots[0].module() if roots else None
 
 
 def _cuda_synchronize() -> None:
