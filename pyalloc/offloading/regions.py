@@ -1198,7 +1198,8 @@ class PlanChooser:
     def install(self, stack: contextlib.ExitStack) -> None:
         """Last: its hook is the first each root runs (the planned step's own come after)."""
         for m in self._roots:
-            stack.callback(m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True, prepend=True).remove)
+            hook = m.register_forward_pre_hook(StepHook(self._pre, True), with_kwargs=True, prepend=True)
+            stack.callback(hook.remove)
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self.done or not torch.is_grad_enabled() or torch.compiler.is_compiling() \

@@ -64,10 +64,11 @@ Note [Plans per shape]
 Note [Unsettled steps]
     A planned step that differs from its profile (a mixture of experts that routes otherwise,
     or input shapes past the plans kept: Note [Plans per shape]) keeps every save from where it
-    differs, and the next step is profiled again. Steps that keep differing (a loader with dynamic padding, shapes that take
-    turns) used to alternate forever: a profiled step, under DTR with every operator recorded,
-    then a planned step that differed and kept every save, the budget broken on every other
-    step (on a GPU, the out-of-memory error the budget was there to prevent). After
+    differs, and the next step is profiled again. Steps that keep differing (a loader with
+    dynamic padding, more shapes taking turns than plans are kept) used to alternate forever: a
+    profiled step, under DTR with every operator recorded, then a planned step that differed
+    and kept every save, the budget broken on every other step (on a GPU, the out-of-memory
+    error the budget was there to prevent). After
     ``UNSETTLED_WARN_AFTER`` such steps in a row the session runs the next
     ``UNSETTLED_DTR_STEPS`` steps under per-operator DTR alone (no profile, nothing recorded
     for a plan): the saves stay within the budget on any graph, above DTR's floor (Note [Leaves
@@ -97,7 +98,7 @@ from . import clock, cost, refills
 from .args import TensorMap
 from .check import RecomputeCheck, enabled_by_environment as check_env
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
-from .plan import OUTPUT, Plan, PlanSearch, Profile, signature, tensor_leaves
+from .plan import OUTPUT, CallInfo, Plan, PlanSearch, Profile, signature, tensor_leaves
 from .guard import CallTrace
 from .regions import IdleStep, PlanChooser, PlannedStep
 from .saved import ABANDONED, ABANDONED_MESSAGE, DROPPED, RESIDENT, SWAPPED, SavedActivation
@@ -423,7 +424,7 @@ class ActivationOffload:
 
     def _kept_roots(self) -> list[torch.nn.Module]:
         """The modules of the kept plans' first root calls (the model, usually), each once."""
-        roots = {id(m): m for m in (_first_root(x) for x in self._searches.values()) if m is not None}
+        roots = {id(first[0]): first[0] for first in map(_first_root, self._searches.values()) if first is not None}
         return list(roots.values())
 
     def _choose(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -470,10 +471,10 @@ class ActivationOffload:
     def _keep(self, search: PlanSearch) -> None:
         """Keeps ``search`` for the shapes of its profile's first root call, the least recently
         used one let go past ``MAX_PLANS``."""
-        call = search.profile.roots()[0] if search.profile.roots() else None
-        m = call.module() if call is not None else None
-        if call is None or m is None:
+        first = _first_root(search)
+        if first is None:
             return
+        m, call = first
         key: ShapeKey = (id(m), call.input_signature, call.kwargs_signature)
         self._wanted.discard(key)
         self._let_go_in_a_row = 0
@@ -1176,9 +1177,11 @@ class ActivationOffload:
             self._lock.release()
 
 
-def _first_root(search: PlanSearch) -> torch.nn.Module | None:
+def _first_root(search: PlanSearch) -> tuple[torch.nn.Module, CallInfo] | None:
+    """The module of the first root call of ``search``'s profile (the model), and the call."""
     roots = search.profile.roots()
-    return roots[0].module() if roots else None
+    m = roots[0].module() if roots else None
+    return None if m is None else (m, roots[0])
 
 
 def _cuda_synchronize() -> None:
