@@ -275,6 +275,12 @@ def signature(tensors: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], torch
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
+def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """A module call's positional and keyword tensors' shapes and dtypes, as a profile's
+    ``CallInfo.input_signature`` and ``kwargs_signature`` hold them."""
+    return signature(tensor_leaves(args)), signature(tensor_leaves(kwargs)) if kwargs else ()
+
+
 def storage_key(t: torch.Tensor) -> StorageKey:
     """A tensor's storage, for counting each saved storage once however many views save it."""
     return (t.untyped_storage().data_ptr(), str(t.device))

@@ -26,8 +26,8 @@ from .calls import AUTOCAST_OFF, autocast_as, autocast_state
 from . import guard
 from .guard import same_trace
 from .ops import Geometry, RerunMismatch, SelectiveRerun, StopRerun, as_view, geometry, put_back, run_replay, view_of
-from .plan import (KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, is_activation, signature, storage_key, tensor_leaves,
-                   training_statistics, tree_buffers)
+from .plan import (KEEP, OUTPUT, PRODUCT, REGION, Plan, StorageKey, call_signature, is_activation, storage_key,
+                   tensor_leaves, training_statistics, tree_buffers)
 from .saved import ABANDONED_MESSAGE
 
 if TYPE_CHECKING:
@@ -1185,11 +1185,12 @@ class _DroppedSave(Exception):
 
 class PlanChooser:
     """A step under one of the plans kept for several input shapes: a pre-forward hook on the
-    roots of their profiles hands the step's first root call (the model's, with its inputs) to
-    ``choose``, which picks the plan for those inputs before anything is saved (Note [Plans per
-    shape] in session.py)."""
+    roots of their profiles hands the step's first root call (the model's: its module and input
+    shapes, as the key the plans are kept by, and the call) to ``choose``, which picks the plan
+    for those inputs before anything is saved (Note [Plans per shape] in session.py)."""
 
-    def __init__(self, roots: list[torch.nn.Module], choose: Callable[[torch.nn.Module, tuple, dict], None]) -> None:
+    def __init__(self, roots: list[torch.nn.Module],
+                 choose: Callable[[tuple[Any, ...], torch.nn.Module, tuple, dict], None]) -> None:
         self._roots = roots
         self._choose = choose
         self.done = False
@@ -1206,7 +1207,7 @@ class PlanChooser:
                 or threading.get_ident() != self._thread or in_backward():
             return
         self.done = True
-        self._choose(module, args, kwargs)
+        self._choose((id(module), *call_signature(args, kwargs)), module, args, kwargs)
 
 
 class IdleStep:
@@ -1239,8 +1240,7 @@ class IdleStep:
         ordinal = self._ordinals.get(id(module), 0)
         self._ordinals[id(module)] = ordinal + 1
         expected = self._roots[id(module)][1]
-        if ordinal >= len(expected) or expected[ordinal] != (
-                signature(tensor_leaves(args)), signature(tensor_leaves(kwargs)) if kwargs else ()):
+        if ordinal >= len(expected) or expected[ordinal] != call_signature(args, kwargs):
             self.diverged = True
 
     def close(self) -> None:

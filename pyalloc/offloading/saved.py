@@ -58,15 +58,16 @@ class SavedActivation:
         self.pending: Copy | None = None  # the swap-out copy, while it may be in flight (CUDA)
         self.ready: Any = None  # event the compute stream waits on before use (CUDA swap-in)
         self.original: Any = None  # check.Original while dropped, with the session's check on
+        leaf_view = t._base is not None and t._base.is_leaf  # a view of a parameter (weight.t())
         # against the budget: a save with history, or a leaf the step made (the session's
-        # _attribute says which), not a parameter, a view of one (weight.t()) or the batch
-        self.counted = not t.is_leaf and not (t._base is not None and t._base.is_leaf)
+        # _attribute says which), not a parameter, a view of one or the batch
+        self.counted = not t.is_leaf and not leaf_view
         self.evictable = (
             t.layout == torch.strided
             and type(t) in (torch.Tensor, torch.nn.Parameter)
             and not isinstance(t, torch.nn.Parameter)
             and not (t.is_leaf and t.requires_grad)  # a leaf without history: only if the step made it (_attribute)
-            and not (t._base is not None and t._base.is_leaf)  # a view of a parameter (weight.t())
+            and not leaf_view
             and t.device.type in ("cpu", "cuda")
             and self.nbytes >= session.min_evict_bytes
         )

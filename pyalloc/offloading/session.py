@@ -98,7 +98,7 @@ from . import clock, cost, refills
 from .args import TensorMap
 from .check import RecomputeCheck, enabled_by_environment as check_env
 from .calls import CallRecorder, CallTracker, Kept, ProducerCall, Produced, autograd_entry_points, replay_call
-from .plan import OUTPUT, CallInfo, Plan, PlanSearch, Profile, signature, tensor_leaves
+from .plan import OUTPUT, CallInfo, Plan, PlanSearch, Profile
 from .guard import CallTrace
 from .regions import IdleStep, PlanChooser, PlannedStep
 from .saved import ABANDONED, ABANDONED_MESSAGE, DROPPED, RESIDENT, SWAPPED, SavedActivation
@@ -427,10 +427,9 @@ class ActivationOffload:
         roots = {id(first[0]): first[0] for first in map(_first_root, self._searches.values()) if first is not None}
         return list(roots.values())
 
-    def _choose(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _choose(self, key: ShapeKey, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """The step's first root call (Note [Plans per shape]): the step runs under the plan kept
         for its inputs' shapes; with none kept, it is a shape not profiled yet, wanted."""
-        key: ShapeKey = (id(module), signature(tensor_leaves(args)), signature(tensor_leaves(kwargs)) if kwargs else ())
         search = self._searches.get(key)
         if search is None:
             self._shape_new = True
@@ -448,12 +447,11 @@ class ActivationOffload:
                 run.now = clock.reader(self._device_wait())
             self._stats["plan_switches_total"] += 1
 
-    def _choose_profiled(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _choose_profiled(self, key: ShapeKey, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """A profiled step's first root call (Note [Plans per shape]): of shapes whose plan is
         kept and that no other wanted profile is waiting for, the step is let go as a profile and
         runs on under DTR; the next step runs under the plans kept once nothing is wanted, or
         once ``MAX_PLANS`` such steps in a row passed without the shapes wanted."""
-        key: ShapeKey = (id(module), signature(tensor_leaves(args)), signature(tensor_leaves(kwargs)) if kwargs else ())
         search = self._searches.get(key)
         profile = self._profile
         if search is None or key in self._wanted or profile is None:
