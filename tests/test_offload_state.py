@@ -327,3 +327,25 @@ def test_torch_utils_checkpoint_inside_a_step_keeps_batch_norm_statistics(budget
         with session:
             assert_bitwise_equal(expected, one(model, seed))
         assert_bitwise_equal(plain.state_dict(), model.state_dict())
+
+
+def test_an_idle_step_that_differs_after_its_first_root_call_has_its_shapes_profiled_again() -> None:
+    """Note [Plans per shape]: a plan is kept by its first root call's shapes. An idle step whose
+    second root call changed shape (the first still matching) kept its plan and had the next
+    step profiled, which, of shapes already planned, was let go: idle and let-go steps took turns
+    for good. Such a step's plan no longer holds for its shapes: it is profiled again, and idle
+    steps follow."""
+    torch.manual_seed(0)
+    a, b = nn.Sequential(nn.Linear(32, 64), nn.GELU()), nn.Sequential(nn.Linear(32, 64), nn.GELU())
+    session = offload(budget=10**9, pressure_callback=False)
+    kinds = []
+    for i in range(16):
+        before = session.stats()
+        with session:
+            (a(torch.randn(16, 32)).sum() + b(torch.randn(8 if i < 6 else 12, 32)).sum()).backward()
+        after = session.stats()
+        grew = {k for k in after if k.endswith("_total") and after[k] > before[k]}
+        kinds.append("profiled" if "profile_steps_total" in grew else "let go" if "profiles_let_go_total" in grew
+                     else "idle" if "idle_steps_total" in grew else "planned")
+    assert kinds[7:9] == ["profiled", "planned"] and kinds[9:] == ["idle"] * 7, kinds
+    assert session.stats()["profiles_let_go_total"] == 0

@@ -481,6 +481,15 @@ class ActivationOffload:
         while len(self._searches) > MAX_PLANS:
             self._searches.popitem(last=False)
 
+    def _profile_again(self) -> None:
+        """After a step that differed from its plan: the next step is profiled again. Of a shape
+        not profiled yet (its first root call matched no plan kept), the plan stays kept for its
+        own shapes; else it no longer holds for them, and is dropped."""
+        if self._shape_new:
+            self._search = None
+        else:
+            self._drop_search()
+
     def _drop_search(self) -> None:
         """The plan no longer holds for its own shapes: the next step is profiled again, and
         their profile is wanted."""
@@ -533,10 +542,9 @@ class ActivationOffload:
         st["planned_steps_total"] += 1
         if isinstance(run, IdleStep):
             st["idle_steps_total"] += 1
-            if run.diverged:
-                self._shape_new = True  # its root call's shapes were not the plan's
-                self._search = None  # profile the next step again (the plan stays kept for its shapes)
             self._note_diverged(run.diverged)
+            if run.diverged:
+                self._profile_again()
             return
         st["saved_tensors_total"] += run.seq
         st["drops_total"] += run.dropped
@@ -553,10 +561,7 @@ class ActivationOffload:
                 self._trace_changes[key] = self._trace_changes.get(key, 0) + 1
         self._note_diverged(run.diverged)
         if run.diverged or run.stale:
-            if self._shape_new:  # a shape not profiled yet: the plan stays kept for its own
-                self._search = None
-            else:
-                self._drop_search()  # profile the next step again
+            self._profile_again()
             return
         if not run.counted:  # a settled plan's step between two counted ones (COUNT_EVERY)
             return
