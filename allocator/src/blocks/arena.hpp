@@ -35,14 +35,35 @@ inline Block* walk_to(Block* from, uintptr_t addr) {
   return from;
 }
 
+// Free ends may outnumber free starts by this many before a placement
+// starts making free starts (Note [Balanced slivers]).
+inline constexpr size_t kSliverImbalance = 2;
+
 // Where in `block` (a free block of an arena) a request of `rounded` bytes
-// starts (Note [Whole granules]): 0, its start, unless `rounded` is a whole
-// number of granules and the block's first granule boundary leaves room for
-// it; then the distance to that boundary.
+// starts: 0, its start, unless
+//   - `rounded` is a whole number of granules and the block's first granule
+//     boundary leaves room for it: the distance to that boundary (Note
+//     [Whole granules]);
+//   - `rounded` is not, the block starts on a granule boundary and holds the
+//     granules the request spans, and the arena's sliver index is on and
+//     lists more free ends than free starts (by over kSliverImbalance): the
+//     request ends on the last of those granules' boundaries, its first
+//     granule's start left free (Note [Balanced slivers] in
+//     device/arena.cpp).
 PYALLOC_INLINE size_t granule_offset(const Block* block, size_t rounded, size_t g) {
   assert(g != 0);
-  if (rounded % g != 0) return 0;
-  const size_t into = (block->addr - block->segment->base) % g;
+  const Segment* arena = block->segment;
+  if (rounded % g != 0) {
+    if (!arena->indexed) return 0;  // never on the fast path, which an index diverts
+    const size_t spanned = round_up_to(rounded, g);
+    const SliverIndex& slivers = arena->slivers;
+    if ((block->addr - arena->base) % g != 0 || block->size < spanned ||
+        slivers.count(SliverIndex::kEnd) <= slivers.count(SliverIndex::kStart) + kSliverImbalance) {
+      return 0;
+    }
+    return spanned - rounded;
+  }
+  const size_t into = (block->addr - arena->base) % g;
   if (into == 0 || block->size - rounded < g - into) return 0;
   return g - into;
 }

@@ -15,6 +15,7 @@ void SliverIndex::start(size_t granule, size_t granules) {
   for (const Kind kind : {kEnd, kStart}) heads_[kind].reset(granule / kBlockAlign);
   roomy_.reset(granules);  // an index stopped and started again clears what it listed
   twins_to_check_.clear();
+  count_[kEnd] = count_[kStart] = 0;
 }
 
 void SliverIndex::stop() { granule_ = 0; }

@@ -87,6 +87,10 @@ class SliverIndex {
   // The granule of the arena where roomy `block`'s first whole granule lies.
   static inline size_t first_whole(const Block* block, size_t granule);
 
+  // How many slivers of `kind` are listed (Note [Balanced slivers] in
+  // device/arena.cpp).
+  size_t count(Kind kind) const { return count_[kind]; }
+
   // Twin granules to look at: a free block arrived beside their lent piece
   // since the last call (or the index was built). Each at most once.
   std::vector<size_t> take_twins_to_check();
@@ -120,6 +124,7 @@ class SliverIndex {
   size_t granule_ = 0;
   unsigned shift_ = 0;  // log2(granule_)
   BlockTable heads_[2];  // per offset unit: the first sliver of the list
+  size_t count_[2] = {0, 0};  // slivers listed, per kind
   BlockTable roomy_;     // per granule: the roomy block whose first whole granule it is
   std::vector<size_t> twins_to_check_;
 };

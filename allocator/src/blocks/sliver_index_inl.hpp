@@ -20,6 +20,7 @@ inline size_t SliverIndex::offset(Kind kind, const Block* block, size_t g) {
 }
 
 inline void SliverIndex::link(Kind kind, Block* block, size_t unit) {
+  ++count_[kind];
   Block* head = heads_[kind].at(unit);
   block->sliver_prev[kind] = nullptr;
   block->sliver_next[kind] = head;
@@ -32,6 +33,7 @@ inline void SliverIndex::link(Kind kind, Block* block, size_t unit) {
 }
 
 inline void SliverIndex::unlink(Kind kind, Block* block, size_t unit) {
+  --count_[kind];
   Block* prev = block->sliver_prev[kind];
   Block* next = block->sliver_next[kind];
   if (next != nullptr) next->sliver_prev[kind] = prev;

@@ -80,9 +80,10 @@ static bool check_sliver_index(const Segment& arena, size_t g, std::string* prob
       }
       last = off;
     }
-    if (found != expected.size()) {
+    if (found != expected.size() || arena.slivers.count(kind) != found) {
       *problem = "the sliver index lists " + std::to_string(found) + " free " +
-                 (kind == SliverIndex::kEnd ? "ends" : "starts") + " of " + std::to_string(expected.size());
+                 (kind == SliverIndex::kEnd ? "ends" : "starts") + " of " + std::to_string(expected.size()) +
+                 " and counts " + std::to_string(arena.slivers.count(kind));
       return false;
     }
   }

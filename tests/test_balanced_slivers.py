@@ -1,0 +1,99 @@
+"""Balanced slivers (Note [Balanced slivers] in allocator/src/device/arena.cpp).
+
+Near a full device, while an arena's slivers are indexed and it has more free granule ends
+than free starts (by over two), a request that is not a whole number of granules, placed in
+a free block that starts on a granule boundary, ends on the boundary of the last granule it
+spans: its first granule's start stays free, a free start for moves and shared windows to
+pair with a free end. Elsewhere placement is as before: the front of the free block. Every
+call is followed by ``pyalloc_check``, which compares each kind's count with the blocks (I14).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+import pyalloc
+from allocator_fixture import Allocator, rebuilt
+from pyalloc.traces import replay, stress
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+@pytest.fixture(params=["host", "sim"])
+def indexed(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, list[int]]]:
+    """A 16 MiB device (eight granules) full of 1 MiB blocks; a 4 MiB request fails, which
+    builds the arena's sliver index (the last rung, moving, reads it). Reserved memory stays
+    at the limit, so the index stays on."""
+    a = rebuilt(request.param, "vmm=shared", "capacity=16MiB")
+    blocks = [a.malloc(MiB) for _ in range(16)]
+    try:
+        assert [p - blocks[0] for p in blocks] == [i * MiB for i in range(16)]
+        with pytest.raises(pyalloc.PyallocError, match="out of memory"):
+            a.malloc(4 * MiB)
+        s = a.stats()
+        assert s["num_sliver_indexes"] == 1 and s["num_ooms"] == 1
+        yield a, blocks
+    finally:
+        a.free_all()
+        pyalloc.check(0)
+        pyalloc.empty_cache()
+        assert a.stats()["reserved_bytes.all.current"] == 0
+
+
+def free_ends_and_the_last_four(a: Allocator, blocks: list[int], ends: int) -> int:
+    """Frees the second MiB of the first `ends` granules (each a free end: live up to 1 MiB,
+    free after) and the last four blocks ([12, 16) MiB, a free block on a granule boundary);
+    returns where that block starts."""
+    for i in range(ends):
+        a.free(blocks[2 * i + 1])
+    for p in blocks[12:]:
+        a.free(p)
+    return blocks[0] + 12 * MiB
+
+
+@pytest.mark.parametrize("size", [1536 * KiB, 3 * MiB])
+def test_with_more_free_ends_a_request_ends_on_a_granule_boundary(indexed: tuple[Allocator, list[int]],
+                                                                   size: int) -> None:
+    a, blocks = indexed
+    at = free_ends_and_the_last_four(a, blocks, 4)  # four free ends, no free start
+    ptr = a.malloc(size)
+    spanned = -(-size // (2 * MiB)) * 2 * MiB
+    assert ptr == at + spanned - size  # its first granule's start is free: a free start
+    assert a.stats()["num_sliver_indexes"] == 1  # the index was on throughout
+
+
+def test_with_free_ends_and_starts_balanced_a_request_takes_the_front(indexed: tuple[Allocator, list[int]]) -> None:
+    a, blocks = indexed
+    at = free_ends_and_the_last_four(a, blocks, 2)  # two free ends, no free start: within the margin
+    assert a.malloc(1536 * KiB) == at
+    a2 = a.malloc(1536 * KiB)  # in [13.5, 16): starts inside a granule, so at its front as well
+    assert a2 == at + 1536 * KiB
+
+
+def test_a_request_of_whole_granules_still_starts_on_a_boundary(indexed: tuple[Allocator, list[int]]) -> None:
+    a, blocks = indexed
+    at = free_ends_and_the_last_four(a, blocks, 4)
+    assert a.malloc(2 * MiB) == at
+
+
+def test_far_from_a_full_device_a_request_takes_the_front() -> None:
+    """The same layout on a device with room to spare: no index, front placement."""
+    a = rebuilt("sim", "vmm=shared", "capacity=256MiB")
+    try:
+        blocks = [a.malloc(MiB) for _ in range(16)]
+        at = free_ends_and_the_last_four(a, blocks, 4)
+        assert a.malloc(1536 * KiB) == at
+        assert a.stats()["num_sliver_indexes"] == 0
+    finally:
+        a.free_all()
+        pyalloc.check(0)
+
+
+def test_interleaved_lifetimes_fits_606_mib() -> None:
+    """Random sizes living long among short-lived ones: 614 MiB with front placement alone
+    (peak live 589.0 MiB), 606 with free starts made while free ends outnumber them."""
+    flat = stress.load_workload("interleaved_lifetimes", 0, False).flat
+    assert replay.replays_cleanly(flat, "pyalloc", "sim", 606 * MiB)
