@@ -43,15 +43,24 @@ def indexed(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, list[in
         assert a.stats()["reserved_bytes.all.current"] == 0
 
 
-def free_ends_and_the_last_four(a: Allocator, blocks: list[int], ends: int) -> int:
+def free_ends_and_the_last_four(a: Allocator, blocks: list[int], ends: int, starts: int = 0,
+                                last: int = 4) -> int:
     """Frees the second MiB of the first `ends` granules (each a free end: live up to 1 MiB,
-    free after) and the last four blocks ([12, 16) MiB, a free block on a granule boundary);
-    returns where that block starts."""
+    free after), the first MiB of granules 4 and 5 for `starts` of 0 to 2 (each a free start:
+    free up to 1 MiB, live after), and the `last` blocks from the 12th MiB on (a free block on a
+    granule boundary); returns where that block starts."""
+    assert ends <= 3 or starts == 0  # the fourth free end, [7, 8), would merge with a start at 8
     for i in range(ends):
         a.free(blocks[2 * i + 1])
-    for p in blocks[12:]:
+    for i in range(starts):
+        a.free(blocks[8 + 2 * i])
+    for p in blocks[12:12 + last]:
         a.free(p)
     return blocks[0] + 12 * MiB
+
+
+def spanned(size: int) -> int:
+    return -(-size // (2 * MiB)) * 2 * MiB
 
 
 @pytest.mark.parametrize("size", [1536 * KiB, 3 * MiB])
@@ -60,23 +69,58 @@ def test_with_more_free_ends_a_request_ends_on_a_granule_boundary(indexed: tuple
     a, blocks = indexed
     at = free_ends_and_the_last_four(a, blocks, 4)  # four free ends, no free start
     ptr = a.malloc(size)
-    spanned = -(-size // (2 * MiB)) * 2 * MiB
-    assert ptr == at + spanned - size  # its first granule's start is free: a free start
+    assert ptr == at + spanned(size) - size  # its first granule's start is free: a free start
     assert a.stats()["num_sliver_indexes"] == 1  # the index was on throughout
 
 
-def test_with_free_ends_and_starts_balanced_a_request_takes_the_front(indexed: tuple[Allocator, list[int]]) -> None:
+@pytest.mark.parametrize("ends, starts, balanced", [(3, 0, True), (3, 2, False), (2, 0, False)])
+def test_free_ends_must_outnumber_free_starts_by_more_than_two(indexed: tuple[Allocator, list[int]], ends: int,
+                                                               starts: int, balanced: bool) -> None:
     a, blocks = indexed
-    at = free_ends_and_the_last_four(a, blocks, 2)  # two free ends, no free start: within the margin
+    at = free_ends_and_the_last_four(a, blocks, ends, starts)
+    size = 1536 * KiB
+    assert a.malloc(size) == (at + spanned(size) - size if balanced else at)
+
+
+def test_the_next_request_in_a_free_block_that_starts_inside_a_granule_takes_its_front(
+        indexed: tuple[Allocator, list[int]]) -> None:
+    a, blocks = indexed
+    at = free_ends_and_the_last_four(a, blocks, 2)
     assert a.malloc(1536 * KiB) == at
-    a2 = a.malloc(1536 * KiB)  # in [13.5, 16): starts inside a granule, so at its front as well
-    assert a2 == at + 1536 * KiB
+    assert a.malloc(1536 * KiB) == at + 1536 * KiB  # in [13.5, 16): at its front
+
+
+def test_a_free_block_short_of_the_granules_spanned_is_taken_from_its_front(
+        indexed: tuple[Allocator, list[int]]) -> None:
+    a, blocks = indexed
+    at = free_ends_and_the_last_four(a, blocks, 4, last=3)  # [12, 15): 3 MiB, not the 4 that 2.5 span
+    assert a.malloc(5 * MiB // 2) == at
 
 
 def test_a_request_of_whole_granules_still_starts_on_a_boundary(indexed: tuple[Allocator, list[int]]) -> None:
     a, blocks = indexed
     at = free_ends_and_the_last_four(a, blocks, 4)
     assert a.malloc(2 * MiB) == at
+
+
+def test_a_request_grown_into_extents_keeps_its_partly_used_granule_last() -> None:
+    """A window grown for a request of 64 MiB or more maps the granules the request covers
+    wholly from its start as extents, and the last, partly used one as a granule of its own
+    (Note [Extents]); a free start in an extent could be neither shared nor moved, so the
+    request takes the window's front, and its free end lies in that single granule."""
+    a = rebuilt("sim", "vmm=shared", "capacity=1024MiB")
+    try:
+        blocks = [a.malloc(MiB) for _ in range(16)]
+        a.malloc(910 * MiB)
+        with pytest.raises(pyalloc.PyallocError, match="out of memory"):
+            a.malloc(200 * MiB)  # builds the index
+        for i in range(4):
+            a.free(blocks[2 * i + 1])  # four free ends
+        assert a.malloc(66 * MiB + 512 * KiB) == blocks[0] + 926 * MiB  # the window's front
+        assert a.stats()["num_sliver_indexes"] == 1
+    finally:
+        a.free_all()
+        pyalloc.check(0)
 
 
 def test_far_from_a_full_device_a_request_takes_the_front() -> None:

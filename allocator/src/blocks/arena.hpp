@@ -44,20 +44,21 @@ inline constexpr size_t kSliverImbalance = 2;
 //   - `rounded` is a whole number of granules and the block's first granule
 //     boundary leaves room for it: the distance to that boundary (Note
 //     [Whole granules]);
-//   - `rounded` is not, the block starts on a granule boundary and holds the
-//     granules the request spans, and the arena's sliver index is on and
-//     lists more free ends than free starts (by over kSliverImbalance): the
-//     request ends on the last of those granules' boundaries, its first
-//     granule's start left free (Note [Balanced slivers] in
-//     device/arena.cpp).
+//   - `rounded` is not, the block starts on a granule boundary, in a granule
+//     of its own (not an extent's), and holds the granules the request
+//     spans, and the arena's sliver index is on and lists more free ends
+//     than free starts (by over kSliverImbalance): the request ends on the
+//     last of those granules' boundaries, its first granule's start left
+//     free (Note [Balanced slivers] in device/arena.cpp).
 PYALLOC_INLINE size_t granule_offset(const Block* block, size_t rounded, size_t g) {
   assert(g != 0);
   const Segment* arena = block->segment;
   if (rounded % g != 0) {
     if (!arena->indexed) return 0;  // never on the fast path, which an index diverts
+    const size_t lo = block->addr - arena->base;
     const size_t spanned = round_up_to(rounded, g);
     const SliverIndex& slivers = arena->slivers;
-    if ((block->addr - arena->base) % g != 0 || block->size < spanned ||
+    if (lo % g != 0 || block->size < spanned || arena->phys[lo / g].size != g ||
         slivers.count(SliverIndex::kEnd) <= slivers.count(SliverIndex::kStart) + kSliverImbalance) {
       return 0;
     }

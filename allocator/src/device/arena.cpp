@@ -98,12 +98,20 @@
 // block on a granule boundary, leaves its last granule's end free. On
 // interleaved_lifetimes at 612 MiB, the first capacity that failed, 79
 // granules were partly free (28 MiB), and 3 of them had a free start: there
-// was nothing to pair. So while an arena's slivers are indexed (near a full
-// device, Note [Sliver index]) and it has more free ends than free starts
+// was nothing to pair. So while an arena's slivers are indexed (built near a
+// full device for a share or a move, and dropped once memory is given back
+// or no request has asked for them for a while: Note [Sliver index]; never
+// with share=0 and move=0) and it has more free ends than free starts
 // (by over kSliverImbalance), such a request ends on the boundary of the
 // last granule it spans instead, and leaves the start of its first granule
 // free (granule_offset): a free start, and the rest of its free block starts
-// on a boundary. Measured on the stress suite
+// on a boundary. Not when that first granule is part of an extent (Note
+// [Extents] in chunks.cpp), which neither shares nor moves: a window grown
+// for a request of 64 MiB or more maps the granules the request covers
+// wholly from the window's start as extents and keeps its last, partly used
+// granule single, for the free end that front placement leaves there.
+// (The counts include the slivers of extents' granules, which the walks
+// for pairs skip.) Measured on the stress suite
 // (docs/benchmarks/2026-11-29-balanced-slivers-cpu.md): interleaved_lifetimes
 // needs 606 MiB instead of 614, the other 17 workloads the same; generated
 // again with seeds 1 to 4, interleaved_lifetimes needs 6 to 8 MiB less, and
