@@ -1,4 +1,4 @@
-"""Balanced slivers (Note [Balanced slivers] in allocator/src/device/arena.cpp).
+"""Balanced slivers (Note [Balanced slivers] in allocator/src/blocks/arena.hpp).
 
 Near a full device, while an arena's slivers are indexed and it has more free granule ends
 than free starts (by over two), a request that is not a whole number of granules, placed in

@@ -35,6 +35,41 @@ inline Block* walk_to(Block* from, uintptr_t addr) {
   return from;
 }
 
+// Note [Balanced slivers]
+// Near a full device, moves and shared windows pair a granule's free end
+// (live up to p, free after) with another's free start (free up to q, live
+// after), when p <= q (Note [Moving slivers] in device/move.cpp, Note [Shared
+// granules] in device/share.cpp). Front placement makes only free ends: a
+// block that is not a whole number of granules, placed at the front of a free
+// block on a granule boundary, leaves its last granule's end free. On
+// interleaved_lifetimes at 612 MiB, the first capacity that failed, 79
+// granules were partly free (28 MiB), and 3 of them had a free start: there
+// was nothing to pair. So while an arena's slivers are indexed (built near a
+// full device for a share or a move, and dropped once memory is given back or
+// no request has asked for them for a while: Note [Sliver index]; never with
+// share=0 and move=0) and it has more free ends than free starts (by over
+// kSliverImbalance), such a request ends on the boundary of the last granule
+// it spans instead, and leaves the start of its first granule free
+// (granule_offset): a free start, and the rest of its free block starts on a
+// boundary. Not when that first granule is part of an extent (Note [Extents]
+// in device/chunks.cpp), which neither shares nor moves: a window grown for a
+// request of 64 MiB or more maps the granules the request covers wholly from
+// the window's start as extents and keeps its last, partly used granule
+// single, for the free end that front placement leaves there. (The counts
+// include the slivers of extents' granules, which the walks for pairs skip.)
+// Measured on the stress suite
+// (docs/benchmarks/2026-11-29-balanced-slivers-cpu.md): interleaved_lifetimes
+// needs 606 MiB instead of 614, the other 17 workloads the same with the
+// default policy; generated again with seeds 1 to 4, interleaved_lifetimes
+// needs 6 to 8 MiB less, and two_stream, size_sweep and batch_growth with
+// seeds 1 to 3 up to 12 MiB less, never more. Tried and not kept: the same
+// for every request of more than a granule at any occupancy (200 MiB more on
+// vit_l_b256_s224, 80 on resnet50_b256_s224); by the granule's parity instead
+// of the counts (604 MiB on interleaved_lifetimes, but 2 more on its seed 1);
+// only for requests of more than a granule, or only for those whose last
+// granule is less than half used (less gained: 600 and 604 MiB on seeds 1 and
+// 4 instead of 594 and 600; 610 MiB).
+
 // Free ends may outnumber free starts by this many before a placement
 // starts making free starts (Note [Balanced slivers]).
 inline constexpr size_t kSliverImbalance = 2;
@@ -49,7 +84,7 @@ inline constexpr size_t kSliverImbalance = 2;
 //     spans, and the arena's sliver index is on and lists more free ends
 //     than free starts (by over kSliverImbalance): the request ends on the
 //     last of those granules' boundaries, its first granule's start left
-//     free (Note [Balanced slivers] in device/arena.cpp).
+//     free (Note [Balanced slivers]).
 PYALLOC_INLINE size_t granule_offset(const Block* block, size_t rounded, size_t g) {
   assert(g != 0);
   const Segment* arena = block->segment;

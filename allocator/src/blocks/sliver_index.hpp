@@ -88,7 +88,7 @@ class SliverIndex {
   static inline size_t first_whole(const Block* block, size_t granule);
 
   // How many slivers of `kind` are listed (Note [Balanced slivers] in
-  // device/arena.cpp).
+  // blocks/arena.hpp).
   size_t count(Kind kind) const { return count_[kind]; }
 
   // Twin granules to look at: a free block arrived beside their lent piece
