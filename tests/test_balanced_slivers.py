@@ -43,8 +43,8 @@ def indexed(request: pytest.FixtureRequest) -> Iterator[tuple[Allocator, list[in
         assert a.stats()["reserved_bytes.all.current"] == 0
 
 
-def free_ends_and_the_last_four(a: Allocator, blocks: list[int], ends: int, starts: int = 0,
-                                last: int = 4) -> int:
+def free_slivers_and_a_block_on_a_boundary(a: Allocator, blocks: list[int], ends: int, starts: int = 0,
+                                           last: int = 4) -> int:
     """Frees the second MiB of the first `ends` granules (each a free end: live up to 1 MiB,
     free after), the first MiB of granules 4 and 5 for `starts` of 0 to 2 (each a free start:
     free up to 1 MiB, live after), and the `last` blocks from the 12th MiB on (a free block on a
@@ -67,7 +67,7 @@ def spanned(size: int) -> int:
 def test_with_more_free_ends_a_request_ends_on_a_granule_boundary(indexed: tuple[Allocator, list[int]],
                                                                    size: int) -> None:
     a, blocks = indexed
-    at = free_ends_and_the_last_four(a, blocks, 4)  # four free ends, no free start
+    at = free_slivers_and_a_block_on_a_boundary(a, blocks, 4)  # four free ends, no free start
     ptr = a.malloc(size)
     assert ptr == at + spanned(size) - size  # its first granule's start is free: a free start
     assert a.stats()["num_sliver_indexes"] == 1  # the index was on throughout
@@ -77,7 +77,7 @@ def test_with_more_free_ends_a_request_ends_on_a_granule_boundary(indexed: tuple
 def test_free_ends_must_outnumber_free_starts_by_more_than_two(indexed: tuple[Allocator, list[int]], ends: int,
                                                                starts: int, balanced: bool) -> None:
     a, blocks = indexed
-    at = free_ends_and_the_last_four(a, blocks, ends, starts)
+    at = free_slivers_and_a_block_on_a_boundary(a, blocks, ends, starts)
     size = 1536 * KiB
     assert a.malloc(size) == (at + spanned(size) - size if balanced else at)
 
@@ -85,7 +85,7 @@ def test_free_ends_must_outnumber_free_starts_by_more_than_two(indexed: tuple[Al
 def test_the_next_request_in_a_free_block_that_starts_inside_a_granule_takes_its_front(
         indexed: tuple[Allocator, list[int]]) -> None:
     a, blocks = indexed
-    at = free_ends_and_the_last_four(a, blocks, 2)
+    at = free_slivers_and_a_block_on_a_boundary(a, blocks, 2)
     assert a.malloc(1536 * KiB) == at
     assert a.malloc(1536 * KiB) == at + 1536 * KiB  # in [13.5, 16): at its front
 
@@ -93,13 +93,13 @@ def test_the_next_request_in_a_free_block_that_starts_inside_a_granule_takes_its
 def test_a_free_block_short_of_the_granules_spanned_is_taken_from_its_front(
         indexed: tuple[Allocator, list[int]]) -> None:
     a, blocks = indexed
-    at = free_ends_and_the_last_four(a, blocks, 4, last=3)  # [12, 15): 3 MiB, not the 4 that 2.5 span
+    at = free_slivers_and_a_block_on_a_boundary(a, blocks, 4, last=3)  # [12, 15): 3 MiB, not the 4 that 2.5 span
     assert a.malloc(5 * MiB // 2) == at
 
 
 def test_a_request_of_whole_granules_still_starts_on_a_boundary(indexed: tuple[Allocator, list[int]]) -> None:
     a, blocks = indexed
-    at = free_ends_and_the_last_four(a, blocks, 4)
+    at = free_slivers_and_a_block_on_a_boundary(a, blocks, 4)
     assert a.malloc(2 * MiB) == at
 
 
@@ -128,7 +128,7 @@ def test_far_from_a_full_device_a_request_takes_the_front() -> None:
     a = rebuilt("sim", "vmm=shared", "capacity=256MiB")
     try:
         blocks = [a.malloc(MiB) for _ in range(16)]
-        at = free_ends_and_the_last_four(a, blocks, 4)
+        at = free_slivers_and_a_block_on_a_boundary(a, blocks, 4)
         assert a.malloc(1536 * KiB) == at
         assert a.stats()["num_sliver_indexes"] == 0
     finally:

@@ -387,6 +387,12 @@ class CallInfo:
         """What regenerating the call's output costs: its refill, or its forward again."""
         return self.refill_seconds if self.refill_seconds >= 0 else self.seconds
 
+    @property
+    def signatures(self) -> tuple[Any, Any]:
+        """Its positional and keyword tensors' shapes and dtypes, as :func:`call_signature` gives
+        them for a call of the module in a later step."""
+        return self.input_signature, self.kwargs_signature
+
 
 @dataclass
 class PackInfo:

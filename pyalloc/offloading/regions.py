@@ -1223,7 +1223,7 @@ class IdleStep:
         for call in roots:
             m = call.module()
             if m is not None:
-                self._roots.setdefault(id(m), (call.module, []))[1].append((call.input_signature, call.kwargs_signature))
+                self._roots.setdefault(id(m), (call.module, []))[1].append(call.signatures)
         self._ordinals: dict[int, int] = {}
         self._thread = threading.get_ident()
 

@@ -473,7 +473,7 @@ class ActivationOffload:
         if first is None:
             return
         m, call = first
-        key: ShapeKey = (id(m), call.input_signature, call.kwargs_signature)
+        key: ShapeKey = (id(m), *call.signatures)
         self._wanted.discard(key)
         self._let_go_in_a_row = 0
         self._searches[key] = search

@@ -246,6 +246,19 @@ SharePlan plan_share(const Segment* arena, size_t rounded, size_t g) {
   return best;
 }
 
+size_t granule_offset(const Block* block, size_t rounded, size_t g) {
+  const Segment* arena = block->segment;
+  if (rounded % g == 0 || !arena->indexed) return whole_granule_offset(block, rounded, g);
+  const size_t lo = block->addr - arena->base;
+  const size_t spanned = round_up_to(rounded, g);
+  const SliverIndex& slivers = arena->slivers;
+  if (lo % g != 0 || block->size < spanned || arena->phys[lo / g].size != g ||
+      slivers.count(SliverIndex::kEnd) <= slivers.count(SliverIndex::kStart) + kSliverImbalance) {
+    return 0;
+  }
+  return spanned - rounded;
+}
+
 // Granules that `block` (free, in an arena) would take from the free memory
 // for `rounded` bytes placed where alloc_block places them: those the range
 // overlaps, less the ones at the block's ends that live blocks use already.

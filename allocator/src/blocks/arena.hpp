@@ -85,21 +85,14 @@ inline constexpr size_t kSliverImbalance = 2;
 //     than free starts (by over kSliverImbalance): the request ends on the
 //     last of those granules' boundaries, its first granule's start left
 //     free (Note [Balanced slivers]).
-PYALLOC_INLINE size_t granule_offset(const Block* block, size_t rounded, size_t g) {
+size_t granule_offset(const Block* block, size_t rounded, size_t g);
+
+// The first rule of granule_offset alone: the fast path's, which an index
+// diverts, so the second never applies there (Note [Fast path]).
+PYALLOC_INLINE size_t whole_granule_offset(const Block* block, size_t rounded, size_t g) {
   assert(g != 0);
-  const Segment* arena = block->segment;
-  if (rounded % g != 0) {
-    if (!arena->indexed) return 0;  // never on the fast path, which an index diverts
-    const size_t lo = block->addr - arena->base;
-    const size_t spanned = round_up_to(rounded, g);
-    const SliverIndex& slivers = arena->slivers;
-    if (lo % g != 0 || block->size < spanned || arena->phys[lo / g].size != g ||
-        slivers.count(SliverIndex::kEnd) <= slivers.count(SliverIndex::kStart) + kSliverImbalance) {
-      return 0;
-    }
-    return spanned - rounded;
-  }
-  const size_t into = (block->addr - arena->base) % g;
+  if (rounded % g != 0) return 0;
+  const size_t into = (block->addr - block->segment->base) % g;
   if (into == 0 || block->size - rounded < g - into) return 0;
   return g - into;
 }

@@ -123,9 +123,9 @@ class SliverIndex {
 
   size_t granule_ = 0;
   unsigned shift_ = 0;  // log2(granule_)
-  BlockTable heads_[2];  // per offset unit: the first sliver of the list
+  BlockTable heads_[2];       // per offset unit: the first sliver of the list
   size_t count_[2] = {0, 0};  // slivers listed, per kind
-  BlockTable roomy_;     // per granule: the roomy block whose first whole granule it is
+  BlockTable roomy_;          // per granule: the roomy block whose first whole granule it is
   std::vector<size_t> twins_to_check_;
 };
 

@@ -290,7 +290,7 @@ void DeviceAllocator::merge_holes(Block* hole) {
 // it from granule_offset() on, whose front part stays free (Note [Whole
 // granules]).
 Block* DeviceAllocator::align_to_granule(Block* block, size_t rounded) {
-  const size_t offset = granule_offset(block, rounded);
+  const size_t offset = pyalloc::granule_offset(block, rounded, granule_);
   return offset == 0 ? block : split_free(block, offset);
 }
 

@@ -129,10 +129,10 @@ PYALLOC_INLINE bool DeviceAllocator::covered_without_sharing(size_t rounded, con
   return spare >= span;
 }
 
-// pyalloc::granule_offset (blocks/arena.hpp) in this device's arenas. An
-// arena exists, so granule_ is known (arena_for).
-PYALLOC_INLINE size_t DeviceAllocator::granule_offset(const Block* block, size_t rounded) const {
-  return pyalloc::granule_offset(block, rounded, granule_);
+// pyalloc::whole_granule_offset (blocks/arena.hpp) in this device's arenas,
+// for the fast path. An arena exists, so granule_ is known (arena_for).
+PYALLOC_INLINE size_t DeviceAllocator::whole_granule_offset(const Block* block, size_t rounded) const {
+  return pyalloc::whole_granule_offset(block, rounded, granule_);
 }
 
 // ---- splitting and merging -----------------------------------------------------------

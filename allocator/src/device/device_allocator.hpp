@@ -237,7 +237,7 @@ class DeviceAllocator {
   Pool& select_pool(size_t rounded, int pool_id);
   bool should_split(const Pool& pool, size_t remaining) const;
   bool shares_first(const Pool& pool, size_t rounded) const;
-  size_t granule_offset(const Block* block, size_t rounded) const;
+  size_t whole_granule_offset(const Block* block, size_t rounded) const;
   template <bool kCount = true>
   void give_back(Block* block);
   template <bool kCount = true>

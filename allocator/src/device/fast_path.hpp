@@ -72,7 +72,7 @@ PYALLOC_INLINE void* DeviceAllocator::malloc_cached(size_t size, StreamId stream
     return p;
   }
   if (PYALLOC_UNLIKELY(spare_blocks_.empty())) return otherwise();
-  if (PYALLOC_UNLIKELY(pool.in_arenas) && (granule_offset(block, rounded) != 0 ||
+  if (PYALLOC_UNLIKELY(pool.in_arenas) && (whole_granule_offset(block, rounded) != 0 ||
                                             (shares_first(pool, rounded) && free_whole_bytes_ < rounded + granule_))) {
     return otherwise();
   }
